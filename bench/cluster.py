@@ -1,0 +1,102 @@
+"""The distributed mode's processes and its Redis n-gram pool.
+
+The benchmark uses a Redis database of its own (``/15`` by default) and empties
+its n-gram keys before measuring: the pool keeps what it learned for days, so
+a second run over the same prompts would otherwise draft from the first run's
+outputs and report an acceptance no cold deployment would see.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from specserve.local_cluster import LocalCluster, free_port
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
+
+
+@dataclass(frozen=True)
+class PoolBackend:
+    redis_url: str | None  # None: the drafter's embedded in-memory pool
+    description: str
+
+
+def choose_pool(redis_url: str) -> PoolBackend:
+    """Redis at ``redis_url`` when it answers a PING, else the in-memory pool (and why)."""
+    if not redis_url:
+        return PoolBackend(None, "in-memory (no Redis URL given)")
+    try:
+        client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        client.ping()
+        client.close()
+    except (redis.RedisError, ValueError) as exc:
+        return PoolBackend(None, f"in-memory (Redis at {redis_url} unreachable: {exc})")
+    return PoolBackend(redis_url, f"redis {redis_url}")
+
+
+def clear_pool(redis_url: str, fingerprint: str) -> int:
+    """Delete the n-gram keys of one vocabulary (``specserve:{fingerprint}:*``); returns how many."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=10)
+    try:
+        deleted = 0
+        batch: list[bytes] = []
+        for key in client.scan_iter(match=f"specserve:{fingerprint}:*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                deleted += int(client.delete(*batch))
+                batch = []
+        if batch:
+            deleted += int(client.delete(*batch))
+        return deleted
+    finally:
+        client.close()
+
+
+class ClusterStartError(RuntimeError):
+    """A service of the distributed mode exited while the cluster was starting."""
+
+
+def start_cluster(
+    model: str, pool: PoolBackend, torch_threads: int, log_dir: Path, timeout_s: float = 600.0
+) -> LocalCluster:
+    """Verifier, drafter and coordinator on free loopback ports; the verifier uses the harness's thread count.
+
+    LocalCluster.start() waits for the coordinator only, and the coordinator
+    waits (for many minutes) for a verifier that may have died at start-up;
+    here any child that exits stops the start at once, naming its log.
+    """
+    cluster = LocalCluster(
+        coordinator_port=free_port(),
+        drafter_port=free_port(),
+        verifier_port=free_port(),
+        model=model,
+        redis_url=pool.redis_url,
+        extra_verifier_args=["--torch-threads", str(torch_threads)],
+        log_dir=log_dir,
+    )
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            cluster.start(timeout_s)
+        except BaseException as exc:
+            failure.append(exc)
+
+    starter = threading.Thread(target=start, name="cluster-start", daemon=True)
+    starter.start()
+    while starter.is_alive():
+        exited = [name for name, process in list(cluster.processes.items()) if process.poll() is not None]
+        if exited:
+            cluster.stop()
+            starter.join()
+            logs = ", ".join(str(log_dir / f"{name}.log") for name in exited)
+            raise ClusterStartError(f"{', '.join(exited)} exited while starting; see {logs}")
+        time.sleep(0.5)
+    if failure:
+        raise ClusterStartError(f"the cluster did not start: {failure[0]} (logs in {log_dir})") from failure[0]
+    return cluster

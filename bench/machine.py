@@ -1,0 +1,72 @@
+"""What the numbers were measured on: CPU, cores, library versions, thread settings, commit."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return fields
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages: a busy machine makes every timing here suspect."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def describe() -> dict[str, Any]:
+    cpu = _cpuinfo()
+    return {
+        "cpu_model": cpu.get("model name") or platform.processor() or "unknown",
+        "cpu_cores_per_socket": int(cpu["cpu cores"]) if cpu.get("cpu cores", "").isdigit() else None,
+        "logical_cpus": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0)),
+        "memory_gib": _memory_gib(),
+        "platform": platform.platform(),
+        "python_version": platform.python_version(),
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "load_average_at_start": load_average(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "git_commit": _git("rev-parse", "--short", "HEAD") or "unknown",
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    }

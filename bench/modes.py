@@ -1,0 +1,243 @@
+"""The four decoding modes the benchmark compares, behind one ``Mode`` protocol.
+
+Each mode turns a chat prompt into an ``Outcome``: the output tokens and the
+time it took, measured the same way for all modes (wall clock from the
+prompt's token ids to the last token; ``distributed`` starts from the request
+on the wire, so it also pays the coordinator's chat template and tokenization,
+well under a millisecond).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from client.sdk import GenerationParams, SpecserveClient, Stats
+from client.sdk import TextChunk as ClientChunk
+from coordinator.config import CoordinatorConfig, prompt_limits, round_policy
+from coordinator.inproc import InProcessDrafter, InProcessVerifier, verifier_info
+from coordinator.prompts import build_request
+from coordinator.rounds import FinishReason, Generation, GenerationStats, TextChunk
+from draft_service.config import DrafterConfig
+from draft_service.main import build_drafter
+from specserve.sampling import SamplingParams
+from target_service.config import VerifierConfig
+from target_service.verifier import Verifier
+
+from .decoding import hf_generate, plain_decode
+
+DEFAULT_MODES = ("baseline", "hf-pld", "inproc", "distributed")
+# One draft source alone, in process: `inproc:prompt_lookup` and so on.
+SOURCE_MODES = tuple(f"inproc:{source}" for source in DrafterConfig().sources)
+MODES = DEFAULT_MODES + SOURCE_MODES
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # the user turn
+    token_ids: list[int]  # the chat-formatted prompt, as the coordinator encodes it
+    max_new_tokens: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Outcome:
+    tokens: list[int]  # output tokens, EOS excluded
+    eos: bool  # ended at an EOS token
+    wall_ns: int
+    rounds: int  # target forwards that committed tokens (the baseline: one per token)
+    draft_tokens: int | None = None  # proposed draft tokens; None: not observable in this mode
+    accepted_tokens: int | None = None
+    draft_ns: int | None = None  # None: this mode does not split its time
+    verify_ns: int | None = None
+    note: str = ""  # e.g. why a drafter was dropped
+
+
+class Mode(Protocol):
+    name: str
+
+    def run(self, prompt: Prompt) -> Outcome: ...
+
+    def reset(self) -> None:
+        """Forget what earlier prompts taught (n-gram pools), e.g. after the warm-up."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class BaselineMode:
+    """The project's plain decoding loop: one target forward per token."""
+
+    name = "baseline"
+
+    def __init__(self, model: Any, eos_ids: frozenset[int]) -> None:
+        self._model = model
+        self._eos_ids = eos_ids
+
+    def run(self, prompt: Prompt) -> Outcome:
+        start = time.perf_counter_ns()
+        decoded = plain_decode(self._model, prompt.token_ids, prompt.max_new_tokens, self._eos_ids, prompt.sampling)
+        wall_ns = time.perf_counter_ns() - start
+        return Outcome(
+            decoded.tokens, decoded.eos, wall_ns, decoded.forwards, 0, 0, draft_ns=0, verify_ns=decoded.forward_ns
+        )
+
+    def reset(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class HfPromptLookupMode:
+    """transformers ``generate(prompt_lookup_num_tokens=...)``: what a user would pick instead."""
+
+    name = "hf-pld"
+
+    def __init__(self, model: Any, eos_ids: frozenset[int], num_tokens: int = 10) -> None:
+        self._model = model
+        self._eos_ids = eos_ids
+        self._num_tokens = num_tokens
+
+    def run(self, prompt: Prompt) -> Outcome:
+        start = time.perf_counter_ns()
+        decoded = hf_generate(
+            self._model,
+            prompt.token_ids,
+            prompt.max_new_tokens,
+            self._eos_ids,
+            prompt.sampling,
+            prompt_lookup_num_tokens=self._num_tokens,
+        )
+        wall_ns = time.perf_counter_ns() - start
+        # Every forward commits its accepted candidates and one token of its own.
+        accepted = len(decoded.tokens) + decoded.eos - decoded.forwards
+        return Outcome(decoded.tokens, decoded.eos, wall_ns, decoded.forwards, decoded.draft_tokens, accepted)
+
+    def reset(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _outcome_from_stats(tokens: list[int], wall_ns: int, stats: GenerationStats) -> Outcome:
+    return Outcome(
+        tokens,
+        stats.finish_reason is FinishReason.EOS,
+        wall_ns,
+        stats.num_rounds,
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+        draft_ns=stats.draft_ns,
+        verify_ns=stats.verify_ns,
+        note=stats.drafter_error,
+    )
+
+
+class InProcessMode:
+    """specserve's round loop, verifier and drafter in this process (no gRPC).
+
+    Configured with the services' own defaults (VerifierConfig, DrafterConfig,
+    CoordinatorConfig) so it runs what ``distributed`` runs, minus the network.
+    The n-gram pool is the drafter's embedded in-memory pool. ``sources``
+    restricts drafting to some sources (the mode is then named after them).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        fingerprint: str,
+        eos_ids: frozenset[int],
+        sources: tuple[str, ...] = DrafterConfig().sources,
+    ) -> None:
+        self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
+        self._drafter_config = DrafterConfig(sources=sources)
+        self._verifier = Verifier.from_config(model, fingerprint, VerifierConfig())
+        info = verifier_info(self._verifier)
+        self._policy = round_policy(CoordinatorConfig(), info)
+        self._limits = prompt_limits(CoordinatorConfig(), info)
+        self._tokenizer = tokenizer
+        self._fingerprint = fingerprint
+        self._eos_ids = eos_ids
+        self._drafter = InProcessDrafter(build_drafter(self._drafter_config)[0])
+        self._loop = asyncio.Runner()
+
+    def run(self, prompt: Prompt) -> Outcome:
+        return self._loop.run(self._generate(prompt))
+
+    async def _generate(self, prompt: Prompt) -> Outcome:
+        start = time.perf_counter_ns()
+        request = build_request(prompt.token_ids, prompt.max_new_tokens, prompt.sampling, (), self._limits)
+        generation = Generation(
+            request,
+            InProcessVerifier(self._verifier),
+            self._drafter,
+            self._tokenizer,
+            self._eos_ids,
+            self._fingerprint,
+            self._policy,
+        )
+        tokens: list[int] = []
+        async for event in generation.stream():
+            if isinstance(event, TextChunk):
+                tokens.extend(event.token_ids)
+        return _outcome_from_stats(tokens, time.perf_counter_ns() - start, generation.stats)
+
+    def reset(self) -> None:
+        self._drafter = InProcessDrafter(build_drafter(self._drafter_config)[0])
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+class DistributedMode:
+    """The three specserve processes over gRPC on loopback, through the client SDK."""
+
+    name = "distributed"
+
+    def __init__(self, address: str, reset_pool: Callable[[], None] | None = None) -> None:
+        self._client = SpecserveClient(address, timeout_s=600.0)
+        self._reset_pool = reset_pool
+
+    def run(self, prompt: Prompt) -> Outcome:
+        s = prompt.sampling
+        params = GenerationParams(prompt.max_new_tokens, s.temperature, s.top_p, s.top_k, s.seed)
+        tokens: list[int] = []
+        stats: Stats | None = None
+        start = time.perf_counter_ns()
+        for event in self._client.generate_chat([("user", prompt.text)], params):
+            if isinstance(event, ClientChunk):
+                tokens.extend(event.token_ids)
+            else:
+                stats = event
+        wall_ns = time.perf_counter_ns() - start
+        if stats is None:
+            raise RuntimeError("the coordinator ended the stream without stats")
+        if stats.num_prompt_tokens != len(prompt.token_ids):
+            raise RuntimeError(
+                f"the coordinator encoded the prompt to {stats.num_prompt_tokens} tokens, the harness to "
+                f"{len(prompt.token_ids)}: they must use the same model and chat template"
+            )
+        return Outcome(
+            tokens,
+            stats.finish_reason == "eos",
+            wall_ns,
+            stats.num_rounds,
+            stats.num_draft_tokens,
+            stats.num_accepted_tokens,
+            draft_ns=round(stats.draft_s * 1e9),
+            verify_ns=round(stats.verify_s * 1e9),
+            note=stats.drafter_error,
+        )
+
+    def reset(self) -> None:
+        if self._reset_pool is not None:
+            self._reset_pool()
+
+    def close(self) -> None:
+        self._client.close()

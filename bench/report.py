@@ -1,0 +1,269 @@
+"""The benchmark's Markdown report (Spec-Bench leaderboard layout) and its plot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .aggregate import OVERALL, Summary
+from .dataset import MT_BENCH_CATEGORIES
+from .records import Record
+
+# Column titles of the Spec-Bench leaderboard, in its order.
+TASK_COLUMNS = {
+    "mt_bench": "Multi-turn Conversation",
+    "translation": "Translation",
+    "summarization": "Summarization",
+    "qa": "Question Answering",
+    "math_reasoning": "Mathematical Reasoning",
+    "rag": "Retrieval-aug. Generation",
+}
+NA = "n/a"  # a figure this mode does not have
+SHORT_NAMES = {
+    "mt_bench": "MT-Bench",
+    "math_reasoning": "Math reas.",
+    "summarization": "Summ.",
+    "translation": "Transl.",
+    OVERALL: "Overall",
+}
+
+
+def _x(value: float | None) -> str:
+    return NA if value is None else f"{value:.2f}x"
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return NA if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return NA if value is None else f"{100 * value:.1f}%"
+
+
+def _load(machine: dict[str, Any]) -> str:
+    """The 1-minute load average at start and end of the run (not known: n/a)."""
+    start, end = machine.get("load_average_at_start"), machine.get("load_average_at_end")
+    return f"{start[0] if start else NA} at start, {end[0] if end else NA} at end"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _lookup(summaries: Sequence[Summary]) -> Callable[[str, str], Summary | None]:
+    index = {(s.mode, s.group): s for s in summaries}
+    return lambda mode, group: index.get((mode, group))
+
+
+def leaderboard(summaries: Sequence[Summary], modes: Sequence[str]) -> list[str]:
+    """Speedup per task, then mean accepted tokens (tau) and overall speedup, as Spec-Bench lays it out."""
+    present = {s.group for s in summaries}
+    tasks = [t for t in TASK_COLUMNS if t in present]
+    cell = _lookup(summaries)
+    header = ["Mode", *(TASK_COLUMNS[t] for t in tasks), "#Mean Accepted Tokens", "Overall"]
+    rows = []
+    for mode in modes:
+        overall = cell(mode, OVERALL)
+        if overall is None:
+            continue
+        row = [f"`{mode}`"]
+        for task in tasks:
+            s = cell(mode, task)
+            row.append(_x(s.speedup if s else None))
+        rows.append([*row, _f(overall.tau), _x(overall.speedup)])
+    return _table(header, rows)
+
+
+def per_group(summaries: Sequence[Summary], modes: Sequence[str], groups: Sequence[str]) -> list[str]:
+    """One row per mode, one column per group: "speedup / tau"."""
+    cell = _lookup(summaries)
+    header = ["Mode", *(SHORT_NAMES.get(g, g) for g in groups)]
+    rows = []
+    for mode in modes:
+        row = [f"`{mode}`"]
+        for group in groups:
+            s = cell(mode, group)
+            row.append(NA if s is None else f"{_x(s.speedup)} / {_f(s.tau)}")
+        rows.append(row)
+    return _table(header, rows)
+
+
+def details(summaries: Sequence[Summary], modes: Sequence[str], group: str) -> list[str]:
+    """Everything measured for one group, one row per mode."""
+    header = [
+        "Mode",
+        "Prompts",
+        "Tokens",
+        "Tokens/s",
+        "Speedup (total)",
+        "Speedup (median)",
+        "τ",
+        "Acceptance",
+        "ms/round",
+        "Draft ms/round",
+        "Verify ms/round",
+        "Coord. ms/round",
+        "Identical",
+    ]
+    rows = []
+    for s in summaries:
+        if s.group != group:
+            continue
+        rows.append(
+            [
+                f"`{s.mode}`",
+                str(s.prompts),
+                str(s.tokens),
+                _f(s.tokens_per_s, 1),
+                _x(s.speedup),
+                _x(s.median_speedup),
+                _f(s.tau),
+                _pct(s.acceptance_rate),
+                _f(s.ms_per_round, 1),
+                _f(s.draft_ms_per_round),
+                _f(s.verify_ms_per_round, 1),
+                _f(s.coordination_ms_per_round),
+                f"{s.identical}/{s.compared}" if s.compared else NA,
+            ]
+        )
+    rows.sort(key=lambda row: modes.index(row[0].strip("`")))
+    return _table(header, rows)
+
+
+def divergences(records: Sequence[Record], greedy: bool) -> list[str]:
+    lines: list[str] = []
+    different = [r for r in records if r.identical is False]
+    if not greedy:
+        # specserve draws by position (keyed_noise), as `baseline` does; Hugging Face draws in sequence.
+        hf = [r for r in records if r.mode.startswith("hf")]
+        if hf:
+            differ = sum(r.identical is False for r in hf)
+            note = f"Hugging Face modes draw samples in their own way: {differ} of {len(hf)} differ, as expected."
+            lines += [note, ""]
+        different = [r for r in different if not r.mode.startswith("hf")]
+    if not different:
+        every = "Every output" if greedy else "Every specserve output"
+        return [*lines, f"{every} is token-identical to `baseline`."]
+    header = ["Mode", "Category", "Question", "First differing position", "Baseline / mode token", "Top-2 logit gap"]
+    rows = [
+        [
+            f"`{r.mode}`",
+            r.category,
+            str(r.question_id),
+            str(r.first_diff),
+            f"{r.baseline_token} / {r.mode_token}",
+            _f(r.logit_gap, 4),
+        ]
+        for r in different
+    ]
+    return [*lines, *_table(header, rows)]
+
+
+def notes(records: Sequence[Record]) -> list[str]:
+    """Records the services annotated (a drafter dropped mid-request, say)."""
+    noted = [r for r in records if r.note]
+    if not noted:
+        return []
+    rows = [[f"`{r.mode}`", r.category, str(r.question_id), r.note] for r in noted]
+    return ["## Notes", "", *_table(["Mode", "Category", "Question", "Note"], rows), ""]
+
+
+def markdown(
+    summaries: Sequence[Summary], records: Sequence[Record], modes: Sequence[str], meta: dict[str, Any]
+) -> str:
+    settings = meta["settings"]
+    machine = meta["machine"]
+    present = {s.group for s in summaries}
+    mt = [c for c in MT_BENCH_CATEGORIES if c in present]
+    decoding = "greedy" if settings["temperature"] == 0 else f"sampling at temperature {settings['temperature']}"
+    lines = [
+        "# specserve on Spec-Bench",
+        "",
+        f"Target {settings['model']} ({settings['dtype']}), {decoding}, up to {settings['max_new_tokens']} new "
+        f"tokens, {len(records) // max(1, len(modes))} prompts ({settings['prompts_per_category']} per category), "
+        f"modes interleaved prompt by prompt. Machine: {machine['cpu_model']}, "
+        f"{machine['cpus_available']} CPUs available, torch {machine['torch_version']} with "
+        f"{machine['torch_threads']} threads, load average {_load(machine)}. "
+        f"n-gram pool of `distributed`: {settings['distributed_pool']}. "
+        f"Run {meta['started_at']}, commit {machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}.",
+        "",
+        "Speedup is baseline time / mode time on the same prompts (ratio of total times); "
+        "τ is tokens committed per target forward (1.00 for `baseline`).",
+        "",
+        "## Speedup over `baseline` (Spec-Bench leaderboard layout)",
+        "",
+        *leaderboard(summaries, modes),
+        "",
+        "## Speedup / τ per task",
+        "",
+        *per_group(summaries, modes, [g for g in [*TASK_COLUMNS, OVERALL] if g in present]),
+        "",
+    ]
+    if mt:
+        lines += ["## MT-Bench categories: speedup / τ", "", *per_group(summaries, modes, mt), ""]
+    lines += ["## All figures, overall", "", *details(summaries, modes, OVERALL), ""]
+    lines += ["## Outputs that differ from `baseline`", "", *divergences(records, settings["temperature"] == 0), ""]
+    lines += notes(records)
+    if meta.get("error"):
+        lines += [f"**Incomplete run**: stopped after {len(records)} records: {meta['error']}", ""]
+    return "\n".join(lines)
+
+
+def _section_boundaries(groups: Sequence[str]) -> list[float]:
+    """x positions between the tasks, the MT-Bench categories and overall."""
+    section = [0 if g in TASK_COLUMNS else 2 if g == OVERALL else 1 for g in groups]
+    return [i - 0.5 for i in range(1, len(groups)) if section[i] != section[i - 1]]
+
+
+def plot(summaries: Sequence[Summary], modes: Sequence[str], path: Path) -> None:
+    """Grouped bars: speedup (top) and tau (bottom) per group, one bar per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    present = {s.group for s in summaries}
+    groups = [g for g in [*TASK_COLUMNS, *MT_BENCH_CATEGORIES, OVERALL] if g in present]
+    index = {(s.mode, s.group): s for s in summaries}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(groups) + 2), 8), sharex=True)
+    width = 0.8 / max(1, len(modes))
+    for axis, metric, label in ((axes[0], "speedup", "speedup over baseline"), (axes[1], "tau", "τ (tokens/forward)")):
+        for i, mode in enumerate(modes):
+            values = [getattr(index[(mode, g)], metric) if (mode, g) in index else None for g in groups]
+            xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(groups))]
+            axis.bar(xs, [v or 0.0 for v in values], width, label=mode)
+        axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        for boundary in _section_boundaries(groups):
+            axis.axvline(boundary, color="black", linewidth=0.6)
+        axis.set_ylabel(label)
+        axis.grid(axis="y", alpha=0.3)
+    axes[0].legend(ncols=len(modes), loc="upper left", fontsize="small")
+    axes[1].set_xticks(range(len(groups)), [SHORT_NAMES.get(g, g) for g in groups], rotation=30, ha="right")
+    fig.suptitle("specserve on Spec-Bench")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def rerender(json_path: Path) -> None:
+    """Write the Markdown and the plot again from a run's JSON (after changing this module, say)."""
+    import json
+
+    from .aggregate import summarize_all
+
+    document = json.loads(json_path.read_text())
+    records = [Record(**r) for r in document["records"]]
+    modes = document["meta"]["settings"]["modes"]
+    summaries = summarize_all(records, modes)
+    json_path.with_suffix(".md").write_text(markdown(summaries, records, modes, document["meta"]))
+    plot(summaries, modes, json_path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:] or ["bench/results/spec_bench.json"]:
+        rerender(Path(name))

@@ -1,0 +1,341 @@
+"""The Spec-Bench benchmark: ``python -m bench.run`` (``make bench``).
+
+Runs the chosen modes on the same prompts, interleaved prompt by prompt (the
+order of the modes rotates from one prompt to the next), so machine drift hits
+every mode alike. Writes ``spec_bench.json`` (every record, the summaries and
+the machine), ``spec_bench.md`` and ``spec_bench.png`` to the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from coordinator.config import CoordinatorConfig
+from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
+from specserve.model_loading import (
+    ModelSource,
+    default_cache_root,
+    load_generation_config,
+    load_model,
+    load_tokenizer,
+    materialize,
+    resolve_model,
+    vocab_fingerprint,
+)
+from specserve.sampling import SamplingParams
+
+from . import machine
+from .aggregate import summarize_all
+from .cluster import DEFAULT_REDIS_URL, ClusterStartError, PoolBackend, choose_pool, clear_pool, start_cluster
+from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
+from .decoding import hf_generate, plain_decode, top2_gap
+from .modes import (
+    DEFAULT_MODES,
+    MODES,
+    BaselineMode,
+    DistributedMode,
+    HfPromptLookupMode,
+    InProcessMode,
+    Mode,
+    Outcome,
+    Prompt,
+)
+from .records import Record, first_divergence, make_record
+from .report import leaderboard, markdown, plot
+
+WARM_UP_TEXT = "Say hello in one short sentence."
+WARM_UP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    source: ModelSource
+    model: Any
+    tokenizer: Any
+    fingerprint: str
+    eos_ids: frozenset[int]
+
+    @property
+    def eos_id(self) -> int:
+        return min(self.eos_ids)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.run", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}")
+    parser.add_argument("--prompts-per-category", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy; above 0: seeded sampling (specserve still matches baseline)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed offset (seed = this + question id)")
+    parser.add_argument(
+        "--categories",
+        default="all",
+        help=f"comma-separated categories or 'mt_bench'; 'all' (default): {', '.join(CATEGORIES)}",
+    )
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a model path")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="torch threads here and in the distributed verifier (default: the CPUs available)",
+    )
+    parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
+    parser.add_argument(
+        "--redis-url",
+        default=DEFAULT_REDIS_URL,
+        help="Redis for the distributed drafter's n-gram pool ('' for in-memory); its keys for this "
+        "vocabulary are emptied before measuring (default: a database of its own, /15)",
+    )
+    parser.add_argument(
+        "--keep-pool", action="store_true", help="do not empty the Redis n-gram pool first (a warm pool)"
+    )
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a TTY)"
+    )
+    args = parser.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown or not args.modes:
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    categories = CATEGORIES if args.categories == "all" else args.categories.split(",")
+    try:
+        args.categories = expand_categories(c.strip() for c in categories if c.strip())
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.prompts_per_category < 1 or args.max_new_tokens < 1 or args.torch_threads < 1:
+        parser.error("--prompts-per-category, --max-new-tokens and --torch-threads must be at least 1")
+    return args
+
+
+def quiet_libraries() -> None:
+    """No hub access, no weight-loading bars or advisory warnings in the benchmark's output."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def load_target(name: str) -> Target:
+    source = materialize(resolve_model(name), default_cache_root())
+    tokenizer = load_tokenizer(source)
+    generation_config = load_generation_config(source)
+    return Target(
+        name,
+        source,
+        load_model(source),
+        tokenizer,
+        vocab_fingerprint(tokenizer),
+        eos_token_ids(tokenizer, generation_config),
+    )
+
+
+def make_prompt(target: Target, text: str, max_new_tokens: int, sampling: SamplingParams) -> Prompt:
+    ids = encode_prompt(target.tokenizer, None, [ChatTurn("user", text)])
+    return Prompt(text, ids, max_new_tokens, sampling)
+
+
+def check_baseline(target: Target, prompt: Prompt) -> dict[str, Any]:
+    """Does the project's plain loop produce exactly what transformers' greedy generate does?"""
+    greedy = Prompt(prompt.text, prompt.token_ids, prompt.max_new_tokens, SamplingParams())
+    ours = plain_decode(target.model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
+    theirs = hf_generate(target.model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
+    mismatch = first_divergence(ours.tokens, ours.eos, theirs.tokens, theirs.eos, target.eos_id)
+    return {
+        "baseline_matches_hf_generate": mismatch is None,
+        "tokens_compared": len(ours.tokens) + int(ours.eos),
+        "first_mismatch": None if mismatch is None else asdict(mismatch),
+    }
+
+
+def build_modes(args: argparse.Namespace, target: Target, pool: PoolBackend, stack: ExitStack) -> list[Mode]:
+    """The modes named by ``--modes``; the stack stops the cluster and closes the modes."""
+    modes: list[Mode] = []
+    for name in args.modes:
+        mode: Mode
+        if name == "baseline":
+            mode = BaselineMode(target.model, target.eos_ids)
+        elif name == "hf-pld":
+            mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens)
+        elif name == "inproc":
+            mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids)
+        elif name.startswith("inproc:"):
+            source = name.removeprefix("inproc:")
+            mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids, (source,))
+        else:
+            cluster = start_cluster(target.name, pool, args.torch_threads, args.out_dir / "tmp" / "cluster-logs")
+            stack.callback(cluster.stop)
+            mode = DistributedMode(cluster.coordinator_address, _pool_reset(pool, target, args.keep_pool))
+        stack.callback(mode.close)
+        modes.append(mode)
+    return modes
+
+
+def _pool_reset(pool: PoolBackend, target: Target, keep: bool) -> Callable[[], None] | None:
+    redis_url = pool.redis_url
+    if redis_url is None or keep:
+        return None
+
+    def reset() -> None:
+        clear_pool(redis_url, target.fingerprint)
+
+    return reset
+
+
+def run_prompt(
+    index: int, question: Question, prompt: Prompt, modes: Sequence[Mode], target: Target, progress: tqdm
+) -> list[Record]:
+    """Run every mode on one prompt (in an order rotated by ``index``); records in ``modes`` order."""
+    k = index % len(modes)
+    outcomes: dict[str, Outcome] = {}
+    for mode in [*modes[k:], *modes[:k]]:
+        progress.set_postfix_str(f"{question.category} #{question.question_id} {mode.name}")
+        outcomes[mode.name] = mode.run(prompt)
+        progress.update()
+    baseline = outcomes.get("baseline")
+    gaps: dict[int, float] = {}
+
+    def gap_at(position: int) -> float | None:
+        if baseline is None or not prompt.sampling.greedy:
+            return None
+        if position not in gaps:
+            gaps[position] = top2_gap(target.model, prompt.token_ids, baseline.tokens[:position])
+        return gaps[position]
+
+    return [
+        make_record(
+            mode.name,
+            question.category,
+            question.question_id,
+            len(prompt.token_ids),
+            outcomes[mode.name],
+            baseline,
+            target.eos_id,
+            gap_at,
+        )
+        for mode in modes
+    ]
+
+
+def write_outputs(out_dir: Path, records: list[Record], modes: Sequence[str], meta: dict[str, Any]) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = summarize_all(records, modes)
+    paths = {kind: out_dir / f"spec_bench.{kind}" for kind in ("json", "md", "png")}
+    document = {
+        "meta": meta,
+        "summaries": [asdict(s) for s in summaries],
+        "records": [asdict(r) for r in records],
+    }
+    paths["json"].write_text(json.dumps(document, indent=1) + "\n")
+    paths["md"].write_text(markdown(summaries, records, modes, meta))
+    if records:
+        plot(summaries, modes, paths["png"])
+    else:
+        paths["png"].unlink(missing_ok=True)
+    print("\n".join(leaderboard(summaries, modes)))
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    quiet_libraries()
+    torch.set_num_threads(args.torch_threads)
+    started = time.monotonic()
+    started_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    questions = select(load_questions(), args.categories, args.prompts_per_category)
+    target = load_target(args.model)
+
+    def sampling(question_id: int) -> SamplingParams:
+        if args.temperature <= 0:
+            return SamplingParams()
+        return SamplingParams(temperature=args.temperature, seed=args.seed + question_id)
+
+    prompts = [make_prompt(target, q.text, args.max_new_tokens, sampling(q.question_id)) for q in questions]
+    checks = check_baseline(target, prompts[0])
+    if not checks["baseline_matches_hf_generate"]:
+        print(f"warning: the baseline loop differs from transformers' generate: {checks}", file=sys.stderr)
+    pool = choose_pool(args.redis_url) if "distributed" in args.modes else PoolBackend(None, "not used")
+    policy = CoordinatorConfig()
+    meta: dict[str, Any] = {
+        "started_at": started_at,
+        "settings": {
+            "model": target.name,
+            "model_source": target.source.name,
+            "dtype": "float32",
+            "modes": args.modes,
+            "categories": args.categories,
+            "prompts_per_category": args.prompts_per_category,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "seed": args.seed,
+            "hf_pld_num_tokens": args.hf_pld_tokens,
+            "draft_max_nodes": policy.draft_max_nodes,
+            "draft_timeout_ms": policy.draft_timeout_ms,
+            "distributed_pool": pool.description,
+            "pool_emptied_before_measuring": pool.redis_url is not None and not args.keep_pool,
+            "eos_token_ids": sorted(target.eos_ids),
+        },
+        "machine": machine.describe(),
+        "checks": checks,
+    }
+    records: list[Record] = []
+    error = ""
+    with ExitStack() as stack:
+        try:
+            modes = build_modes(args, target, pool, stack)
+        except ClusterStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        # The first generation of each mode pays one-off costs (lazy initialisation, connections);
+        # what the warm-up taught the n-gram pools is forgotten before measuring.
+        warm_up = make_prompt(target, WARM_UP_TEXT, WARM_UP_TOKENS, sampling(0))
+        for mode in modes:
+            mode.run(warm_up)
+            mode.reset()
+        disable = None if args.progress is None else not args.progress
+        progress = stack.enter_context(tqdm(total=len(prompts) * len(modes), unit="gen", disable=disable))
+        try:
+            for index, (question, prompt) in enumerate(zip(questions, prompts, strict=True)):
+                records += run_prompt(index, question, prompt, modes, target, progress)
+        except KeyboardInterrupt:
+            error = "interrupted"
+        except Exception as exc:  # keep what was measured; the error goes into the report
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"
+    meta["complete"] = not error
+    meta["error"] = error
+    meta["duration_s"] = round(time.monotonic() - started, 1)
+    meta["machine"]["load_average_at_end"] = machine.load_average()
+    paths = write_outputs(args.out_dir, records, args.modes, meta)
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {meta['duration_s']:.0f} s", file=sys.stderr)
+    if error:
+        print(f"stopped early ({error}); the outputs hold the {len(records)} records measured", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""Typed sync and asyncio clients over the GenerationService stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Decoding parameters; the defaults are greedy decoding of up to 128 tokens."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: Sequence[str] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Stats:
+    finish_reason: str  # "length", "stop" or "eos"
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_rounds: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_rounds_without_drafter: int
+    num_reprefills: int
+    total_s: float
+    draft_s: float
+    verify_s: float
+    coordination_s: float
+    drafter_error: str
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward."""
+        return self.num_generated_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def summary(self) -> str:
+        line = (
+            f"{self.num_generated_tokens} tokens, {self.num_rounds} rounds, tau {self.tau:.2f}, "
+            f"{self.tokens_per_s:.1f} tokens/s | draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s "
+            f"coordination {self.coordination_s:.2f}s | finish: {self.finish_reason}"
+        )
+        if self.drafter_error:
+            line += f" | {self.drafter_error}"
+        return line
+
+
+def _finish_name(value: int) -> str:
+    name: str = generation_pb2.FinishReason.Name(value)
+    return name.removeprefix("FINISH_REASON_").lower()
+
+
+def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
+    return Stats(
+        finish_reason=_finish_name(s.finish_reason),
+        num_prompt_tokens=s.num_prompt_tokens,
+        num_generated_tokens=s.num_generated_tokens,
+        num_rounds=s.num_rounds,
+        num_draft_tokens=s.num_draft_tokens,
+        num_accepted_tokens=s.num_accepted_tokens,
+        num_rounds_without_drafter=s.num_rounds_without_drafter,
+        num_reprefills=s.num_reprefills,
+        total_s=s.total_ns / 1e9,
+        draft_s=s.draft_ns / 1e9,
+        verify_s=s.verify_ns / 1e9,
+        coordination_s=s.coordination_ns / 1e9,
+        drafter_error=s.drafter_error,
+    )
+
+
+def build_request(
+    prompt: str | None, chat: Sequence[tuple[str, str]] | None, params: GenerationParams
+) -> generation_pb2.GenerateRequest:
+    request = generation_pb2.GenerateRequest(
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=list(params.stop),
+    )
+    if chat is not None:
+        request.chat.messages.extend(generation_pb2.ChatMessage(role=r, content=c) for r, c in chat)
+    else:
+        request.prompt = prompt or ""
+    return request
+
+
+def _event(response: generation_pb2.GenerateResponse) -> TextChunk | Stats:
+    if response.WhichOneof("event") == "stats":
+        return stats_from_proto(response.stats)
+    return TextChunk(response.delta.text, list(response.delta.token_ids))
+
+
+class SpecserveClient:
+    """Blocking client. Iterating a generate call yields TextChunks, then one Stats.
+
+    Errors surface as grpc.RpcError with the server's status and message.
+    """
+
+    def __init__(self, target: str = "localhost:50051", timeout_s: float | None = 300.0) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> SpecserveClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def generate(self, prompt: str, params: GenerationParams = GenerationParams()) -> Iterator[TextChunk | Stats]:
+        """Continue raw text (no chat template)."""
+        return self._stream(build_request(prompt, None, params))
+
+    def generate_chat(
+        self, messages: Sequence[tuple[str, str]], params: GenerationParams = GenerationParams()
+    ) -> Iterator[TextChunk | Stats]:
+        """Answer chat turns given as (role, content), formatted with the model's chat template."""
+        return self._stream(build_request(None, messages, params))
+
+    def _stream(self, request: generation_pb2.GenerateRequest) -> Iterator[TextChunk | Stats]:
+        for response in self._stub.Generate(request, timeout=self._timeout_s):
+            yield _event(response)
+
+
+class AsyncSpecserveClient:
+    """asyncio client with the same methods as SpecserveClient, as async iterators."""
+
+    def __init__(self, target: str = "localhost:50051", timeout_s: float | None = 300.0) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> AsyncSpecserveClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    def generate(self, prompt: str, params: GenerationParams = GenerationParams()) -> AsyncIterator[TextChunk | Stats]:
+        return self._stream(build_request(prompt, None, params))
+
+    def generate_chat(
+        self, messages: Sequence[tuple[str, str]], params: GenerationParams = GenerationParams()
+    ) -> AsyncIterator[TextChunk | Stats]:
+        return self._stream(build_request(None, messages, params))
+
+    async def _stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[TextChunk | Stats]:
+        async for response in self._stub.Generate(request, timeout=self._timeout_s):
+            yield _event(response)

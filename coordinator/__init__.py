@@ -1,0 +1,1 @@
+"""The coordinator: public Generation service, the round loop, routing."""

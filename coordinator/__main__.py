@@ -1,0 +1,3 @@
+from coordinator.main import main
+
+main()

@@ -1,0 +1,135 @@
+"""The verifier and drafter ports over gRPC (asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+
+from coordinator.ports import DrafterFailed, VerifierInfo
+from specserve import errors
+from specserve.acceptance import VerifyResult
+from specserve.draft_feedback import DraftFeedback
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specserve.wire import sampling_to_proto, tree_from_proto, tree_to_proto
+
+_DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+}
+
+
+class GrpcVerifier:
+    def __init__(self, channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
+        self._stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        self._target = target
+        self._timeout_s = timeout_s
+
+    def _translate(self, exc: grpc.aio.AioRpcError) -> errors.SpecserveError:
+        error = _DOMAIN_ERRORS.get(exc.code())
+        if error is not None:
+            return error(exc.details() or "")
+        return errors.Unavailable(f"verifier at {self._target} failed: {exc.code().name}: {exc.details()}")
+
+    async def info(self) -> VerifierInfo:
+        try:
+            r = await self._stub.Info(verifier_pb2.InfoRequest(), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc) from exc
+        return VerifierInfo(
+            model_name=r.model_name,
+            vocab_fingerprint=r.vocab_fingerprint,
+            vocab_size=r.vocab_size,
+            max_tree_nodes=r.max_tree_nodes,
+            max_tree_depth=r.max_tree_depth,
+            max_session_tokens=r.max_session_tokens,
+            supports_branching=r.supports_branching,
+        )
+
+    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
+        request = verifier_pb2.PrefillRequest(
+            session_id=session_id, token_ids=token_ids, sampling=sampling_to_proto(sampling)
+        )
+        try:
+            response = await self._stub.Prefill(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc) from exc
+        return int(response.prefill_ns)
+
+    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
+        request = verifier_pb2.VerifyRequest(
+            session_id=session_id, num_committed_tokens=num_committed, tree=tree_to_proto(tree), top_k=top_k
+        )
+        try:
+            r = await self._stub.Verify(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc) from exc
+        flat = list(r.top_token_ids)
+        rows = [flat[i : i + top_k] for i in range(0, len(flat), top_k)] if top_k > 0 else []
+        return VerifyResult(
+            list(r.accepted_token_ids), list(r.accepted_node_indices), r.bonus_token_id, r.verify_ns, rows
+        )
+
+    async def release(self, session_id: str) -> None:
+        try:
+            await self._stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._translate(exc) from exc
+
+
+class GrpcDraftStream:
+    """One session's bidirectional Draft stream: write a request, read its answer."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, target: str) -> None:
+        self._call = call
+        self._target = target
+
+    async def _write(self, request: drafter_pb2.DraftRequest) -> None:
+        try:
+            await self._call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise DrafterFailed(f"drafter at {self._target}: {exc}") from exc
+
+    async def start(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> None:
+        start = drafter_pb2.StartSession(
+            session_id=session_id, prompt_token_ids=prompt_tokens, vocab_fingerprint=vocab_fingerprint
+        )
+        await self._write(drafter_pb2.DraftRequest(start=start))
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
+        successors = [
+            drafter_pb2.TokenSuccessors(token_id=token, next_token_ids=following)
+            for token, following in feedback.successors
+        ]
+        propose = drafter_pb2.ProposeTree(new_token_ids=feedback.new_tokens, max_nodes=max_nodes, successors=successors)
+        await self._write(drafter_pb2.DraftRequest(propose=propose))
+        try:
+            response = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise DrafterFailed(f"drafter at {self._target} failed: {exc.code().name}: {exc.details()}") from exc
+        if response is grpc.aio.EOF:
+            raise DrafterFailed(f"drafter at {self._target} closed the session stream")
+        tree = tree_from_proto(response.tree)
+        return tree, int(response.draft_ns)
+
+    async def close(self) -> None:
+        self._call.cancel()
+
+
+class GrpcDrafter:
+    def __init__(self, channel: grpc.aio.Channel, target: str) -> None:
+        self._stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        self._target = target
+
+    async def info(self) -> drafter_pb2.DrafterInfoResponse:
+        return await self._stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=5.0)
+
+    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> GrpcDraftStream:
+        stream = GrpcDraftStream(self._stub.Draft(), self._target)
+        await stream.start(session_id, prompt_tokens, vocab_fingerprint)
+        return stream

@@ -1,0 +1,66 @@
+"""In-process adapters: the round loop over a Verifier and a Drafter in this process.
+
+Used by the single-process benchmark mode and by unit tests; no gRPC involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from coordinator.ports import VerifierInfo
+from draft_service.drafter import Drafter, DraftSession
+from specserve.acceptance import VerifyResult
+from specserve.draft_feedback import DraftFeedback
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
+from target_service.verifier import Verifier
+
+
+def verifier_info(v: Verifier) -> VerifierInfo:
+    return VerifierInfo(
+        model_name=v.model_name,
+        vocab_fingerprint=v.vocab_fingerprint,
+        vocab_size=v.vocab_size,
+        max_tree_nodes=v.limits.max_tree_nodes,
+        max_tree_depth=v.limits.max_tree_depth,
+        max_session_tokens=v.limits.max_session_tokens,
+        supports_branching=v.supports_branching,
+    )
+
+
+class InProcessVerifier:
+    def __init__(self, verifier: Verifier) -> None:
+        self._verifier = verifier
+
+    async def info(self) -> VerifierInfo:
+        return verifier_info(self._verifier)
+
+    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
+        return self._verifier.prefill(session_id, list(token_ids), sampling)
+
+    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
+        return self._verifier.verify(session_id, num_committed, tree, top_k)
+
+    async def release(self, session_id: str) -> None:
+        self._verifier.release(session_id)
+
+
+class _InProcessDraftStream:
+    def __init__(self, session: DraftSession) -> None:
+        self._session = session
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
+        return self._session.propose(feedback, max_nodes)
+
+    async def close(self) -> None:
+        return None
+
+
+class InProcessDrafter:
+    def __init__(self, drafter: Drafter) -> None:
+        self._drafter = drafter
+
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str
+    ) -> _InProcessDraftStream:
+        return _InProcessDraftStream(self._drafter.open_session(session_id, prompt_tokens, vocab_fingerprint))

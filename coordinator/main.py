@@ -1,0 +1,183 @@
+"""Entry point of the coordinator: ``python -m coordinator``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.config import CoordinatorConfig, prompt_limits, round_policy
+from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
+from coordinator.prompts import eos_token_ids
+from coordinator.rounds import Generation, GenerationRequest
+from coordinator.server import GenerationBackend, GenerationServicer
+from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
+from specserve.model_loading import (
+    default_cache_root,
+    load_generation_config,
+    load_tokenizer,
+    materialize,
+    resolve_model,
+    vocab_fingerprint,
+)
+from specserve.rpc import add_health, channel_options, mark_serving, serve_until_signal
+from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger("coordinator")
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class StartupError(RuntimeError):
+    """The coordinator cannot serve with the configured workers; the message says why."""
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
+    defaults = CoordinatorConfig()
+    parser = argparse.ArgumentParser(prog="coordinator", description="specserve coordinator (public API)")
+    add_common_flags(parser, defaults.port)
+    parser.add_argument(
+        "--verifier",
+        default=env("SPECSERVE_VERIFIER_ADDR", defaults.verifier),
+        help="gRPC target of the verifier tier, e.g. dns:///specserve-verifier:50053",
+    )
+    parser.add_argument(
+        "--drafter",
+        default=env("SPECSERVE_DRAFTER_ADDR", defaults.drafter or ""),
+        help="gRPC target of the drafter tier; empty: decode without drafting",
+    )
+    parser.add_argument(
+        "--model",
+        default=env("SPECSERVE_MODEL", defaults.model),
+        help="model whose tokenizer and chat template to use (must match the verifier's)",
+    )
+    parser.add_argument("--cache-dir", default=env("SPECSERVE_CACHE_DIR", ""))
+    parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens_limit)
+    parser.add_argument("--draft-max-nodes", type=int, default=defaults.draft_max_nodes)
+    parser.add_argument("--draft-timeout-ms", type=int, default=defaults.draft_timeout_ms)
+    parser.add_argument(
+        "--successors-top-k",
+        type=int,
+        default=defaults.successors_top_k,
+        help="target top tokens per scored position sent to the drafter (Token Recycling; 0: off)",
+    )
+    parser.add_argument("--verifier-timeout-s", type=float, default=defaults.verifier_timeout_s)
+    parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
+    args = parser.parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
+    values["drafter"] = values["drafter"] or None
+    values["cache_dir"] = values["cache_dir"] or None
+    return CoordinatorConfig(**values), args.log_level
+
+
+async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
+    """Wait for a worker's health service to report SERVING (its model has loaded)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        try:
+            response = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5.0)
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        if loop.time() > deadline:
+            raise StartupError(f"the verifier at {target} did not become ready within {timeout_s:.0f} s")
+        await asyncio.sleep(0.5)
+
+
+async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple[VerifierPort, VerifierInfo]:
+    """The verifier tier (one or many replicas, with session affinity), checked for a matching vocabulary."""
+    channel = grpc.aio.insecure_channel(config.verifier, options=channel_options())
+    log.info("waiting for the verifier at %s", config.verifier)
+    await wait_until_serving(channel, config.verifier, config.startup_timeout_s)
+    await channel.close()
+
+    def connect(address: str) -> GrpcVerifier:
+        return GrpcVerifier(
+            grpc.aio.insecure_channel(address, options=channel_options()), address, config.verifier_timeout_s
+        )
+
+    verifier = StickyVerifierRouter(replica_resolver(config.verifier), connect)
+    info = await verifier.info()
+    if info.vocab_fingerprint != fingerprint:
+        raise StartupError(
+            f"the verifier at {config.verifier} serves {info.model_name!r} whose vocabulary "
+            f"({info.vocab_fingerprint}) differs from this coordinator's tokenizer ({fingerprint}, "
+            f"--model {config.model}): point both at the same model"
+        )
+    return verifier, info
+
+
+async def connect_drafter(config: CoordinatorConfig, fingerprint: str) -> DrafterPort | None:
+    """The drafter tier, or None when unset or serving another vocabulary (drafting is optional)."""
+    if config.drafter is None:
+        return None
+    drafter = GrpcDrafter(grpc.aio.insecure_channel(config.drafter, options=channel_options()), config.drafter)
+    try:
+        info = await drafter.info()
+    except grpc.aio.AioRpcError as exc:
+        log.warning(
+            "drafter at %s not reachable yet (%s); requests decode without it until it is",
+            config.drafter,
+            exc.code().name,
+        )
+        return drafter
+    if info.vocab_fingerprint and info.vocab_fingerprint != fingerprint:
+        log.error(
+            "refusing the drafter at %s: its vocabulary (%s) differs from the target's (%s)",
+            config.drafter,
+            info.vocab_fingerprint,
+            fingerprint,
+        )
+        return None
+    return drafter
+
+
+async def serve(config: CoordinatorConfig) -> None:
+    server = grpc.aio.server()
+    metrics = CoordinatorMetrics()
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+    servicer = GenerationServicer(metrics=metrics)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    health = add_health(server, [SERVICE_NAME])
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
+    source = materialize(resolve_model(config.model), cache_root)
+    tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
+    fingerprint = vocab_fingerprint(tokenizer)
+    verifier, info = await connect_verifier(config, fingerprint)
+    drafter = await connect_drafter(config, fingerprint)
+    eos = eos_token_ids(tokenizer, load_generation_config(source))
+    policy = round_policy(config, info)
+
+    def new_generation(request: GenerationRequest) -> Generation:
+        return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy)
+
+    limits = prompt_limits(config, info)
+    servicer.attach(GenerationBackend(tokenizer, limits, new_generation))
+    mark_serving(health, [SERVICE_NAME])
+    print(f"coordinator listening on {address} (verifier {config.verifier}, drafter {config.drafter})", flush=True)
+    await serve_until_signal(server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, log_level = parse_config(argv)
+    setup_logging(log_level, "coordinator")
+    try:
+        asyncio.run(serve(config))
+    except StartupError as exc:
+        log.error("%s", exc)
+        raise SystemExit(2) from exc

@@ -1,0 +1,38 @@
+"""Prometheus metrics of the coordinator, named after vLLM's spec-decode metrics.
+
+Owned by the instance (its own registry), not module globals.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+from coordinator.rounds import GenerationStats
+
+
+class CoordinatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "specserve_requests", "Finished generations by finish reason", ["finish_reason"], registry=r
+        )
+        self.generated_tokens = Counter("specserve_generated_tokens", "Tokens streamed to clients", registry=r)
+        self.rounds = Counter("specserve_rounds", "Target forward passes after prefill", registry=r)
+        self.num_draft_tokens = Counter("specserve_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.num_accepted_tokens = Counter("specserve_num_accepted_tokens", "Draft tokens accepted", registry=r)
+        self.reprefills = Counter("specserve_reprefills", "Verifier sessions rebuilt after loss", registry=r)
+        self.drafter_drops = Counter("specserve_drafter_drops", "Requests that lost their drafter", registry=r)
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def observe(self, stats: GenerationStats) -> None:
+        self.requests.labels(stats.finish_reason.value).inc()
+        self.generated_tokens.inc(stats.num_generated_tokens)
+        self.rounds.inc(stats.num_rounds)
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        self.reprefills.inc(stats.num_reprefills)
+        if stats.drafter_error.startswith("drafter dropped"):
+            self.drafter_drops.inc()

@@ -1,0 +1,65 @@
+"""What the round loop needs from a verifier and a drafter.
+
+The gRPC clients (``grpc_clients``) and the in-process adapters (``inproc``)
+both implement these, so the round loop is the same code in a deployment and
+in a single-process benchmark.
+
+Errors: a verifier raises specserve.errors.NotFound or FailedPrecondition when
+the session must be prefilled again, Unavailable when it cannot be reached; a
+draft stream raises DrafterFailed for anything that makes it unusable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from specserve.acceptance import VerifyResult
+from specserve.draft_feedback import DraftFeedback
+from specserve.errors import SpecserveError
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
+
+
+class DrafterFailed(SpecserveError):
+    """The drafter cannot serve this session any more; decoding goes on without it."""
+
+    status = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    model_name: str
+    vocab_fingerprint: str
+    vocab_size: int
+    max_tree_nodes: int
+    max_tree_depth: int
+    max_session_tokens: int
+    supports_branching: bool
+
+
+class VerifierPort(Protocol):
+    async def info(self) -> VerifierInfo: ...
+
+    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
+        """Create the session; returns nanoseconds the verifier spent."""
+        ...
+
+    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
+        """Verify ``tree``; ``top_k`` > 0 also asks for the target's top next tokens per scored position."""
+        ...
+
+    async def release(self, session_id: str) -> None: ...
+
+
+class DraftStream(Protocol):
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
+        """Report the last round and get a tree (max_nodes 0: report only); returns (tree, ns)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class DrafterPort(Protocol):
+    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream: ...

@@ -1,0 +1,94 @@
+"""gRPC edge of the coordinator: the public GenerationService."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.prompts import ChatTurn, PromptLimits, build_request, encode_prompt
+from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, TextChunk
+from specserve.errors import SpecserveError, Unavailable
+from specserve.rpc import status_code
+from specserve.sampling import SamplingParams
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.EOS: generation_pb2.FINISH_REASON_EOS,
+}
+
+
+def stats_to_proto(stats: GenerationStats) -> generation_pb2.GenerationStats:
+    return generation_pb2.GenerationStats(
+        finish_reason=_FINISH_REASONS[stats.finish_reason],
+        num_prompt_tokens=stats.num_prompt_tokens,
+        num_generated_tokens=stats.num_generated_tokens,
+        num_rounds=stats.num_rounds,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_rounds_without_drafter=stats.num_rounds_without_drafter,
+        num_reprefills=stats.num_reprefills,
+        total_ns=stats.total_ns,
+        draft_ns=stats.draft_ns,
+        verify_ns=stats.verify_ns,
+        coordination_ns=stats.coordination_ns,
+        drafter_error=stats.drafter_error,
+    )
+
+
+@dataclass(frozen=True)
+class GenerationBackend:
+    """What the servicer needs once the coordinator has connected to its workers."""
+
+    tokenizer: Any
+    limits: PromptLimits
+    new_generation: Callable[[GenerationRequest], Generation]
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """Validates a request, runs its Generation and streams the events.
+
+    Until ``attach`` (tokenizer loaded, verifier connected) calls are UNAVAILABLE.
+    """
+
+    def __init__(self, backend: GenerationBackend | None = None, metrics: CoordinatorMetrics | None = None) -> None:
+        self._backend = backend
+        self._metrics = metrics
+
+    def attach(self, backend: GenerationBackend) -> None:
+        self._backend = backend
+
+    def _request(self, backend: GenerationBackend, request: generation_pb2.GenerateRequest) -> GenerationRequest:
+        chat = [ChatTurn(m.role, m.content) for m in request.chat.messages] if request.HasField("chat") else None
+        prompt_ids = encode_prompt(backend.tokenizer, request.prompt, chat)
+        sampling = SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p or 1.0,
+            top_k=request.top_k,
+            seed=request.seed if request.HasField("seed") else None,
+        )
+        return build_request(prompt_ids, request.max_new_tokens, sampling, list(request.stop), backend.limits)
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            backend = self._backend
+            if backend is None:
+                raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
+            generation = backend.new_generation(self._request(backend, request))
+            async for event in generation.stream():
+                if isinstance(event, TextChunk):
+                    delta = generation_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+                    yield generation_pb2.GenerateResponse(delta=delta)
+                else:
+                    if self._metrics is not None:
+                        self._metrics.observe(event)
+                    yield generation_pb2.GenerateResponse(stats=stats_to_proto(event))
+        except SpecserveError as exc:
+            await context.abort(status_code(exc), str(exc))

@@ -1,0 +1,1 @@
+"""The drafter worker: proposes token trees from cheap draft sources."""

@@ -1,0 +1,20 @@
+"""The drafter's configuration, parsed once in main.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    host: str = "127.0.0.1"
+    port: int = 50052
+    redis_url: str | None = None  # None: the embedded in-memory n-gram pool
+    redis_timeout_ms: int = 50  # budget of one Redis call; slower counts as down
+    pool_key_len: int = 3
+    pool_continuation_len: int = 8
+    pool_max_keys: int = 200_000  # in-memory pool only; Redis is bounded by TTL and per-key caps
+    lookup_min_ngram: int = 2
+    lookup_max_ngram: int = 4
+    sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling")
+    metrics_port: int = 0

@@ -1,0 +1,83 @@
+"""Entry point of the drafter: ``python -m draft_service``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from dataclasses import fields
+
+import grpc
+
+from draft_service.config import DrafterConfig
+from draft_service.drafter import ALL_SOURCES, Drafter
+from draft_service.pools import PoolRegistry
+from draft_service.proposers import PromptLookupProposer
+from draft_service.server import DrafterServicer
+from specserve.ngram_pool import PoolShape
+from specserve.rpc import add_health, mark_serving, serve_until_signal
+from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
+
+log = logging.getLogger("draft_service")
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
+    defaults = DrafterConfig()
+    parser = argparse.ArgumentParser(prog="draft_service", description="specserve drafter")
+    add_common_flags(parser, defaults.port)
+    parser.add_argument(
+        "--redis-url",
+        default=env("SPECSERVE_REDIS_URL", ""),
+        help="shared n-gram pool, e.g. redis://127.0.0.1:6379/0 (default: in-memory pool)",
+    )
+    parser.add_argument("--redis-timeout-ms", type=int, default=defaults.redis_timeout_ms)
+    parser.add_argument("--pool-key-len", type=int, default=defaults.pool_key_len)
+    parser.add_argument("--pool-continuation-len", type=int, default=defaults.pool_continuation_len)
+    parser.add_argument("--pool-max-keys", type=int, default=defaults.pool_max_keys)
+    parser.add_argument("--lookup-min-ngram", type=int, default=defaults.lookup_min_ngram)
+    parser.add_argument("--lookup-max-ngram", type=int, default=defaults.lookup_max_ngram)
+    parser.add_argument(
+        "--sources",
+        default=",".join(defaults.sources),
+        help="comma-separated draft sources: prompt_lookup, ngram_pool, token_recycling",
+    )
+    args = parser.parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(DrafterConfig)}
+    values["redis_url"] = values["redis_url"] or None
+    values["sources"] = tuple(name.strip() for name in args.sources.split(",") if name.strip())
+    unknown = set(values["sources"]) - set(ALL_SOURCES)
+    if unknown:
+        parser.error(f"unknown draft sources {sorted(unknown)}; choose from {', '.join(ALL_SOURCES)}")
+    return DrafterConfig(**values), args.log_level
+
+
+def build_drafter(config: DrafterConfig) -> tuple[Drafter, PoolRegistry]:
+    shape = PoolShape(key_len=config.pool_key_len, continuation_len=config.pool_continuation_len)
+    pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys)
+    lookup = PromptLookupProposer(config.lookup_min_ngram, config.lookup_max_ngram)
+    return Drafter(pools, lookup, sources=config.sources), pools
+
+
+async def serve(config: DrafterConfig) -> None:
+    drafter, pools = build_drafter(config)
+    server = grpc.aio.server()
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter), server)
+    health = add_health(server, [SERVICE_NAME])
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    mark_serving(health, [SERVICE_NAME])
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(config.metrics_port)
+    print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
+    await serve_until_signal(server)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, log_level = parse_config(argv)
+    setup_logging(log_level, "drafter")
+    asyncio.run(serve(config))

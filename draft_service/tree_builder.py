@@ -1,0 +1,193 @@
+"""Merging the draft sources' trees into the one tree a round verifies.
+
+Every source proposes a tree. The builder merges them into a trie (shared
+prefixes become one node, credited to every source that proposed it), scores
+each node by the estimated probability that the verifier accepts it, and
+keeps the nodes that pay for their verification cost.
+
+Scores: a node's acceptance probability is estimated per source and per
+depth from the verifier's past decisions (``AcceptanceStats``, learnt online
+for the session); a node's score is the product of these estimates along its
+path, i.e. the estimated probability that the whole path is accepted. The
+expected tokens committed by a tree is then 1 + the sum of its nodes' scores.
+
+Size: verifying n nodes costs c(n) target-forward units (``VerifyCost``,
+measured by ``make bench-verify-cost``), so the builder keeps the n
+best-scoring nodes that maximise (1 + sum of scores) / c(n). On a CPU, where
+c(n) grows quickly, that is often a short chain, and sometimes nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specserve.token_tree import ROOT, TokenTree
+
+# c(n)/c(0): forward time of the pending token plus n nodes, relative to plain
+# decoding, measured with `make bench-verify-cost` on a 2-core CPU for the
+# packaged SmolLM2-135M at a 512-token context (bench/results/verify_cost_*.md;
+# chains and trees cost the same). The first draft node is the expensive one:
+# the forward leaves the single-token kernels; then up to ~16 nodes are nearly
+# free. Non-monotone noise in the measurement is smoothed out.
+CPU_VERIFY_COST: dict[int, float] = {0: 1.0, 1: 1.6, 3: 1.6, 7: 1.64, 15: 1.72, 31: 2.2, 63: 3.3}
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Relative verify cost by tree size, linearly interpolated between measured points."""
+
+    points: dict[int, float] = field(default_factory=lambda: dict(CPU_VERIFY_COST))
+
+    def __call__(self, nodes: int) -> float:
+        sizes = sorted(self.points)
+        if nodes <= sizes[0]:
+            return self.points[sizes[0]]
+        if nodes >= sizes[-1]:
+            last, before = sizes[-1], sizes[-2]
+            slope = (self.points[last] - self.points[before]) / (last - before)
+            return self.points[last] + slope * (nodes - last)
+        right = bisect.bisect_left(sizes, nodes)
+        lo, hi = sizes[right - 1], sizes[right]
+        weight = (nodes - lo) / (hi - lo)
+        return self.points[lo] + weight * (self.points[hi] - self.points[lo])
+
+
+@dataclass
+class AcceptanceStats:
+    """P(a node at this depth is accepted | its parent was), per source, learnt online.
+
+    A Beta prior keeps a fresh session from trusting or distrusting a source
+    too soon: its mean is the ``parent`` statistics' estimate (the drafter's
+    experience over all sessions) or ``prior``, worth ``prior_weight``
+    observations. Updates go to the parent too.
+    """
+
+    parent: AcceptanceStats | None = None
+    prior: float = 0.3
+    prior_weight: float = 4.0
+    max_depth: int = 16
+    _counts: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+
+    def estimate(self, source: str, depth: int) -> float:
+        depth = min(depth, self.max_depth)
+        accepted, reached = self._counts.get((source, depth), (0.0, 0.0))
+        prior = self.parent.estimate(source, depth) if self.parent is not None else self.prior
+        return (accepted + prior * self.prior_weight) / (reached + self.prior_weight)
+
+    def update(self, source: str, depth: int, accepted: bool) -> None:
+        depth = min(depth, self.max_depth)
+        counts = self._counts.setdefault((source, depth), [0.0, 0.0])
+        counts[0] += accepted
+        counts[1] += 1
+        if self.parent is not None:
+            self.parent.update(source, depth, accepted)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A tree to verify, with the sources credited for each node."""
+
+    tree: TokenTree
+    sources: tuple[frozenset[str], ...]
+    scores: tuple[float, ...]
+
+    @property
+    def expected_tokens(self) -> float:
+        return 1.0 + sum(self.scores)
+
+
+EMPTY = DraftTree(TokenTree(), (), ())
+
+
+@dataclass
+class _TrieNode:
+    token: int
+    parent: int
+    depth: int
+    sources: set[str]
+    score: float = 0.0
+
+
+class TreeBuilder:
+    def __init__(self, stats: AcceptanceStats, cost: VerifyCost) -> None:
+        self.stats = stats
+        self.cost = cost
+
+    def build(self, proposals: Sequence[tuple[str, TokenTree]], max_nodes: int) -> DraftTree:
+        nodes = self._merge(proposals)
+        if not nodes or max_nodes <= 0:
+            return EMPTY
+        for node in nodes:  # parents come before children
+            parent_score = 1.0 if node.parent == ROOT else nodes[node.parent].score
+            node.score = parent_score * max(self.stats.estimate(s, node.depth) for s in node.sources)
+        # Scores shrink along every path, so a best-first prefix is closed under "parent of".
+        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:max_nodes]
+        keep = ranked[: self._best_size([nodes[i].score for i in ranked])]
+        return self._emit(nodes, keep)
+
+    def _best_size(self, ranked_scores: list[float]) -> int:
+        best_size, best_rate, expected = 0, 1.0 / self.cost(0), 1.0
+        for size, score in enumerate(ranked_scores, start=1):
+            expected += score
+            rate = expected / self.cost(size)
+            if rate > best_rate:
+                best_size, best_rate = size, rate
+        return best_size
+
+    @staticmethod
+    def _merge(proposals: Sequence[tuple[str, TokenTree]]) -> list[_TrieNode]:
+        nodes: list[_TrieNode] = []
+        index: dict[tuple[int, int], int] = {}
+        for source, tree in proposals:
+            mapped: list[int] = []
+            for token, parent in zip(tree.token_ids, tree.parents, strict=True):
+                trie_parent = ROOT if parent == ROOT else mapped[parent]
+                key = (trie_parent, token)
+                if key not in index:
+                    depth = 1 if trie_parent == ROOT else nodes[trie_parent].depth + 1
+                    index[key] = len(nodes)
+                    nodes.append(_TrieNode(token, trie_parent, depth, set()))
+                nodes[index[key]].sources.add(source)
+                mapped.append(index[key])
+        return nodes
+
+    @staticmethod
+    def _emit(nodes: list[_TrieNode], keep: list[int]) -> DraftTree:
+        # Shallow first, best sibling first: parents precede children and the
+        # verifier tries the likelier sibling first.
+        order = sorted(keep, key=lambda i: (nodes[i].depth, -nodes[i].score, i))
+        position = {trie_index: k for k, trie_index in enumerate(order)}
+        tree = TokenTree(
+            tuple(nodes[i].token for i in order),
+            tuple(ROOT if nodes[i].parent == ROOT else position[nodes[i].parent] for i in order),
+        )
+        return DraftTree(
+            tree,
+            tuple(frozenset(nodes[i].sources) for i in order),
+            tuple(nodes[i].score for i in order),
+        )
+
+
+def learn_from_commit(stats: AcceptanceStats, last: DraftTree, committed: Sequence[int]) -> int:
+    """Credit each node of the last tree whose parent was accepted; returns the accepted path length.
+
+    The verifier accepts the path whose tokens the committed tokens spell
+    (siblings have distinct tokens after merging, so that path is unique).
+    """
+    tree = last.tree
+    children = tree.children()
+    depths = tree.depths()
+    node, accepted = ROOT, 0
+    while True:
+        reached = children[node]
+        nxt = None
+        if accepted < len(committed):
+            nxt = next((c for c in reached if tree.token_ids[c] == committed[accepted]), None)
+        for child in reached:
+            for source in last.sources[child]:
+                stats.update(source, depths[child], child == nxt)
+        if nxt is None:
+            return accepted
+        node, accepted = nxt, accepted + 1

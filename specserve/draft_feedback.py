@@ -1,0 +1,13 @@
+"""What the coordinator tells a drafter about the last round before asking for the next tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DraftFeedback:
+    new_tokens: tuple[int, ...] = ()  # committed since the last request
+    # The target's top next tokens at each position it scored last round, keyed by
+    # that position's token (Token Recycling's raw material).
+    successors: tuple[tuple[int, tuple[int, ...]], ...] = ()

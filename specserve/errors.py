@@ -1,0 +1,33 @@
+"""Domain errors with the status a gRPC edge should report for each.
+
+Domain code raises these; each service's server.py maps ``status`` to a
+grpc.StatusCode, so algorithms never import grpc.
+"""
+
+from __future__ import annotations
+
+
+class SpecserveError(Exception):
+    """Base class; ``status`` names a grpc.StatusCode member."""
+
+    status = "INTERNAL"
+
+
+class InvalidArgument(SpecserveError):
+    status = "INVALID_ARGUMENT"
+
+
+class NotFound(SpecserveError):
+    status = "NOT_FOUND"
+
+
+class FailedPrecondition(SpecserveError):
+    status = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(SpecserveError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(SpecserveError):
+    status = "UNAVAILABLE"

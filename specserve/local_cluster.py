@@ -1,0 +1,177 @@
+"""Run the three services as local processes on loopback: ``make run``, tests, benchmarks.
+
+``python -m specserve.local_cluster`` starts a verifier, a drafter and a
+coordinator, prints where each listens, and stops all three on Ctrl-C (or
+when any of them exits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_serving(address: str, timeout_s: float, *watched: subprocess.Popen[bytes]) -> None:
+    """Block until the server at ``address`` reports SERVING on grpc.health.v1.
+
+    Fails at once when any ``watched`` process exits (a crashed dependency
+    would otherwise keep the server waiting until the timeout).
+    """
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for process in watched:
+                if process.poll() is not None:
+                    raise RuntimeError(f"{process.args!r} exited with code {process.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise TimeoutError(f"{address} did not become ready within {timeout_s:.0f} s")
+
+
+@dataclass
+class LocalCluster:
+    """Verifier, drafter and coordinator as child processes (context manager)."""
+
+    coordinator_port: int = 50051
+    drafter_port: int = 50052
+    verifier_port: int = 50053
+    model: str = "smollm2"
+    redis_url: str | None = None
+    with_drafter: bool = True
+    extra_verifier_args: list[str] = field(default_factory=list)
+    extra_coordinator_args: list[str] = field(default_factory=list)
+    log_dir: Path | None = None  # None: children log to this process's stderr
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def coordinator_address(self) -> str:
+        return f"127.0.0.1:{self.coordinator_port}"
+
+    @property
+    def drafter_address(self) -> str:
+        return f"127.0.0.1:{self.drafter_port}"
+
+    @property
+    def verifier_address(self) -> str:
+        return f"127.0.0.1:{self.verifier_port}"
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen[bytes]:
+        stderr = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr = (self.log_dir / f"{name}.log").open("ab")
+        process = subprocess.Popen([sys.executable, "-m", module, *args], stderr=stderr, env=os.environ.copy())
+        self.processes[name] = process
+        return process
+
+    def start_drafter(self) -> None:
+        args = ["--port", str(self.drafter_port)]
+        if self.redis_url:
+            args += ["--redis-url", self.redis_url]
+        self._spawn("drafter", "draft_service", args)
+
+    def start(self, timeout_s: float = 600.0) -> LocalCluster:
+        self._spawn(
+            "verifier",
+            "target_service",
+            ["--port", str(self.verifier_port), "--model", self.model, *self.extra_verifier_args],
+        )
+        if self.with_drafter:
+            self.start_drafter()
+        coordinator_args = ["--port", str(self.coordinator_port), "--verifier", self.verifier_address]
+        coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
+        self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
+        try:
+            wait_serving(self.coordinator_address, timeout_s, *self.processes.values())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def kill(self, name: str) -> None:
+        """Kill one service abruptly (SIGKILL), as a crash would."""
+        process = self.processes.pop(name)
+        process.kill()
+        process.wait()
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: tuple[type[BaseException] | None, BaseException | None, TracebackType | None]) -> None:
+        self.stop()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="run coordinator, drafter and verifier locally")
+    parser.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL", "smollm2"))
+    parser.add_argument("--redis-url", default=os.environ.get("SPECSERVE_REDIS_URL") or None)
+    parser.add_argument("--coordinator-port", type=int, default=50051)
+    parser.add_argument("--drafter-port", type=int, default=50052)
+    parser.add_argument("--verifier-port", type=int, default=50053)
+    args = parser.parse_args(argv)
+    cluster = LocalCluster(
+        args.coordinator_port, args.drafter_port, args.verifier_port, model=args.model, redis_url=args.redis_url
+    )
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cluster.start()
+        print(
+            f"specserve is up: coordinator {cluster.coordinator_address}, drafter {cluster.drafter_address}, "
+            f"verifier {cluster.verifier_address} (n-gram pool: {args.redis_url or 'in-memory'})\n"
+            f'try:  specserve generate "Write a haiku about the sea"    (Ctrl-C stops all three)',
+            flush=True,
+        )
+        while all(process.poll() is None for process in cluster.processes.values()):
+            time.sleep(0.5)
+        exited = [name for name, process in cluster.processes.items() if process.poll() is not None]
+        print(f"{', '.join(exited)} exited; stopping the others", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping specserve", file=sys.stderr)
+        return 0
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""n-gram pools: continuations seen after each short token key, with counts.
+
+A pool maps a key (the ``key_len`` tokens before a position) to the
+continuations (the next ``continuation_len`` tokens) observed after it, each
+with a count, keeping the most frequent few per key. Every drafter records
+the committed output of its sessions and looks up continuations to draft.
+
+``InMemoryNgramPool`` is the embedded default; ``RedisNgramPool`` (in
+``specserve.redis_pool``) shares one pool between all drafter pods with the
+same semantics.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    key_len: int = 3
+    continuation_len: int = 8
+    max_continuations: int = 4  # kept per key, most frequent first
+
+    def windows(self, tokens: Sequence[int], start: int = 0) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """(key, continuation) pairs of ``tokens`` whose continuation ends at or after ``start``.
+
+        Only full windows count, so recording a growing sequence with the
+        previous length as ``start`` records each window exactly once.
+        """
+        span = self.key_len + self.continuation_len
+        first = max(0, start - span + 1)
+        for i in range(first, len(tokens) - span + 1):
+            yield tuple(tokens[i : i + self.key_len]), tuple(tokens[i + self.key_len : i + span])
+
+
+def encode_tokens(tokens: Sequence[int]) -> str:
+    """The storage form of a key or continuation: comma-separated ids.
+
+    Both pools order equal counts by this string (as a Redis sorted set does),
+    so they rank and evict continuations identically.
+    """
+    return ",".join(map(str, tokens))
+
+
+def decode_tokens(text: str) -> tuple[int, ...]:
+    """Inverse of encode_tokens; raises ValueError on anything else."""
+    return tuple(int(part) for part in text.split(","))
+
+
+class NgramPool(Protocol):
+    shape: PoolShape
+
+    def record(self, tokens: Sequence[int], start: int = 0) -> None:
+        """Count the windows of ``tokens`` that end at or after index ``start``."""
+        ...
+
+    def lookup(self, key: Sequence[int]) -> list[tuple[int, ...]]:
+        """Continuations after ``key``, most frequent first (empty if unknown)."""
+        ...
+
+    def flush(self) -> None:
+        """Write out recorded windows that a pool may hold back to batch them with its next lookup."""
+        ...
+
+
+class InMemoryNgramPool:
+    """A pool in this process; at most ``max_keys`` keys, least recently used evicted."""
+
+    def __init__(self, shape: PoolShape = PoolShape(), max_keys: int = 200_000) -> None:
+        self.shape = shape
+        self._max_keys = max_keys
+        self._counts: OrderedDict[tuple[int, ...], dict[tuple[int, ...], int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def record(self, tokens: Sequence[int], start: int = 0) -> None:
+        for key, continuation in self.shape.windows(tokens, start):
+            counts = self._counts.pop(key, None) or {}
+            counts[continuation] = counts.get(continuation, 0) + 1
+            if len(counts) > self.shape.max_continuations:
+                del counts[min(counts, key=lambda c: (counts[c], encode_tokens(c)))]
+            self._counts[key] = counts
+            if len(self._counts) > self._max_keys:
+                self._counts.popitem(last=False)
+
+    def flush(self) -> None:
+        return None
+
+    def lookup(self, key: Sequence[int]) -> list[tuple[int, ...]]:
+        counts = self._counts.get(tuple(key))
+        if not counts:
+            return []
+        return sorted(counts, key=lambda c: (counts[c], encode_tokens(c)), reverse=True)
+
+
+class FallbackPool:
+    """A shared pool backed by a local one: every window is recorded in both.
+
+    Lookups prefer the shared pool and fall back to the local one when the
+    shared pool is down or knows nothing, so losing Redis only loses what
+    other drafters taught.
+    """
+
+    def __init__(self, shared: NgramPool, local: NgramPool) -> None:
+        self.shape = shared.shape
+        self._shared = shared
+        self._local = local
+
+    def record(self, tokens: Sequence[int], start: int = 0) -> None:
+        self._shared.record(tokens, start)
+        self._local.record(tokens, start)
+
+    def lookup(self, key: Sequence[int]) -> list[tuple[int, ...]]:
+        return self._shared.lookup(key) or self._local.lookup(key)
+
+    def flush(self) -> None:
+        self._shared.flush()

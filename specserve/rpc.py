@@ -1,0 +1,71 @@
+"""gRPC plumbing shared by the three servers: status mapping, health, shutdown."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specserve.errors import SpecserveError
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def status_code(error: SpecserveError) -> grpc.StatusCode:
+    return grpc.StatusCode[error.status]
+
+
+def maps_domain_errors(method: F) -> F:
+    """Turn a SpecserveError raised by a sync servicer method into its gRPC status."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except SpecserveError as exc:
+            context.abort(status_code(exc), str(exc))
+
+    return wrapper  # type: ignore[return-value]
+
+
+def add_health(server: grpc.Server | grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:
+    """Register grpc.health.v1; every service starts NOT_SERVING until marked ready."""
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ["", *service_names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return servicer
+
+
+def mark_serving(servicer: health.HealthServicer, service_names: list[str]) -> None:
+    for name in ["", *service_names]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
+    """Run an asyncio server until SIGINT or SIGTERM, then stop it gracefully."""
+    import asyncio
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    await server.stop(grace=grace_s)
+
+
+def channel_options() -> list[tuple[str, Any]]:
+    """Options for client channels: round-robin over all addresses of dns:/// targets."""
+    return [
+        ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]

@@ -1,0 +1,43 @@
+"""Protobuf <-> domain conversions shared by the services' gRPC edges."""
+
+from __future__ import annotations
+
+from specserve.sampling import SamplingParams
+from specserve.token_tree import DraftDistribution, TokenTree
+from specserve.v1 import common_pb2
+
+
+def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
+    return common_pb2.TokenTree(
+        token_ids=tree.token_ids,
+        parents=tree.parents,
+        sampled=tree.sampled,
+        distributions=[
+            common_pb2.DraftDistribution(parent=d.parent, token_ids=d.token_ids, probs=d.probs)
+            for d in tree.distributions
+        ],
+    )
+
+
+def tree_from_proto(message: common_pb2.TokenTree) -> TokenTree:
+    return TokenTree(
+        tuple(message.token_ids),
+        tuple(message.parents),
+        tuple(message.sampled),
+        tuple(DraftDistribution(d.parent, tuple(d.token_ids), tuple(d.probs)) for d in message.distributions),
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+    )
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+    )

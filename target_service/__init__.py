@@ -1,0 +1,1 @@
+"""The verifier worker: target model, per-session KV caches, draft verification."""

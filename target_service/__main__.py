@@ -1,0 +1,3 @@
+from target_service.main import main
+
+main()

@@ -1,0 +1,110 @@
+"""Entry point of the verifier: ``python -m target_service``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import fields
+from pathlib import Path
+
+import grpc
+
+from specserve.model_loading import (
+    default_cache_root,
+    load_model,
+    load_tokenizer,
+    materialize,
+    resolve_model,
+    vocab_fingerprint,
+)
+from specserve.rpc import add_health, mark_serving
+from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
+from target_service.config import VerifierConfig
+from target_service.metrics import VerifierMetrics
+from target_service.server import VerifierServicer
+from target_service.verifier import Verifier
+
+log = logging.getLogger("target_service")
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
+    defaults = VerifierConfig()
+    parser = argparse.ArgumentParser(prog="target_service", description="specserve verifier (target model)")
+    add_common_flags(parser, defaults.port)
+    parser.add_argument(
+        "--model",
+        default=env("SPECSERVE_MODEL", defaults.model),
+        help="'smollm2' (packaged GGUF), a .gguf file or a Hugging Face model directory",
+    )
+    parser.add_argument("--device", default=env("SPECSERVE_DEVICE", defaults.device), help="cpu, cuda, cuda:1 ...")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--cache-dir",
+        default=env("SPECSERVE_CACHE_DIR", ""),
+        help="where GGUF models are converted once (default ~/.cache/specserve)",
+    )
+    parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    parser.add_argument("--session-ttl-s", type=float, default=defaults.session_ttl_s)
+    parser.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
+    parser.add_argument("--max-tree-depth", type=int, default=defaults.max_tree_depth)
+    parser.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=defaults.max_session_tokens,
+        help="context limit per session (0: the model's)",
+    )
+    parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
+    parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
+    args = parser.parse_args(argv)
+    values = {f.name: getattr(args, f.name) for f in fields(VerifierConfig)}
+    values["cache_dir"] = values["cache_dir"] or None
+    return VerifierConfig(**values), args.log_level
+
+
+def build_verifier(config: VerifierConfig) -> Verifier:
+    import torch
+
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
+    source = materialize(resolve_model(config.model), cache_root)
+    model = load_model(source, device=config.device, dtype=config.dtype)
+    fingerprint = vocab_fingerprint(load_tokenizer(source))
+    return Verifier.from_config(model, fingerprint, config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, log_level = parse_config(argv)
+    setup_logging(log_level, "verifier")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers))
+    metrics = VerifierMetrics()
+    servicer = VerifierServicer(metrics)
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
+    health = add_health(server, [SERVICE_NAME])
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    server.start()
+    stopped = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        log.info("stopping (signal %d)", signum)
+        stopped.set()
+        server.stop(grace=5)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    log.info("loading target model %s on %s", config.model, config.device)
+    verifier = build_verifier(config)
+    if stopped.is_set():
+        return
+    if config.metrics_port:
+        metrics.serve(config.metrics_port)
+    servicer.attach(verifier)
+    mark_serving(health, [SERVICE_NAME])
+    print(f"verifier listening on {address} (model {config.model}, vocab {verifier.vocab_fingerprint})", flush=True)
+    server.wait_for_termination()

@@ -1,0 +1,82 @@
+"""gRPC edge of the verifier: protobuf <-> domain types, nothing else."""
+
+from __future__ import annotations
+
+import grpc
+
+from specserve.errors import Unavailable
+from specserve.rpc import maps_domain_errors
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
+from specserve.wire import sampling_from_proto, tree_from_proto
+from target_service.metrics import VerifierMetrics
+from target_service.verifier import Verifier
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+    """Serves a Verifier once one is attached; until then every call is UNAVAILABLE.
+
+    The server starts (and answers health checks as NOT_SERVING) before the
+    model has loaded, so orchestrators can tell "loading" from "dead".
+    """
+
+    def __init__(self, metrics: VerifierMetrics, verifier: Verifier | None = None) -> None:
+        self._loaded = verifier
+        self._metrics = metrics
+
+    def attach(self, verifier: Verifier) -> None:
+        self._loaded = verifier
+
+    @property
+    def _verifier(self) -> Verifier:
+        if self._loaded is None:
+            raise Unavailable("the verifier is still loading its model; retry shortly")
+        return self._loaded
+
+    @maps_domain_errors
+    def Prefill(
+        self, request: verifier_pb2.PrefillRequest, context: grpc.ServicerContext
+    ) -> verifier_pb2.PrefillResponse:
+        with self._metrics.in_flight():
+            prefill_ns = self._verifier.prefill(
+                request.session_id, list(request.token_ids), sampling_from_proto(request.sampling)
+            )
+        self._metrics.sessions(self._verifier.num_active_sessions)
+        return verifier_pb2.PrefillResponse(prefill_ns=prefill_ns)
+
+    @maps_domain_errors
+    def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
+        tree = tree_from_proto(request.tree)
+        with self._metrics.in_flight():
+            result = self._verifier.verify(request.session_id, request.num_committed_tokens, tree, request.top_k)
+        self._metrics.verified(num_draft=len(tree), num_accepted=len(result.accepted_tokens))
+        return verifier_pb2.VerifyResponse(
+            accepted_token_ids=result.accepted_tokens,
+            accepted_node_indices=result.accepted_nodes,
+            bonus_token_id=result.bonus_token,
+            verify_ns=result.verify_ns,
+            top_token_ids=[token for row in result.top_tokens for token in row],
+        )
+
+    @maps_domain_errors
+    def Release(
+        self, request: verifier_pb2.ReleaseRequest, context: grpc.ServicerContext
+    ) -> verifier_pb2.ReleaseResponse:
+        released = self._verifier.release(request.session_id)
+        self._metrics.sessions(self._verifier.num_active_sessions)
+        return verifier_pb2.ReleaseResponse(released=released)
+
+    @maps_domain_errors
+    def Info(self, request: verifier_pb2.InfoRequest, context: grpc.ServicerContext) -> verifier_pb2.InfoResponse:
+        limits = self._verifier.limits
+        return verifier_pb2.InfoResponse(
+            model_name=self._verifier.model_name,
+            vocab_fingerprint=self._verifier.vocab_fingerprint,
+            vocab_size=self._verifier.vocab_size,
+            max_tree_nodes=limits.max_tree_nodes,
+            max_tree_depth=limits.max_tree_depth,
+            max_sessions=limits.max_sessions,
+            max_session_tokens=limits.max_session_tokens,
+            supports_branching=self._verifier.supports_branching,
+            device=str(self._verifier.device),
+            num_active_sessions=self._verifier.num_active_sessions,
+        )

@@ -1,0 +1,161 @@
+"""The benchmark harness end to end: 2 categories x 2 prompts x 16 tokens, all four modes.
+
+Starts the three specserve processes (with Redis when one answers) and the
+packaged target. Checks that the harness's numbers are consistent with each
+other, never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import run
+from bench.modes import DEFAULT_MODES
+from specserve.model_loading import ModelNotFoundError, resolve_model
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+CATEGORIES = ("writing", "translation")
+PROMPTS_PER_CATEGORY = 2
+MAX_NEW_TOKENS = 16
+# A Redis database apart from the benchmark's own (/15), so a smoke test never empties a running benchmark's pool.
+SMOKE_REDIS_URL = "redis://127.0.0.1:6379/14"
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        resolve_model("smollm2")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path_factory.mktemp("bench")
+    code = run.main(
+        [
+            "--categories",
+            ",".join(CATEGORIES),
+            "--prompts-per-category",
+            str(PROMPTS_PER_CATEGORY),
+            "--max-new-tokens",
+            str(MAX_NEW_TOKENS),
+            "--redis-url",
+            SMOKE_REDIS_URL,
+            "--no-progress",
+            "--out-dir",
+            str(out),
+        ]
+    )
+    assert code == 0, "the harness stopped early; see its stderr"
+    return out
+
+
+@pytest.fixture(scope="module")
+def result(out_dir: Path) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads((out_dir / "spec_bench.json").read_text())
+    return document
+
+
+def summary(result: dict[str, Any], mode: str, group: str) -> dict[str, Any]:
+    found = [s for s in result["summaries"] if s["mode"] == mode and s["group"] == group]
+    assert len(found) == 1, (mode, group)
+    return found[0]
+
+
+def records_of(result: dict[str, Any], mode: str, category: str | None = None) -> list[dict[str, Any]]:
+    return [r for r in result["records"] if r["mode"] == mode and category in (None, r["category"])]
+
+
+def test_every_mode_ran_every_prompt(result: dict[str, Any], out_dir: Path) -> None:
+    assert result["meta"]["complete"] and not result["meta"]["error"]
+    prompts = len(CATEGORIES) * PROMPTS_PER_CATEGORY
+    assert len(result["records"]) == prompts * len(DEFAULT_MODES)
+    for mode in DEFAULT_MODES:
+        mine = records_of(result, mode)
+        assert len({(r["category"], r["question_id"]) for r in mine}) == prompts
+    report = (out_dir / "spec_bench.md").read_text()
+    assert "Multi-turn Conversation" in report and "Translation" in report
+    assert all(f"`{mode}`" in report for mode in DEFAULT_MODES)
+    assert (out_dir / "spec_bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_baseline_loop_matches_hf_generate(result: dict[str, Any]) -> None:
+    checks = result["meta"]["checks"]
+    assert checks["baseline_matches_hf_generate"], checks
+    assert checks["tokens_compared"] >= 1
+
+
+def test_machine_and_settings_are_recorded(result: dict[str, Any]) -> None:
+    machine, settings = result["meta"]["machine"], result["meta"]["settings"]
+    assert machine["cpu_model"] and machine["torch_version"] and machine["torch_threads"] >= 1
+    assert settings["max_new_tokens"] == MAX_NEW_TOKENS and settings["modes"] == list(DEFAULT_MODES)
+
+
+def test_tokens_add_up(result: dict[str, Any]) -> None:
+    for record in result["records"]:
+        assert record["tokens"] == len(record["token_ids"]) <= MAX_NEW_TOKENS
+        assert record["committed"] == record["tokens"] + int(record["eos"])
+        assert record["rounds"] >= 1
+        assert record["tau"] == pytest.approx(record["committed"] / record["rounds"])
+    for mode in DEFAULT_MODES:
+        overall = summary(result, mode, "overall")
+        per_category = [summary(result, mode, c) for c in CATEGORIES]
+        assert overall["prompts"] == sum(s["prompts"] for s in per_category) == len(records_of(result, mode))
+        for key in ("tokens", "committed", "rounds"):
+            assert overall[key] == sum(s[key] for s in per_category) == sum(r[key] for r in records_of(result, mode))
+            assert summary(result, mode, "mt_bench")[key] == summary(result, mode, "writing")[key]
+        assert overall["wall_s"] == pytest.approx(sum(r["wall_s"] for r in records_of(result, mode)))
+        assert overall["tokens_per_s"] == pytest.approx(overall["tokens"] / overall["wall_s"])
+        assert overall["tau"] == pytest.approx(overall["committed"] / overall["rounds"])
+
+
+def test_baseline_tau_is_one_and_speedup_is_relative_to_it(result: dict[str, Any]) -> None:
+    for record in records_of(result, "baseline"):
+        assert record["tau"] == 1.0 and record["rounds"] == record["committed"]
+        assert record["draft_tokens"] == 0 and record["identical"] is True
+    for s in result["summaries"]:
+        if s["mode"] == "baseline":
+            assert s["tau"] == 1.0 and s["speedup"] == 1.0 and s["median_speedup"] == 1.0
+    baseline_wall = {(r["category"], r["question_id"]): r["wall_s"] for r in records_of(result, "baseline")}
+    for mode in DEFAULT_MODES:
+        mine = records_of(result, mode)
+        expected = sum(baseline_wall[(r["category"], r["question_id"])] for r in mine) / sum(r["wall_s"] for r in mine)
+        assert summary(result, mode, "overall")["speedup"] == pytest.approx(expected)
+
+
+def test_speculative_counts_are_consistent(result: dict[str, Any]) -> None:
+    for mode in ("hf-pld", "inproc", "distributed"):
+        for r in records_of(result, mode):
+            assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+            # Each round commits its accepted drafts and one bonus token; an EOS may cut the last round short.
+            assert r["committed"] <= r["rounds"] + r["accepted_tokens"]
+            if not r["eos"]:
+                assert r["committed"] == r["rounds"] + r["accepted_tokens"]
+        overall = summary(result, mode, "overall")
+        if overall["draft_tokens"]:
+            assert overall["acceptance_rate"] == pytest.approx(overall["accepted_tokens"] / overall["draft_tokens"])
+    for mode in ("baseline", "inproc", "distributed"):
+        for r in records_of(result, mode):
+            # Coordination is the rest of the wall time (never negative).
+            split = r["draft_s"] + r["verify_s"] + r["coordination_s"]
+            assert split == pytest.approx(r["wall_s"]) or r["coordination_s"] == 0
+
+
+def test_identical_counts_match_the_records(result: dict[str, Any]) -> None:
+    flags: dict[tuple[str, str], list[bool]] = defaultdict(list)
+    for r in result["records"]:
+        flags[(r["mode"], r["category"])].append(r["identical"])
+        if r["identical"]:
+            assert r["first_diff"] is None and r["logit_gap"] is None
+        else:
+            assert r["first_diff"] is not None and r["logit_gap"] is not None and r["logit_gap"] >= 0
+    for mode in DEFAULT_MODES:
+        for category in CATEGORIES:
+            s = summary(result, mode, category)
+            assert s["identical"] == sum(flags[(mode, category)])
+            assert s["compared"] == len(flags[(mode, category)]) == PROMPTS_PER_CATEGORY
+        overall = summary(result, mode, "overall")
+        assert overall["identical"] == sum(sum(flags[(mode, c)]) for c in CATEGORIES)

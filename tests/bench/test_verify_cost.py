@@ -1,0 +1,51 @@
+"""bench.verify_cost on a tiny random model: the measurement loop and its summary, not the timings."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.verify_cost import measure, summarize
+from target_service.verifier import Verifier
+
+
+def tiny_verifier(max_nodes: int) -> Verifier:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+    )
+    return Verifier(LlamaForCausalLM(config).eval(), "tiny", max_tree_nodes=max_nodes, max_tree_depth=max_nodes)
+
+
+def test_every_size_is_timed_reps_times_on_a_context_that_grows_slowly() -> None:
+    sizes, reps, warmup, context = [1, 2, 8], 3, 1, 32
+    by_shape, longest = measure(tiny_verifier(max(sizes)), context, sizes, reps, warmup)
+    assert sorted(by_shape) == ["chain", "tree"]
+    for times in by_shape.values():
+        assert sorted(times) == sizes
+        assert all(len(samples) == reps and min(samples) > 0 for samples in times.values())
+    # Each verify commits at least its bonus token: the context grows by one or more per repetition.
+    assert context + warmup + reps - 1 <= longest <= context + (warmup + reps) * max(sizes)
+
+
+def test_summary_is_relative_to_plain_decoding() -> None:
+    rows = summarize({1: [0.002, 0.004, 0.003], 4: [0.006, 0.006, 0.009]})
+    assert [r["tokens"] for r in rows] == [1, 4]
+    assert [r["tree_nodes"] for r in rows] == [0, 3]
+    assert rows[0]["ratio"] == 1.0
+    assert rows[1]["ratio"] == 2.0  # medians 6 ms / 3 ms
+    assert rows[1]["p10_ms"] <= rows[1]["median_ms"] <= rows[1]["p90_ms"]
+
+
+def test_tree_shape_branches_with_the_same_node_count() -> None:
+    from bench.verify_cost import draft_tree
+
+    tree = draft_tree("tree", [5, 6, 7, 8, 9])
+    assert tree.parents == (-1, 0, 0, 1, 1)
+    assert not tree.is_chain() and len(tree) == len(draft_tree("chain", [5, 6, 7, 8, 9]))

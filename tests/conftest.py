@@ -1,0 +1,69 @@
+"""Shared test helpers: tiny random models and plain (greedy or seeded sampled) decoding."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specserve.keyed_noise import PositionNoise
+from specserve.sampling import SamplingParams, target_probs
+
+
+def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, context: int = 512) -> LlamaForCausalLM:
+    """A randomly initialised Llama small enough for unit tests (a few ms per forward)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.inference_mode()
+def plain_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference decoding: one token per forward with a KV cache, argmax each step."""
+    return plain_decode(model, prompt, max_new_tokens, SamplingParams())
+
+
+@torch.inference_mode()
+def plain_decode(
+    model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int, sampling: SamplingParams
+) -> list[int]:
+    """Reference decoding: one token per forward with a KV cache; argmax, or the seeded keyed sample of p."""
+    from transformers import DynamicCache
+
+    assert sampling.greedy or sampling.seed is not None, "a reference sample needs a seed"
+    noise = PositionNoise(sampling.seed or 0, first_position=len(prompt))
+    cache = DynamicCache()
+    out = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    generated: list[int] = []
+    for step in range(max_new_tokens):
+        logits = out.logits[0, -1:]
+        token = int(logits.argmax()) if sampling.greedy else noise.sample(target_probs(logits, sampling)[0], step)
+        generated.append(token)
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+    return generated
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer() -> Any:
+    """The packaged target's real tokenizer (converted once into the model cache)."""
+    from specserve.model_loading import default_cache_root, load_tokenizer, materialize, resolve_model
+
+    return load_tokenizer(materialize(resolve_model("smollm2"), default_cache_root()))
+
+
+class CharTokenizer:
+    """Unit-test stand-in for a tokenizer: token i decodes to one letter; no special tokens."""
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)

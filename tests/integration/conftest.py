@@ -1,0 +1,80 @@
+"""Integration fixtures: the real packaged target, real processes on loopback, real Redis."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from specserve.local_cluster import LocalCluster, free_port
+from specserve.model_loading import default_cache_root, load_model, load_tokenizer, materialize, resolve_model
+from specserve.sampling import SamplingParams
+from tests.conftest import plain_decode
+
+SPEC_BENCH = Path(__file__).parents[2] / "bench" / "data" / "spec_bench.jsonl"
+SYSTEM_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def spec_bench_prompts(per_category: int = 1, categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    picked: dict[str, int] = {}
+    prompts = []
+    for line in SPEC_BENCH.read_text().splitlines():
+        record = json.loads(line)
+        category = record["category"]
+        if categories and category not in categories:
+            continue
+        if picked.get(category, 0) < per_category:
+            picked[category] = picked.get(category, 0) + 1
+            prompts.append(record)
+    return prompts
+
+
+def system_redis_url() -> str | None:
+    try:
+        redis.Redis.from_url(SYSTEM_REDIS, socket_connect_timeout=0.5).ping()
+    except redis.RedisError:
+        return None
+    return SYSTEM_REDIS
+
+
+class Target:
+    """The packaged target in the test process, for reference decoding."""
+
+    def __init__(self) -> None:
+        source = materialize(resolve_model("smollm2"), default_cache_root())
+        self.model = load_model(source)
+        self.tokenizer = load_tokenizer(source)
+        self.eos = self.tokenizer.eos_token_id
+
+    def chat_ids(self, text: str) -> list[int]:
+        formatted = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        ids: list[int] = self.tokenizer(formatted, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Plain greedy decoding, cut before EOS as the service streams it."""
+        return self.decode(prompt_ids, max_new_tokens, SamplingParams())
+
+    def decode(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams) -> list[int]:
+        """Plain decoding (greedy, or seeded sampling with keyed draws), cut before EOS."""
+        tokens = plain_decode(self.model, prompt_ids, max_new_tokens, sampling)
+        return tokens[: tokens.index(self.eos)] if self.eos in tokens else tokens
+
+
+@pytest.fixture(scope="session")
+def target() -> Target:
+    return Target()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Coordinator, drafter (with Redis when reachable) and verifier as real processes."""
+    logs = tmp_path_factory.mktemp("cluster-logs")
+    with LocalCluster(free_port(), free_port(), free_port(), redis_url=system_redis_url(), log_dir=logs) as c:
+        yield c

@@ -1,0 +1,181 @@
+"""The three real processes with the real target: lossless output, bad input, a killed drafter."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+
+from client import GenerationParams, SpecserveClient, Stats, TextChunk
+from specserve.local_cluster import LocalCluster
+from specserve.sampling import SamplingParams
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tests.integration.conftest import Target, spec_bench_prompts
+
+pytestmark = pytest.mark.integration
+
+CATEGORIES = ("writing", "coding", "summarization", "translation", "math_reasoning")
+
+
+def generate(address: str, text: str, max_new_tokens: int) -> tuple[list[int], str, Stats]:
+    tokens: list[int] = []
+    pieces: list[str] = []
+    with SpecserveClient(address) as client:
+        for event in client.generate_chat([("user", text)], GenerationParams(max_new_tokens=max_new_tokens)):
+            if isinstance(event, TextChunk):
+                tokens += event.token_ids
+                pieces.append(event.text)
+            else:
+                return tokens, "".join(pieces), event
+    raise AssertionError("the stream ended without stats")
+
+
+def test_spec_bench_prompts_are_token_identical_to_plain_greedy(cluster: LocalCluster, target: Target) -> None:
+    prompts = spec_bench_prompts(per_category=1, categories=CATEGORIES)
+    assert len(prompts) == 5
+    drafted = 0
+    for record in prompts:
+        text = record["turns"][0]
+        tokens, streamed, stats = generate(cluster.coordinator_address, text, 64)
+        assert tokens == target.greedy(target.chat_ids(text), 64), record["category"]
+        assert streamed == target.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert stats.num_generated_tokens == len(tokens)
+        assert stats.num_rounds + stats.num_accepted_tokens >= len(tokens)
+        drafted += stats.num_draft_tokens
+        print(f"{record['category']}: {stats.summary()}")
+    assert drafted > 0
+
+
+def test_cli_streams_text_and_ends_with_stats(cluster: LocalCluster) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "client.cli", "generate", "Write a haiku about the sea", "--max-new-tokens", "24"],
+        env={**os.environ, "SPECSERVE_ADDR": cluster.coordinator_address},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert result.stdout.strip()
+    assert "24 tokens" in result.stderr and "tau" in result.stderr and "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "message"),
+    [
+        ({"prompt": ""}, "prompt is empty"),
+        ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens must be between 1 and"),
+        ({"prompt": "hi", "max_new_tokens": 100_000}, "max_new_tokens must be between 1 and"),
+        ({"prompt": "word " * 9000}, "exceeds the model's context"),
+        ({"prompt": "hi", "temperature": -1.0}, "temperature must be >= 0"),
+        ({"chat": [("robot", "hi")]}, "role 'robot'"),
+    ],
+)
+def test_bad_requests_are_invalid_argument_and_the_service_stays_up(
+    cluster: LocalCluster, request_kwargs: dict[str, object], message: str
+) -> None:
+    from client.sdk import build_request
+    from specserve.v1 import generation_pb2_grpc
+
+    params = GenerationParams(
+        max_new_tokens=int(request_kwargs.get("max_new_tokens", 8)),  # type: ignore[call-overload]
+        temperature=float(request_kwargs.get("temperature", 0.0)),  # type: ignore[arg-type]
+    )
+    request = build_request(request_kwargs.get("prompt"), request_kwargs.get("chat"), params)  # type: ignore[arg-type]
+    with grpc.insecure_channel(cluster.coordinator_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(request, timeout=60))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.value.details()
+    tokens, _, _ = generate(cluster.coordinator_address, "Say hi", 4)
+    assert len(tokens) > 0
+
+
+def test_verifier_rejects_unknown_sessions_and_malformed_trees(cluster: LocalCluster) -> None:
+    with grpc.insecure_channel(cluster.verifier_address) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Verify(verifier_pb2.VerifyRequest(session_id="nope", num_committed_tokens=1), timeout=30)
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.Prefill(verifier_pb2.PrefillRequest(session_id="t", token_ids=[1, 2, 3]), timeout=30)
+        bad_trees = {
+            "outside the vocabulary": common_pb2.TokenTree(token_ids=[1, 10**6], parents=[-1, 0]),
+            "parents must come before": common_pb2.TokenTree(token_ids=[1, 2], parents=[1, -1]),
+            "marked sampled": common_pb2.TokenTree(token_ids=[1], parents=[-1], sampled=[True]),
+            "same length": common_pb2.TokenTree(token_ids=[1, 2], parents=[-1]),
+        }
+        for message, tree in bad_trees.items():
+            with pytest.raises(grpc.RpcError) as error:
+                stub.Verify(verifier_pb2.VerifyRequest(session_id="t", num_committed_tokens=3, tree=tree), timeout=30)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in error.value.details()
+        info = stub.Info(verifier_pb2.InfoRequest(), timeout=30)
+        assert info.vocab_size == 49152 and info.max_session_tokens == 8192 and info.vocab_fingerprint
+        assert info.supports_branching and info.max_tree_depth > 0
+        assert stub.Release(verifier_pb2.ReleaseRequest(session_id="t"), timeout=30).released
+
+
+def test_drafter_stream_must_start_with_start(cluster: LocalCluster) -> None:
+    with grpc.insecure_channel(cluster.drafter_address) as channel:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        propose = drafter_pb2.DraftRequest(propose=drafter_pb2.ProposeTree(max_nodes=4))
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Draft(iter([propose]), timeout=30))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_killing_the_drafter_mid_generation_keeps_the_output_identical(cluster: LocalCluster, target: Target) -> None:
+    text = "Write a long story about a dragon who learns to read."
+    chunks_seen = threading.Event()
+    tokens: list[int] = []
+    stats: list[Stats] = []
+
+    def consume() -> None:
+        with SpecserveClient(cluster.coordinator_address) as client:
+            for event in client.generate_chat([("user", text)], GenerationParams(max_new_tokens=160)):
+                if isinstance(event, TextChunk):
+                    tokens.extend(event.token_ids)
+                    if len(tokens) >= 8:
+                        chunks_seen.set()
+                else:
+                    stats.append(event)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert chunks_seen.wait(timeout=120)
+    cluster.kill("drafter")
+    consumer.join(timeout=300)
+    assert not consumer.is_alive()
+    try:
+        assert tokens == target.greedy(target.chat_ids(text), 160)
+        assert stats and stats[0].num_rounds_without_drafter > 0
+        assert stats[0].drafter_error.startswith("drafter dropped")
+    finally:
+        cluster.start_drafter()
+
+
+def test_seeded_sampling_through_the_three_processes_is_plain_seeded_decoding(
+    cluster: LocalCluster, target: Target
+) -> None:
+    """A seed fixes the text even though the shared pool learns from the first run and drafts differently."""
+    text = "Tell me a short story about a cat."
+    params = GenerationParams(max_new_tokens=40, temperature=0.8, top_p=0.95, top_k=50, seed=1234)
+    runs = []
+    for _ in range(2):
+        tokens: list[int] = []
+        with SpecserveClient(cluster.coordinator_address) as client:
+            for event in client.generate_chat([("user", text)], params):
+                if isinstance(event, TextChunk):
+                    tokens += event.token_ids
+                else:
+                    stats = event
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+    sampling = SamplingParams(params.temperature, params.top_p, params.top_k, params.seed)
+    assert runs[0] == target.decode(target.chat_ids(text), params.max_new_tokens, sampling)
+    assert stats.num_generated_tokens == len(runs[0]) > 0
+    assert stats.finish_reason in ("length", "eos")

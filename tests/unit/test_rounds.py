@@ -1,0 +1,169 @@
+"""The round loop in one process (tiny random model): lossless whatever the drafter does."""
+
+import asyncio
+import random
+from collections.abc import Sequence
+
+import pytest
+
+from coordinator.inproc import InProcessDrafter, InProcessVerifier
+from coordinator.ports import DrafterFailed, DraftStream
+from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, RoundPolicy, TextChunk
+from draft_service.drafter import Drafter
+from specserve.acceptance import VerifyResult
+from specserve.draft_feedback import DraftFeedback
+from specserve.ngram_pool import InMemoryNgramPool
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
+from target_service.verifier import Verifier
+from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
+
+VOCAB = 16  # small, so the random model repeats itself and lookups hit
+MODEL = tiny_llama(vocab_size=VOCAB)
+
+
+def drafter() -> InProcessDrafter:
+    pool = InMemoryNgramPool()
+    return InProcessDrafter(Drafter(lambda fingerprint: pool))
+
+
+def run(generation: Generation) -> tuple[list[int], str, GenerationStats]:
+    async def collect() -> tuple[list[int], str, GenerationStats]:
+        tokens: list[int] = []
+        text = ""
+        async for event in generation.stream():
+            if isinstance(event, TextChunk):
+                tokens += event.token_ids
+                text += event.text
+            else:
+                return tokens, text, event
+        raise AssertionError("no stats at the end of the stream")
+
+    return asyncio.run(collect())
+
+
+def generation(request: GenerationRequest, verifier: object = None, draft: object = None, eos: int = -1) -> Generation:
+    return Generation(
+        request,
+        verifier or InProcessVerifier(Verifier(MODEL, "fp")),  # type: ignore[arg-type]
+        draft if draft is not None else drafter(),  # type: ignore[arg-type]
+        CharTokenizer(),
+        frozenset({eos}),
+        "fp",
+        RoundPolicy(draft_max_nodes=6),
+    )
+
+
+def test_greedy_output_is_token_identical_to_plain_decoding() -> None:
+    rng = random.Random(0)
+    draft_tokens = 0
+    for _ in range(25):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
+        tokens, text, stats = run(generation(GenerationRequest(prompt, 48)))
+        assert tokens == plain_greedy(MODEL, prompt, 48)
+        assert text == CharTokenizer().decode(tokens)
+        assert stats.num_generated_tokens == 48
+        assert stats.num_rounds == 48 - stats.num_accepted_tokens
+        draft_tokens += stats.num_draft_tokens
+    assert draft_tokens > 0  # the drafter did propose: identity is not vacuous
+
+
+class FailingAfter:
+    """A draft stream that works for ``rounds`` proposals, then fails like a killed drafter."""
+
+    def __init__(self, inner: DraftStream, rounds: int) -> None:
+        self._inner = inner
+        self._rounds = rounds
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
+        if self._rounds == 0:
+            raise DrafterFailed("drafter at 127.0.0.1:1 failed: UNAVAILABLE: connection reset")
+        self._rounds -= 1
+        return await self._inner.propose(feedback, max_nodes)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class FlakyDrafter:
+    def __init__(self, rounds: int) -> None:
+        self._inner = drafter()
+        self._rounds = rounds
+
+    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream:
+        return FailingAfter(await self._inner.open(session_id, prompt_tokens, vocab_fingerprint), self._rounds)
+
+
+def test_drafter_failing_mid_request_keeps_the_output_identical() -> None:
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    tokens, _, stats = run(generation(GenerationRequest(prompt, 40), draft=FlakyDrafter(rounds=3)))
+    assert tokens == plain_greedy(MODEL, prompt, 40)
+    assert "connection reset" in stats.drafter_error
+    assert stats.num_rounds_without_drafter > 0
+
+
+def test_without_a_drafter_every_round_is_plain_decoding() -> None:
+    prompt = [4, 5, 6]
+    g = generation(GenerationRequest(prompt, 10))
+    g.drafter = None
+    tokens, _, stats = run(g)
+    assert tokens == plain_greedy(MODEL, prompt, 10)
+    assert (stats.num_rounds, stats.num_rounds_without_drafter, stats.num_draft_tokens) == (10, 10, 0)
+
+
+class ForgetfulVerifier(InProcessVerifier):
+    """Loses the session every few verifies, as eviction or a restart would."""
+
+    def __init__(self, verifier: Verifier, every: int) -> None:
+        super().__init__(verifier)
+        self._verifier_ref = verifier
+        self._every = every
+        self._calls = 0
+
+    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
+        self._calls += 1
+        if self._calls % self._every == 0:
+            self._verifier_ref.release(session_id)
+        return await super().verify(session_id, num_committed, tree, top_k)
+
+
+def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -> None:
+    prompt = [7, 8, 9, 7, 8]
+    verifier = ForgetfulVerifier(Verifier(MODEL, "fp"), every=3)
+    tokens, _, stats = run(generation(GenerationRequest(prompt, 40), verifier=verifier))
+    assert tokens == plain_greedy(MODEL, prompt, 40)
+    assert stats.num_reprefills >= 3
+
+
+def test_eos_ends_the_generation_and_is_not_streamed() -> None:
+    prompt = [1, 2, 3]
+    reference = plain_greedy(MODEL, prompt, 30)
+    eos = reference[10]
+    tokens, _, stats = run(generation(GenerationRequest(prompt, 30), eos=eos))
+    assert tokens == reference[: reference.index(eos)]
+    assert stats.finish_reason is FinishReason.EOS
+
+
+def test_stop_string_cuts_text_before_it() -> None:
+    prompt = [1, 2, 3]
+    reference_text = CharTokenizer().decode(plain_greedy(MODEL, prompt, 30))
+    stop = reference_text[12:14]
+    _, text, stats = run(generation(GenerationRequest(prompt, 30, stop=(stop,))))
+    assert text == reference_text[: reference_text.index(stop)]
+    assert stats.finish_reason is FinishReason.STOP
+
+
+def test_sampling_runs_through_the_loop_reproducibly() -> None:
+    prompt = [1, 2, 3, 1, 2, 3]
+    request = GenerationRequest(prompt, 30, SamplingParams(temperature=0.8, top_k=8, seed=7))
+    first, _, _ = run(generation(request))
+    second, _, _ = run(generation(request))
+    assert first == second
+    assert len(first) == 30
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7])
+def test_exactly_max_new_tokens(max_new_tokens: int) -> None:
+    tokens, _, stats = run(generation(GenerationRequest([1, 2, 1, 2, 1, 2], max_new_tokens)))
+    assert len(tokens) == max_new_tokens
+    assert stats.finish_reason is FinishReason.LENGTH

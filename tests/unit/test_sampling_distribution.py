@@ -1,0 +1,160 @@
+"""Losslessness of speculative sampling, measured as in the literature.
+
+With a tiny random target (vocabulary 8) we draw many first-two-token
+continuations through tree verification and compare their empirical joint
+distribution with the target's exact one, p(x1) p(x2 | x1): total-variation
+distance and a chi-square test. Trees have several branches; drafts are
+either deterministic (one-hot q, as n-gram sources give) or sampled without
+replacement from a draft model's sparse distribution q (as the model drafter
+gives). A draft that is fresh each trial is what the guarantee is about, so
+every trial builds a new tree. Deterministic trees go through the keyed
+inverse-CDF rule, sampled ones through recursive rejection sampling; both
+must give p.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specserve.acceptance import accept_sampled
+from specserve.keyed_noise import PositionNoise
+from specserve.sampling import SamplingParams, target_probs
+from specserve.token_tree import DraftDistribution, TokenTree
+from target_service.verifier import Verifier
+from tests.conftest import tiny_llama
+
+VOCAB = 8
+PROMPT = [1, 2, 3]
+SAMPLING = SamplingParams(temperature=1.0, top_k=6)
+TRIALS = 200_000
+TARGET = tiny_llama(vocab_size=VOCAB, seed=1)
+DRAFT = tiny_llama(vocab_size=VOCAB, seed=2)  # a different model: q differs from p
+
+
+@torch.inference_mode()
+def probs_table(model: torch.nn.Module, params: SamplingParams, depth: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """Distribution after PROMPT + every suffix of length < depth."""
+    table = {}
+    for length in range(depth):
+        for suffix in itertools.product(range(VOCAB), repeat=length):
+            logits = model(input_ids=torch.tensor([PROMPT + list(suffix)])).logits[0, -1:]
+            table[suffix] = target_probs(logits, params)[0].double()
+    return table
+
+
+P = probs_table(TARGET, SAMPLING, depth=3)
+Q = probs_table(DRAFT, SamplingParams(temperature=1.0, top_k=4), depth=2)  # sparse: 4 tokens
+
+
+def exact_joint() -> np.ndarray:
+    return np.array([[float(P[()][a] * P[(a,)][b]) for b in range(VOCAB)] for a in range(VOCAB)])
+
+
+def deterministic_tree(rng: torch.Generator) -> TokenTree:
+    """Three root branches with two children each; tokens fixed per trial but arbitrary."""
+    roots = torch.randperm(VOCAB, generator=rng)[:3].tolist()
+    tokens, parents = list(roots), [-1, -1, -1]
+    for i in range(3):
+        for token in torch.randperm(VOCAB, generator=rng)[:2].tolist():
+            tokens.append(token)
+            parents.append(i)
+    return TokenTree(tuple(tokens), tuple(parents))
+
+
+def sampled_tree(rng: torch.Generator) -> TokenTree:
+    """Root children sampled from q without replacement, then two sampled children each, plus one n-gram node."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    sampled: list[bool] = []
+    dists: list[DraftDistribution] = []
+
+    def draw(parent: int, context: tuple[int, ...], k: int) -> list[int]:
+        q = Q[context]
+        support = torch.nonzero(q).flatten().tolist()
+        dists.append(DraftDistribution(parent, tuple(support), tuple(float(q[t]) for t in support)))
+        picks = torch.multinomial(q.float(), k, replacement=False, generator=rng).tolist()
+        nodes = []
+        for token in picks:
+            nodes.append(len(tokens))
+            tokens.append(token)
+            parents.append(parent)
+            sampled.append(True)
+        return nodes
+
+    for node in draw(-1, (), 3):
+        draw(node, (tokens[node],), 2)
+    # A deterministic sibling among sampled ones (the merged-sources case).
+    tokens.append(int(torch.randint(VOCAB, (), generator=rng)))
+    parents.append(-1)
+    sampled.append(False)
+    return TokenTree(tuple(tokens), tuple(parents), tuple(sampled), tuple(dists))
+
+
+def rows_for(tree: TokenTree) -> torch.Tensor:
+    rows = [P[()]]
+    for node in range(len(tree)):
+        rows.append(P[tuple(tree.token_ids[i] for i in tree.path_to(node))])
+    return torch.stack(rows)
+
+
+def empirical_joint(make_tree: object, seed: int) -> tuple[np.ndarray, int]:
+    """Each trial is a request of its own seed; the draft trees come from an unrelated generator."""
+    rng = torch.Generator().manual_seed(seed)
+    counts = np.zeros((VOCAB, VOCAB))
+    tokens = 0
+    for trial in range(TRIALS):
+        tree = make_tree(rng)  # type: ignore[operator]
+        tree.validate(VOCAB, max_nodes=64)
+        noise = PositionNoise(seed * TRIALS + trial, first_position=len(PROMPT))
+        result = accept_sampled(tree, rows_for(tree), noise)
+        committed = [tree.token_ids[n] for n in result.path] + [result.bonus_token]
+        tokens += len(committed)
+        if len(committed) == 1:  # the next round draws x2 at the next position, as plain decoding would
+            committed.append(noise.sample(P[(committed[0],)], 1))
+        counts[committed[0], committed[1]] += 1
+    return counts, tokens
+
+
+@pytest.mark.parametrize(("make_tree", "label"), [(deterministic_tree, "one-hot q"), (sampled_tree, "model q")])
+def test_speculative_sampling_matches_the_target_distribution(make_tree: object, label: str) -> None:
+    counts, tokens = empirical_joint(make_tree, seed=1234)
+    expected = exact_joint() * TRIALS
+    tv = 0.5 * np.abs(counts / TRIALS - expected / TRIALS).sum()
+    keep = expected.flatten() > 0
+    assert counts.flatten()[~keep].sum() == 0, "a token with zero target probability was produced"
+    observed, wanted = counts.flatten()[keep], expected.flatten()[keep]
+    statistic, p_value = chisquare(observed, wanted * observed.sum() / wanted.sum())
+    print(f"{label}: {tokens} tokens committed in {TRIALS} trials, TV {tv:.4f}, chi2 {statistic:.1f}, p {p_value:.3f}")
+    assert tokens >= TRIALS
+    assert tv < 0.01
+    assert p_value > 0.001
+
+
+def test_a_wrong_acceptance_rule_is_detected() -> None:
+    """The check has teeth: always accepting the first draft token is far from p."""
+    rng = torch.Generator().manual_seed(0)
+    counts = np.zeros((VOCAB, VOCAB))
+    n = 20_000
+    for _ in range(n):
+        tree = deterministic_tree(rng)
+        x1 = tree.token_ids[0]
+        x2 = int(torch.multinomial(P[(x1,)], 1, generator=rng))
+        counts[x1, x2] += 1
+    tv = 0.5 * np.abs(counts / n - exact_joint()).sum()
+    assert tv > 0.05
+
+
+def test_tree_rows_of_the_verifier_match_the_probability_table() -> None:
+    """The rows used above are the verifier's own tree-forward rows."""
+    verifier = Verifier(TARGET, "fp")
+    verifier.prefill("s", PROMPT, SAMPLING)
+    session = verifier._sessions.get("s")
+    assert session is not None
+    tree = deterministic_tree(torch.Generator().manual_seed(5))
+    rows = target_probs(verifier._forward_tree(session, tree), SAMPLING).double()
+    torch.testing.assert_close(rows, rows_for(tree), rtol=1e-4, atol=1e-5)
