@@ -54,12 +54,14 @@ def expand_categories(names: Iterable[str]) -> list[str]:
     return expanded
 
 
-def select(questions: Sequence[Question], categories: Sequence[str], per_category: int) -> list[Question]:
-    """The first ``per_category`` questions of each category, round-robin over categories.
+def select(
+    questions: Sequence[Question], categories: Sequence[str], per_category: int, skip: int = 0
+) -> list[Question]:
+    """``per_category`` questions of each category after its first ``skip``, round-robin over categories.
 
     Round-robin order spreads slow machine drift (and a run cut short) over
     every category instead of concentrating it on the last ones.
     """
-    by_category = {c: [q for q in questions if q.category == c][:per_category] for c in categories}
+    by_category = {c: [q for q in questions if q.category == c][skip : skip + per_category] for c in categories}
     rounds = itertools.zip_longest(*by_category.values())
     return [q for row in rounds for q in row if q is not None]

@@ -58,6 +58,7 @@ class Outcome:
 
 class Mode(Protocol):
     name: str
+    learns: bool  # its drafts improve with traffic (n-gram pools): a warm-pool pass is worth running
 
     def run(self, prompt: Prompt) -> Outcome: ...
 
@@ -72,6 +73,7 @@ class BaselineMode:
     """The project's plain decoding loop: one target forward per token."""
 
     name = "baseline"
+    learns = False
 
     def __init__(self, model: Any, eos_ids: frozenset[int]) -> None:
         self._model = model
@@ -96,6 +98,7 @@ class HfPromptLookupMode:
     """transformers ``generate(prompt_lookup_num_tokens=...)``: what a user would pick instead."""
 
     name = "hf-pld"
+    learns = False
 
     def __init__(self, model: Any, eos_ids: frozenset[int], num_tokens: int = 10) -> None:
         self._model = model
@@ -156,6 +159,7 @@ class InProcessMode:
         sources: tuple[str, ...] = DrafterConfig().sources,
     ) -> None:
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
+        self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
         self._verifier = Verifier.from_config(model, fingerprint, VerifierConfig())
         info = verifier_info(self._verifier)
@@ -199,6 +203,7 @@ class DistributedMode:
     """The three specserve processes over gRPC on loopback, through the client SDK."""
 
     name = "distributed"
+    learns = True
 
     def __init__(self, address: str, reset_pool: Callable[[], None] | None = None) -> None:
         self._client = SpecserveClient(address, timeout_s=600.0)

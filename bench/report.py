@@ -179,6 +179,13 @@ def markdown(
     present = {s.group for s in summaries}
     mt = [c for c in MT_BENCH_CATEGORIES if c in present]
     decoding = "greedy" if settings["temperature"] == 0 else f"sampling at temperature {settings['temperature']}"
+    warm = settings.get("warm_pool_prompts_per_category", 0)
+    pools = (
+        f"Warm pools: {settings.get('warm_pool_prompts', 0)} other prompts ({warm} per category) ran through the "
+        "specserve modes before measuring. "
+        if warm
+        else "Cold pools: every specserve mode starts from empty n-gram pools. "
+    )
     lines = [
         "# specserve on Spec-Bench",
         "",
@@ -187,7 +194,7 @@ def markdown(
         f"modes interleaved prompt by prompt. Machine: {machine['cpu_model']}, "
         f"{machine['cpus_available']} CPUs available, torch {machine['torch_version']} with "
         f"{machine['torch_threads']} threads, load average {_load(machine)}. "
-        f"n-gram pool of `distributed`: {settings['distributed_pool']}. "
+        f"n-gram pool of `distributed`: {settings['distributed_pool']}. {pools}"
         f"Run {meta['started_at']}, commit {machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}.",
         "",
         "Speedup is baseline time / mode time on the same prompts (ratio of total times); "

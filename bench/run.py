@@ -111,6 +111,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--keep-pool", action="store_true", help="do not empty the Redis n-gram pool first (a warm pool)"
     )
     parser.add_argument(
+        "--warm-pool",
+        type=int,
+        default=0,
+        metavar="N",
+        help="before measuring, run N other prompts per category through the modes that learn (their n-gram "
+        "pools then hold that traffic); these prompts are not measured",
+    )
+    parser.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a TTY)"
     )
     args = parser.parse_args(argv)
@@ -125,6 +133,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(str(exc))
     if args.prompts_per_category < 1 or args.max_new_tokens < 1 or args.torch_threads < 1:
         parser.error("--prompts-per-category, --max-new-tokens and --torch-threads must be at least 1")
+    if args.warm_pool < 0:
+        parser.error("--warm-pool must be at least 0")
     return args
 
 
@@ -205,6 +215,24 @@ def _pool_reset(pool: PoolBackend, target: Target, keep: bool) -> Callable[[], N
     return reset
 
 
+def fill_pools(
+    target: Target,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    sampling: Callable[[int], SamplingParams],
+    modes: Sequence[Mode],
+    disable_progress: bool | None,
+) -> None:
+    """The warm-pool pass: unmeasured prompts through every mode that learns from traffic."""
+    learners = [mode for mode in modes if mode.learns]
+    with tqdm(total=len(questions) * len(learners), unit="gen", desc="warm pool", disable=disable_progress) as bar:
+        for question in questions:
+            prompt = make_prompt(target, question.text, max_new_tokens, sampling(question.question_id))
+            for mode in learners:
+                mode.run(prompt)
+                bar.update()
+
+
 def run_prompt(
     index: int, question: Question, prompt: Prompt, modes: Sequence[Mode], target: Target, progress: tqdm
 ) -> list[Record]:
@@ -265,7 +293,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    questions = select(load_questions(), args.categories, args.prompts_per_category)
+    all_questions = load_questions()
+    questions = select(all_questions, args.categories, args.prompts_per_category)
+    warm_questions = select(all_questions, args.categories, args.warm_pool, skip=args.prompts_per_category)
     target = load_target(args.model)
 
     def sampling(question_id: int) -> SamplingParams:
@@ -296,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "draft_timeout_ms": policy.draft_timeout_ms,
             "distributed_pool": pool.description,
             "pool_emptied_before_measuring": pool.redis_url is not None and not args.keep_pool,
+            "warm_pool_prompts_per_category": args.warm_pool,
+            "warm_pool_prompts": len(warm_questions),
+            "warm_pool_question_ids": [q.question_id for q in warm_questions],
             "eos_token_ids": sorted(target.eos_ids),
         },
         "machine": machine.describe(),
@@ -316,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode.run(warm_up)
             mode.reset()
         disable = None if args.progress is None else not args.progress
+        if warm_questions:
+            fill_pools(target, warm_questions, args.max_new_tokens, sampling, modes, disable)
         progress = stack.enter_context(tqdm(total=len(prompts) * len(modes), unit="gen", disable=disable))
         try:
             for index, (question, prompt) in enumerate(zip(questions, prompts, strict=True)):

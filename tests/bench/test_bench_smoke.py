@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from bench import run
+from bench.dataset import load_questions
 from bench.modes import DEFAULT_MODES
 from specserve.model_loading import ModelNotFoundError, resolve_model
 
@@ -44,6 +45,8 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(MAX_NEW_TOKENS),
             "--redis-url",
             SMOKE_REDIS_URL,
+            "--warm-pool",
+            "1",
             "--no-progress",
             "--out-dir",
             str(out),
@@ -159,3 +162,13 @@ def test_identical_counts_match_the_records(result: dict[str, Any]) -> None:
             assert s["compared"] == len(flags[(mode, category)]) == PROMPTS_PER_CATEGORY
         overall = summary(result, mode, "overall")
         assert overall["identical"] == sum(sum(flags[(mode, c)]) for c in CATEGORIES)
+
+
+def test_the_warm_pool_pass_uses_other_prompts_of_the_same_categories(result: dict[str, Any]) -> None:
+    settings = result["meta"]["settings"]
+    warm = settings["warm_pool_question_ids"]
+    assert settings["warm_pool_prompts_per_category"] == 1 and len(warm) == len(CATEGORIES)
+    measured = {r["question_id"] for r in result["records"]}
+    assert not measured & set(warm)
+    by_id = {q.question_id: q.category for q in load_questions()}
+    assert sorted(by_id[q] for q in warm) == sorted(CATEGORIES)
