@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all venv proto run test unit integration lint bench bench-verify-cost clean
+.PHONY: all venv proto run test unit integration lint bench bench-verify-cost train-draft clean
 
 all: proto
 
@@ -46,6 +46,12 @@ integration: proto
 
 test: lint helm-tools
 	$(PY) -m pytest -q tests
+
+# Distil the target into the drafter's draft head (resumable; at most about an hour on 2 CPU cores).
+#   make train-draft TRAIN_DRAFT_ARGS="--prompts 64 --max-minutes 2 --out /tmp/head.pt"   (a quick try)
+TRAIN_DRAFT_ARGS ?=
+train-draft: proto
+	$(PY) -m draft_service.training $(TRAIN_DRAFT_ARGS)
 
 include deploy/helm.mk
 include bench/bench.mk

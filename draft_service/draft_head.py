@@ -1,0 +1,180 @@
+"""An EAGLE-style draft head: one decoder layer that predicts the target's next hidden feature.
+
+The target's last hidden state f_t (after its final norm) at position t is
+what its LM head turns into the token x_{t+1}. The head reads f_t together
+with the embedding of x_{t+1} and predicts f_{t+1}; the target's own LM head
+rows, restricted to a reduced draft vocabulary (the most frequent tokens of
+the training data, as EAGLE-3 and FR-Spec do), turn that prediction into
+draft logits for x_{t+2}. Drafting deeper feeds the predicted feature back in
+(Li et al. 2024, "EAGLE"). The verifier still checks against the full
+vocabulary, so a reduced draft vocabulary costs acceptance, never exactness.
+
+Only the head's own weights are stored (``save``): the embedding and LM head
+rows come from the target at load time, which the fingerprint check ties to
+the vocabulary the head was trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaModel
+
+FORMAT_VERSION = 1
+
+
+class DraftHeadError(ValueError):
+    """A weight file that cannot serve this target: missing, corrupt, or trained for another one."""
+
+
+@dataclass(frozen=True)
+class DraftHeadConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    draft_vocab_size: int
+
+    @classmethod
+    def for_target(cls, target_config: Any, draft_vocab_size: int, intermediate_size: int = 0) -> DraftHeadConfig:
+        """A head shaped like one layer of ``target_config`` (intermediate size overridable)."""
+        rope = getattr(target_config, "rope_theta", None)
+        if rope is None:  # newer transformers keep it in rope_parameters
+            rope = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(
+            hidden_size=int(target_config.hidden_size),
+            intermediate_size=intermediate_size or int(target_config.intermediate_size),
+            num_attention_heads=int(target_config.num_attention_heads),
+            num_key_value_heads=int(getattr(target_config, "num_key_value_heads", target_config.num_attention_heads)),
+            rope_theta=float(rope),
+            rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 2048)),
+            draft_vocab_size=draft_vocab_size,
+        )
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            vocab_size=1,  # the body never embeds tokens itself: it gets inputs_embeds
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    features: torch.Tensor  # [batch, n, hidden]: predicted f_{t+1}
+    logits: torch.Tensor  # [batch, n, draft_vocab]: draft logits for x_{t+2}
+    past_key_values: Any
+
+
+class DraftHead(nn.Module):
+    """fc(concat(f_t, embed(x_{t+1}))) -> one Llama decoder layer -> f^_{t+1} -> reduced LM head."""
+
+    embedding: torch.Tensor
+    draft_lm_head: torch.Tensor
+    draft_vocab: torch.Tensor
+
+    def __init__(
+        self,
+        config: DraftHeadConfig,
+        embedding: torch.Tensor,  # [vocab, hidden]: the target's input embedding (frozen)
+        lm_head: torch.Tensor,  # [vocab, hidden]: the target's LM head (frozen)
+        draft_vocab: torch.Tensor,  # [draft_vocab]: target token id of each draft logit
+    ) -> None:
+        super().__init__()
+        if draft_vocab.numel() != config.draft_vocab_size:
+            raise DraftHeadError(f"{draft_vocab.numel()} draft vocabulary ids for a head of {config.draft_vocab_size}")
+        if embedding.shape[1] != config.hidden_size or lm_head.shape[1] != config.hidden_size:
+            raise DraftHeadError(
+                f"the target's hidden size is {embedding.shape[1]}, the head was built for {config.hidden_size}"
+            )
+        if int(draft_vocab.max()) >= lm_head.shape[0]:
+            raise DraftHeadError(f"draft vocabulary id {int(draft_vocab.max())} is outside the target's vocabulary")
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.body = LlamaModel(config.llama_config())
+        del self.body.embed_tokens  # unused: saves a parameter nobody trains
+        self.register_buffer("embedding", embedding.detach(), persistent=False)
+        self.register_buffer("draft_lm_head", lm_head.detach()[draft_vocab].clone(), persistent=False)
+        self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [batch, n, hidden]: f_t
+        next_tokens: torch.Tensor,  # [batch, n]: x_{t+1}
+        position_ids: torch.Tensor | None = None,  # [batch, n]
+        past_key_values: Any = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> HeadOutput:
+        embedded = self.embedding[next_tokens].to(features.dtype)
+        hidden = self.fc(torch.cat([features, embedded], dim=-1))
+        out = self.body(
+            inputs_embeds=hidden,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            use_cache=past_key_values is not None,
+        )
+        predicted = out.last_hidden_state
+        return HeadOutput(predicted, predicted @ self.draft_lm_head.T, out.past_key_values)
+
+    def save(self, path: Path, *, target_fingerprint: str, metadata: dict[str, Any] | None = None) -> None:
+        """Weights in bfloat16 with the config, draft vocabulary and target fingerprint."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # The target's embedding and LM head are non-persistent buffers: only the head's own weights are stored.
+        state = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in self.state_dict().items()}
+        payload = {
+            "format_version": FORMAT_VERSION,
+            "config": asdict(self.config),
+            "target_fingerprint": target_fingerprint,
+            "draft_vocab": self.draft_vocab.to(torch.int32).cpu(),
+            "state": state,
+            "metadata": metadata or {},
+        }
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(path)
+
+
+def load_draft_head(
+    path: Path, *, target_fingerprint: str, embedding: torch.Tensor, lm_head: torch.Tensor
+) -> tuple[DraftHead, dict[str, Any]]:
+    """The head stored at ``path`` over this target's embedding and LM head; its metadata.
+
+    Raises DraftHeadError naming the problem when the file is missing, not a
+    draft head, trained for another vocabulary, or shaped for another target.
+    """
+    if not path.is_file():
+        raise DraftHeadError(f"no draft head weights at {path}: run `make train-draft` or pass another file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a corrupt file
+        raise DraftHeadError(f"{path} is not a readable draft head file: {exc}") from exc
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
+        raise DraftHeadError(f"{path} is not a draft head file of format version {FORMAT_VERSION}")
+    if payload["target_fingerprint"] != target_fingerprint:
+        raise DraftHeadError(
+            f"{path} was trained for the target vocabulary {payload['target_fingerprint']}, "
+            f"this target's is {target_fingerprint}: train a head for this target (`make train-draft`)"
+        )
+    config = DraftHeadConfig(**payload["config"])
+    head = DraftHead(config, embedding, lm_head, payload["draft_vocab"].long())
+    state = {name: t.float() if t.is_floating_point() else t for name, t in payload["state"].items()}
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as exc:
+        raise DraftHeadError(f"{path} does not fit this head's shape: {exc}") from exc
+    return head.eval(), dict(payload.get("metadata", {}))
