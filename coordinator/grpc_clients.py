@@ -6,15 +6,16 @@ import asyncio
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 
 from coordinator.ports import DrafterFailed, VerifierInfo
 from specserve import errors
-from specserve.acceptance import VerifyResult
+from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specserve.wire import sampling_to_proto, tree_from_proto, tree_to_proto
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specserve.wire import features_from_proto, features_to_proto, sampling_to_proto, tree_from_proto, tree_to_proto
 
 _DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -51,19 +52,30 @@ class GrpcVerifier:
             supports_branching=r.supports_branching,
         )
 
-    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
+    async def prefill(
+        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
         request = verifier_pb2.PrefillRequest(
-            session_id=session_id, token_ids=token_ids, sampling=sampling_to_proto(sampling)
+            session_id=session_id,
+            token_ids=token_ids,
+            sampling=sampling_to_proto(sampling),
+            return_features=return_features,
         )
         try:
             response = await self._stub.Prefill(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
-        return int(response.prefill_ns)
+        return PrefillResult(int(response.prefill_ns), self._features(response.features))
 
-    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
         request = verifier_pb2.VerifyRequest(
-            session_id=session_id, num_committed_tokens=num_committed, tree=tree_to_proto(tree), top_k=top_k
+            session_id=session_id,
+            num_committed_tokens=num_committed,
+            tree=tree_to_proto(tree),
+            top_k=top_k,
+            return_features=return_features,
         )
         try:
             r = await self._stub.Verify(request, timeout=self._timeout_s)
@@ -72,8 +84,19 @@ class GrpcVerifier:
         flat = list(r.top_token_ids)
         rows = [flat[i : i + top_k] for i in range(0, len(flat), top_k)] if top_k > 0 else []
         return VerifyResult(
-            list(r.accepted_token_ids), list(r.accepted_node_indices), r.bonus_token_id, r.verify_ns, rows
+            list(r.accepted_token_ids),
+            list(r.accepted_node_indices),
+            r.bonus_token_id,
+            r.verify_ns,
+            rows,
+            self._features(r.features),
         )
+
+    def _features(self, message: common_pb2.HiddenFeatures) -> np.ndarray | None:
+        try:
+            return features_from_proto(message)
+        except ValueError as exc:
+            raise errors.Unavailable(f"verifier at {self._target} sent malformed features: {exc}") from exc
 
     async def release(self, session_id: str) -> None:
         try:
@@ -85,9 +108,10 @@ class GrpcVerifier:
 class GrpcDraftStream:
     """One session's bidirectional Draft stream: write a request, read its answer."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, target: str) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, target: str, wants_features: bool) -> None:
         self._call = call
         self._target = target
+        self.wants_features = wants_features
 
     async def _write(self, request: drafter_pb2.DraftRequest) -> None:
         try:
@@ -106,7 +130,12 @@ class GrpcDraftStream:
             drafter_pb2.TokenSuccessors(token_id=token, next_token_ids=following)
             for token, following in feedback.successors
         ]
-        propose = drafter_pb2.ProposeTree(new_token_ids=feedback.new_tokens, max_nodes=max_nodes, successors=successors)
+        propose = drafter_pb2.ProposeTree(
+            new_token_ids=feedback.new_tokens,
+            max_nodes=max_nodes,
+            successors=successors,
+            features=features_to_proto(feedback.features),
+        )
         await self._write(drafter_pb2.DraftRequest(propose=propose))
         try:
             response = await self._call.read()
@@ -125,11 +154,17 @@ class GrpcDrafter:
     def __init__(self, channel: grpc.aio.Channel, target: str) -> None:
         self._stub = drafter_pb2_grpc.DrafterServiceStub(channel)
         self._target = target
+        self._wants_features: bool | None = None  # learnt from DrafterInfo on the first open
 
     async def info(self) -> drafter_pb2.DrafterInfoResponse:
         return await self._stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=5.0)
 
     async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> GrpcDraftStream:
-        stream = GrpcDraftStream(self._stub.Draft(), self._target)
+        if self._wants_features is None:
+            try:
+                self._wants_features = (await self.info()).wants_features
+            except grpc.aio.AioRpcError as exc:
+                raise DrafterFailed(f"drafter at {self._target}: {exc.code().name}: {exc.details()}") from exc
+        stream = GrpcDraftStream(self._stub.Draft(), self._target, self._wants_features)
         await stream.start(session_id, prompt_tokens, vocab_fingerprint)
         return stream

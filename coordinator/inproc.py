@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.ports import VerifierInfo
+from coordinator.ports import DrafterFailed, VerifierInfo
 from draft_service.drafter import Drafter, DraftSession
-from specserve.acceptance import VerifyResult
+from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -35,11 +35,15 @@ class InProcessVerifier:
     async def info(self) -> VerifierInfo:
         return verifier_info(self._verifier)
 
-    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
-        return self._verifier.prefill(session_id, list(token_ids), sampling)
+    async def prefill(
+        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
+        return self._verifier.prefill(session_id, list(token_ids), sampling, return_features)
 
-    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
-        return self._verifier.verify(session_id, num_committed, tree, top_k)
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
+        return self._verifier.verify(session_id, num_committed, tree, top_k, return_features)
 
     async def release(self, session_id: str) -> None:
         self._verifier.release(session_id)
@@ -48,6 +52,7 @@ class InProcessVerifier:
 class _InProcessDraftStream:
     def __init__(self, session: DraftSession) -> None:
         self._session = session
+        self.wants_features = session.wants_features
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
         return self._session.propose(feedback, max_nodes)
@@ -63,4 +68,7 @@ class InProcessDrafter:
     async def open(
         self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str
     ) -> _InProcessDraftStream:
-        return _InProcessDraftStream(self._drafter.open_session(session_id, prompt_tokens, vocab_fingerprint))
+        try:
+            return _InProcessDraftStream(self._drafter.open_session(session_id, prompt_tokens, vocab_fingerprint))
+        except ValueError as exc:  # the drafter cannot serve this session (a draft head for another vocabulary)
+            raise DrafterFailed(str(exc)) from exc

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specserve.acceptance import VerifyResult
+from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback
 from specserve.errors import SpecserveError
 from specserve.sampling import SamplingParams
@@ -42,18 +42,26 @@ class VerifierInfo:
 class VerifierPort(Protocol):
     async def info(self) -> VerifierInfo: ...
 
-    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
-        """Create the session; returns nanoseconds the verifier spent."""
+    async def prefill(
+        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
+        """Create the session (with the target's features at the cached positions when asked)."""
         ...
 
-    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
-        """Verify ``tree``; ``top_k`` > 0 also asks for the target's top next tokens per scored position."""
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
+        """Verify ``tree``; ``top_k`` > 0 also asks for the target's top next tokens per scored position,
+        ``return_features`` for its hidden states at the committed positions."""
         ...
 
     async def release(self, session_id: str) -> None: ...
 
 
 class DraftStream(Protocol):
+    # The drafter drafts from the target's features: the round loop asks the verifier for them and forwards them.
+    wants_features: bool
+
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
         """Report the last round and get a tree (max_nodes 0: report only); returns (tree, ns)."""
         ...

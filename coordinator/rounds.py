@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from coordinator.ports import DrafterFailed, DrafterPort, DraftStream, VerifierPort
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from specserve.acceptance import VerifyResult
@@ -107,6 +109,7 @@ class Generation:
         self._draft: DraftStream | None = None
         self._unreported: list[int] = []  # committed tokens the drafter has not been told about
         self._successors: list[tuple[int, tuple[int, ...]]] = []  # last round's target top tokens
+        self._unreported_features: list[np.ndarray] = []  # target features the drafter has not had
         self.stats.num_prompt_tokens = len(self.request.prompt_ids)
 
     async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
@@ -114,8 +117,12 @@ class Generation:
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
         stop = StopMatcher(self.request.stop)
         try:
-            self.stats.verify_ns += await self.verifier.prefill(self.session_id, self._committed, self.request.sampling)
             await self._open_drafter()
+            prefill = await self.verifier.prefill(
+                self.session_id, self._committed, self.request.sampling, self._wants_features
+            )
+            self.stats.verify_ns += prefill.prefill_ns
+            self._keep_features(prefill.features, len(self._committed) - 1)
             generated = 0
             while True:
                 new_tokens = await self._round(self.request.max_new_tokens - generated)
@@ -162,6 +169,8 @@ class Generation:
         new_tokens = result.committed[:remaining]
         self._committed.extend(new_tokens)
         self._unreported.extend(new_tokens)
+        # Row i is the feature at the position before new token i: one row per new token.
+        self._keep_features(result.features, len(new_tokens))
         return new_tokens
 
     async def _open_drafter(self) -> None:
@@ -200,25 +209,43 @@ class Generation:
         finally:
             self.stats.draft_ns += time.perf_counter_ns() - started
 
+    @property
+    def _wants_features(self) -> bool:
+        return self._draft is not None and self._draft.wants_features
+
+    def _keep_features(self, features: np.ndarray | None, rows: int) -> None:
+        """Queue the target's features for the drafter; it must get exactly ``rows`` of them."""
+        if not self._wants_features:
+            return
+        if features is None or features.shape[0] < rows:
+            # The drafter's model cannot follow without them; the request goes on without the drafter.
+            got = "no" if features is None else features.shape[0]
+            self._drop_drafter(DrafterFailed(f"the verifier returned {got} feature rows where {rows} were expected"))
+            return
+        self._unreported_features.append(features[:rows])
+
     def _feedback(self) -> DraftFeedback:
         """The last round's report for the drafter; taking it marks it as sent."""
-        feedback = DraftFeedback(tuple(self._unreported), tuple(self._successors))
-        self._unreported, self._successors = [], []
+        features = np.concatenate(self._unreported_features) if self._unreported_features else None
+        feedback = DraftFeedback(tuple(self._unreported), tuple(self._successors), features)
+        self._unreported, self._successors, self._unreported_features = [], [], []
         return feedback
 
     async def _verify(self, tree: TokenTree) -> VerifyResult:
         top_k = self.policy.successors_top_k if self._draft is not None else 0
         for _ in range(self.policy.max_reprefills_per_round):
             try:
-                result = await self.verifier.verify(self.session_id, len(self._committed), tree, top_k)
+                result = await self.verifier.verify(
+                    self.session_id, len(self._committed), tree, top_k, self._wants_features
+                )
                 self.stats.verify_ns += result.verify_ns
                 return result
             except (NotFound, FailedPrecondition):
                 # The verifier lost the session: rebuild it from what was committed, verify the same tree again.
                 self.stats.num_reprefills += 1
-                self.stats.verify_ns += await self.verifier.prefill(
-                    self.session_id, self._committed, self.request.sampling
-                )
+                # The drafter already has the features of these positions: none are asked for.
+                prefill = await self.verifier.prefill(self.session_id, self._committed, self.request.sampling)
+                self.stats.verify_ns += prefill.prefill_ns
         raise Unavailable(
             f"the verifier lost this request's session {self.policy.max_reprefills_per_round} times in one round; "
             "it is evicting sessions faster than they are used: raise its --max-sessions"

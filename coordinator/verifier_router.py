@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from coordinator.ports import VerifierInfo, VerifierPort
-from specserve.acceptance import VerifyResult
+from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -102,11 +102,15 @@ class StickyVerifierRouter:
             raise Unavailable("no verifier replica is known: check the verifier address and its DNS name")
         return await self._replicas[min(self._replicas)].info()
 
-    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
-        return await self._replica_for(session_id).prefill(session_id, token_ids, sampling)
+    async def prefill(
+        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
+        return await self._replica_for(session_id).prefill(session_id, token_ids, sampling, return_features)
 
-    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
-        return await self._replica_for(session_id).verify(session_id, num_committed, tree, top_k)
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
+        return await self._replica_for(session_id).verify(session_id, num_committed, tree, top_k, return_features)
 
     async def release(self, session_id: str) -> None:
         address = self._pinned.pop(session_id, None)

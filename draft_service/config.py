@@ -18,3 +18,10 @@ class DrafterConfig:
     lookup_max_ngram: int = 4
     sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling")
     metrics_port: int = 0
+    # The draft_model source: a draft head trained for this target (`make train-draft`).
+    draft_head_path: str = "draft_service/weights/smollm2-draft-head.pt"
+    target_model: str = "smollm2"  # whose embedding and LM head the head reads (name or local path)
+    tree_depth: int = 4  # dynamic tree: levels, children per expanded node, nodes expanded per level
+    tree_branching: int = 4
+    tree_beam: int = 4
+    torch_threads: int = 0  # 0: torch's default

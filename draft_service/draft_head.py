@@ -70,6 +70,8 @@ class DraftHeadConfig:
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             rms_norm_eps=self.rms_norm_eps,
             max_position_embeddings=self.max_position_embeddings,
+            bos_token_id=None,
+            eos_token_id=None,
         )
 
 
@@ -104,6 +106,7 @@ class DraftHead(nn.Module):
         if int(draft_vocab.max()) >= lm_head.shape[0]:
             raise DraftHeadError(f"draft vocabulary id {int(draft_vocab.max())} is outside the target's vocabulary")
         self.config = config
+        self.target_fingerprint = ""  # the vocabulary it was trained for (set when loaded from a file)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.body = LlamaModel(config.llama_config())
         del self.body.embed_tokens  # unused: saves a parameter nobody trains
@@ -172,9 +175,17 @@ def load_draft_head(
         )
     config = DraftHeadConfig(**payload["config"])
     head = DraftHead(config, embedding, lm_head, payload["draft_vocab"].long())
+    head.target_fingerprint = target_fingerprint
     state = {name: t.float() if t.is_floating_point() else t for name, t in payload["state"].items()}
     try:
         head.load_state_dict(state)
     except RuntimeError as exc:
         raise DraftHeadError(f"{path} does not fit this head's shape: {exc}") from exc
     return head.eval(), dict(payload.get("metadata", {}))
+
+
+def truncate_cache(cache: Any, length: int) -> None:
+    """Drop a KV cache's entries beyond the first ``length`` (transformers' crop takes a negative count)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)

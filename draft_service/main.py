@@ -6,14 +6,26 @@ import argparse
 import asyncio
 import logging
 from dataclasses import fields
+from pathlib import Path
 
 import grpc
+import torch
 
 from draft_service.config import DrafterConfig
+from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
 from draft_service.drafter import ALL_SOURCES, Drafter
+from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
+from specserve.model_loading import (
+    default_cache_root,
+    load_model,
+    load_tokenizer,
+    materialize,
+    resolve_model,
+    vocab_fingerprint,
+)
 from specserve.ngram_pool import PoolShape
 from specserve.rpc import add_health, mark_serving, serve_until_signal
 from specserve.service_main import add_common_flags, env, setup_logging
@@ -40,9 +52,19 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     parser.add_argument("--lookup-max-ngram", type=int, default=defaults.lookup_max_ngram)
     parser.add_argument(
         "--sources",
-        default=",".join(defaults.sources),
-        help="comma-separated draft sources: prompt_lookup, ngram_pool, token_recycling",
+        default=env("SPECSERVE_DRAFT_SOURCES", ",".join(defaults.sources)),
+        help=f"comma-separated draft sources, from {', '.join(ALL_SOURCES)}",
     )
+    parser.add_argument(
+        "--draft-head-path",
+        default=env("SPECSERVE_DRAFT_HEAD", defaults.draft_head_path),
+        help="weights of the draft head (the draft_model source)",
+    )
+    parser.add_argument("--target-model", default=defaults.target_model, help="the target the head was trained for")
+    parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
+    parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
+    parser.add_argument("--tree-beam", type=int, default=defaults.tree_beam)
+    parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
     args = parser.parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in fields(DrafterConfig)}
     values["redis_url"] = values["redis_url"] or None
@@ -53,15 +75,41 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     return DrafterConfig(**values), args.log_level
 
 
-def build_drafter(config: DrafterConfig) -> tuple[Drafter, PoolRegistry]:
+def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple[Drafter, PoolRegistry]:
+    """The drafter ``config`` describes; the draft_model source needs ``head`` (see ``load_head``)."""
     shape = PoolShape(key_len=config.pool_key_len, continuation_len=config.pool_continuation_len)
     pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys)
     lookup = PromptLookupProposer(config.lookup_min_ngram, config.lookup_max_ngram)
-    return Drafter(pools, lookup, sources=config.sources), pools
+    tree = TreeShape(config.tree_depth, config.tree_branching, config.tree_beam)
+    return Drafter(pools, lookup, sources=config.sources, draft_head=head, tree_shape=tree), pools
+
+
+def load_head(config: DrafterConfig) -> tuple[DraftHead, str]:
+    """The draft head over the target's embedding and LM head, and the target's vocabulary fingerprint.
+
+    Raises DraftHeadError (missing, corrupt or foreign weights) with a message that says what to do.
+    """
+    source = materialize(resolve_model(config.target_model), default_cache_root())
+    fingerprint = vocab_fingerprint(load_tokenizer(source))
+    target = load_model(source)
+    embedding = target.get_input_embeddings().weight.detach()
+    lm_head = target.get_output_embeddings().weight.detach()
+    head, _ = load_draft_head(
+        Path(config.draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
+    )
+    return head, fingerprint
 
 
 async def serve(config: DrafterConfig) -> None:
-    drafter, pools = build_drafter(config)
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    head = None
+    if HeadProposer.name in config.sources:
+        try:
+            head, _ = load_head(config)
+        except DraftHeadError as exc:
+            raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
+    drafter, pools = build_drafter(config, head)
     server = grpc.aio.server()
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter), server)
     health = add_health(server, [SERVICE_NAME])

@@ -10,6 +10,11 @@ depth from the verifier's past decisions (``AcceptanceStats``, learnt online
 for the session); a node's score is the product of these estimates along its
 path, i.e. the estimated probability that the whole path is accepted. The
 expected tokens committed by a tree is then 1 + the sum of its nodes' scores.
+A source that gives its draft probability q for a node (the draft model)
+gets it calibrated: the node is credited to ``source@q<bucket>`` (tenths of
+q), whose estimate starts from q itself and learns how often such nodes are
+really accepted. An uncertain draft thus scores low and is left out when it
+does not pay for its verification: entropy gating with a learnt threshold.
 
 Size: verifying n nodes costs c(n) target-forward units (``VerifyCost``,
 measured by ``make bench-verify-cost``), so the builder keeps the n
@@ -70,11 +75,15 @@ class AcceptanceStats:
     max_depth: int = 16
     _counts: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
-    def estimate(self, source: str, depth: int) -> float:
+    def estimate(self, source: str, depth: int, prior: float | None = None) -> float:
+        """Beta-mean estimate; ``prior`` (when given) replaces the default prior at the root of the chain."""
         depth = min(depth, self.max_depth)
         accepted, reached = self._counts.get((source, depth), (0.0, 0.0))
-        prior = self.parent.estimate(source, depth) if self.parent is not None else self.prior
-        return (accepted + prior * self.prior_weight) / (reached + self.prior_weight)
+        if self.parent is not None:
+            mean = self.parent.estimate(source, depth, prior)
+        else:
+            mean = self.prior if prior is None else prior
+        return (accepted + mean * self.prior_weight) / (reached + self.prior_weight)
 
     def update(self, source: str, depth: int, accepted: bool) -> None:
         depth = min(depth, self.max_depth)
@@ -106,8 +115,18 @@ class _TrieNode:
     token: int
     parent: int
     depth: int
-    sources: set[str]
+    sources: dict[str, float | None]  # credited label -> its prior (a draft probability) or None
     score: float = 0.0
+
+
+CONFIDENCE_BUCKETS = 10
+
+
+def credit_label(source: str, q: float | None) -> str:
+    """The label a node's acceptance is learnt under: the source, or the source and q's bucket."""
+    if q is None:
+        return source
+    return f"{source}@q{min(CONFIDENCE_BUCKETS - 1, int(q * CONFIDENCE_BUCKETS))}"
 
 
 class TreeBuilder:
@@ -121,7 +140,8 @@ class TreeBuilder:
             return EMPTY
         for node in nodes:  # parents come before children
             parent_score = 1.0 if node.parent == ROOT else nodes[node.parent].score
-            node.score = parent_score * max(self.stats.estimate(s, node.depth) for s in node.sources)
+            estimates = (self.stats.estimate(label, node.depth, q) for label, q in node.sources.items())
+            node.score = parent_score * max(estimates)
         # Scores shrink along every path, so a best-first prefix is closed under "parent of".
         ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:max_nodes]
         keep = ranked[: self._best_size([nodes[i].score for i in ranked])]
@@ -142,14 +162,15 @@ class TreeBuilder:
         index: dict[tuple[int, int], int] = {}
         for source, tree in proposals:
             mapped: list[int] = []
-            for token, parent in zip(tree.token_ids, tree.parents, strict=True):
+            probs: tuple[float | None, ...] = tree.node_probs or (None,) * len(tree)
+            for token, parent, q in zip(tree.token_ids, tree.parents, probs, strict=True):
                 trie_parent = ROOT if parent == ROOT else mapped[parent]
                 key = (trie_parent, token)
                 if key not in index:
                     depth = 1 if trie_parent == ROOT else nodes[trie_parent].depth + 1
                     index[key] = len(nodes)
-                    nodes.append(_TrieNode(token, trie_parent, depth, set()))
-                nodes[index[key]].sources.add(source)
+                    nodes.append(_TrieNode(token, trie_parent, depth, {}))
+                nodes[index[key]].sources[credit_label(source, q)] = q
                 mapped.append(index[key])
         return nodes
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specserve.keyed_noise import PositionNoise
@@ -51,10 +52,20 @@ class VerifyResult:
     verify_ns: int
     # The target's top next tokens at each scored position (pending token, then nodes); may be empty.
     top_tokens: list[list[int]] = field(default_factory=list)
+    # With features asked for: the target's last hidden state (float16 [len(committed), hidden]) at each
+    # committed position whose token it had as input: the pending token, then the accepted nodes.
+    features: np.ndarray | None = None
 
     @property
     def committed(self) -> list[int]:
         return [*self.accepted_tokens, self.bonus_token]
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    prefill_ns: int
+    # With features asked for: float16 [len(tokens) - 1, hidden], the last hidden state at each cached position.
+    features: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

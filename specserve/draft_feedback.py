@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class DraftFeedback:
@@ -11,3 +13,6 @@ class DraftFeedback:
     # The target's top next tokens at each position it scored last round, keyed by
     # that position's token (Token Recycling's raw material).
     successors: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The target's hidden features (float16 [m, hidden]) at the positions that became known since the last
+    # request, for feature-level draft models; None when the coordinator does not forward them.
+    features: np.ndarray | None = None

@@ -39,6 +39,9 @@ class TokenTree:
     # Per node: drawn from its parent's DraftDistribution (True) or deterministic. Empty: all deterministic.
     sampled: tuple[bool, ...] = ()
     distributions: tuple[DraftDistribution, ...] = ()
+    # Per node: a draft model's probability of the node given its parent, for ranking drafts inside the
+    # drafter (the tree builder). Not part of the wire format; empty: unknown.
+    node_probs: tuple[float, ...] = ()
 
     @staticmethod
     def chain(token_ids: Sequence[int]) -> TokenTree:
@@ -121,6 +124,8 @@ class TokenTree:
                     "(this also rules out cycles)"
                 )
         self._validate_distributions(vocab_size)
+        if self.node_probs and (len(self.node_probs) != len(self) or any(not 0.0 < q <= 1.0 for q in self.node_probs)):
+            raise InvalidTreeError("node_probs must hold one probability in (0, 1] per node")
         if max_depth is not None and self.token_ids and max(self.depths()) > max_depth:
             raise InvalidTreeError(f"tree is {max(self.depths())} deep; this verifier accepts at most {max_depth}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from specserve.sampling import SamplingParams
 from specserve.token_tree import DraftDistribution, TokenTree
 from specserve.v1 import common_pb2
@@ -41,3 +43,26 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         top_k=message.top_k,
         seed=message.seed if message.HasField("seed") else None,
     )
+
+
+def features_to_proto(features: np.ndarray | None) -> common_pb2.HiddenFeatures | None:
+    if features is None:
+        return None
+    rows = np.ascontiguousarray(features, dtype="<f2")
+    return common_pb2.HiddenFeatures(
+        num_positions=rows.shape[0], hidden_size=rows.shape[1], float16_data=rows.tobytes()
+    )
+
+
+def features_from_proto(message: common_pb2.HiddenFeatures) -> np.ndarray | None:
+    """float16 [num_positions, hidden_size]; None for an unset message; ValueError when sizes disagree."""
+    if message.hidden_size <= 0:
+        return None
+    expected = message.num_positions * message.hidden_size * 2
+    if message.num_positions < 0 or len(message.float16_data) != expected:
+        raise ValueError(
+            f"features say {message.num_positions} x {message.hidden_size} float16 values "
+            f"({expected} bytes) but carry {len(message.float16_data)} bytes"
+        )
+    flat = np.frombuffer(message.float16_data, dtype="<f2")
+    return flat.reshape(message.num_positions, message.hidden_size).astype(np.float16)

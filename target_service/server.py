@@ -7,7 +7,7 @@ import grpc
 from specserve.errors import Unavailable
 from specserve.rpc import maps_domain_errors
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
-from specserve.wire import sampling_from_proto, tree_from_proto
+from specserve.wire import features_to_proto, sampling_from_proto, tree_from_proto
 from target_service.metrics import VerifierMetrics
 from target_service.verifier import Verifier
 
@@ -37,17 +37,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self, request: verifier_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.PrefillResponse:
         with self._metrics.in_flight():
-            prefill_ns = self._verifier.prefill(
-                request.session_id, list(request.token_ids), sampling_from_proto(request.sampling)
+            result = self._verifier.prefill(
+                request.session_id,
+                list(request.token_ids),
+                sampling_from_proto(request.sampling),
+                request.return_features,
             )
         self._metrics.sessions(self._verifier.num_active_sessions)
-        return verifier_pb2.PrefillResponse(prefill_ns=prefill_ns)
+        return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
 
     @maps_domain_errors
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         tree = tree_from_proto(request.tree)
         with self._metrics.in_flight():
-            result = self._verifier.verify(request.session_id, request.num_committed_tokens, tree, request.top_k)
+            result = self._verifier.verify(
+                request.session_id, request.num_committed_tokens, tree, request.top_k, request.return_features
+            )
         self._metrics.verified(num_draft=len(tree), num_accepted=len(result.accepted_tokens))
         return verifier_pb2.VerifyResponse(
             accepted_token_ids=result.accepted_tokens,
@@ -55,6 +60,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             bonus_token_id=result.bonus_token,
             verify_ns=result.verify_ns,
             top_token_ids=[token for row in result.top_tokens for token in row],
+            features=features_to_proto(result.features),
         )
 
     @maps_domain_errors

@@ -15,10 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
-from specserve.acceptance import Acceptance, VerifyResult, accept_greedy, accept_sampled
+from specserve.acceptance import Acceptance, PrefillResult, VerifyResult, accept_greedy, accept_sampled
 from specserve.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specserve.keyed_noise import PositionNoise, fresh_seed
 from specserve.sampling import SamplingParams, target_probs
@@ -34,6 +35,10 @@ class _Session:
     cache: DynamicCache
     sampling: SamplingParams
     seed: int  # keys the sampling draws by position (keyed_noise)
+
+
+def _float16(hidden: torch.Tensor | None) -> np.ndarray | None:
+    return None if hidden is None else hidden.detach().to("cpu", torch.float16).numpy()
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Verifier:
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
         self.vocab_size = int(model.config.vocab_size)
+        self.hidden_size = int(model.config.hidden_size)
         context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.limits = VerifierLimits(
             max_tree_nodes=max_tree_nodes,
@@ -98,8 +104,14 @@ class Verifier:
         with self._lock:
             return len(self._sessions)
 
-    def prefill(self, session_id: str, token_ids: list[int], sampling: SamplingParams) -> int:
-        """Create (or replace) a session holding ``token_ids``; returns nanoseconds spent."""
+    def prefill(
+        self, session_id: str, token_ids: list[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
+        """Create (or replace) a session holding ``token_ids``.
+
+        With ``return_features``, the result holds the target's last hidden
+        state at every position but the last (whose token is pending).
+        """
         start = time.perf_counter_ns()
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
@@ -119,13 +131,23 @@ class Verifier:
         session = _Session(list(token_ids), DynamicCache(), sampling, seed)
         with self._lock:
             self._sessions.pop(session_id)
+            features = None
             if len(token_ids) > 1:
-                self._forward(session, token_ids[:-1], logits_to_keep=1)
+                _, hidden = self._forward(session, token_ids[:-1], logits_to_keep=1, return_features=return_features)
+                features = _float16(hidden)
+            elif return_features:
+                features = np.zeros((0, self.hidden_size), dtype=np.float16)
             self._sessions.put(session_id, session)
-        return time.perf_counter_ns() - start
+        return PrefillResult(time.perf_counter_ns() - start, features)
 
-    def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
-        """Verify ``tree`` on top of the session; ``top_k`` > 0 also returns the target's top next tokens."""
+    def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
+        """Verify ``tree`` on top of the session.
+
+        ``top_k`` > 0 also returns the target's top next tokens at every scored
+        position; ``return_features`` its hidden states at the committed ones.
+        """
         start = time.perf_counter_ns()
         try:
             tree.validate(self.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
@@ -146,19 +168,22 @@ class Verifier:
                     f"session {session_id!r} would exceed the context limit of {self.limits.max_session_tokens} tokens"
                 )
             num_cached = len(session.committed) - 1
-            logits = self._forward_tree(session, tree)
+            logits, hidden = self._forward_tree(session, tree, return_features)
             acceptance = self._accept(tree, logits, session)
             # Keep the pending token and the accepted path; rejected branches leave no trace.
             keep_path(session.cache, num_cached, acceptance.path)
             accepted = [tree.token_ids[node] for node in acceptance.path]
             session.committed.extend([*accepted, acceptance.bonus_token])
             top_tokens = logits.topk(min(top_k, self.vocab_size), dim=-1).indices.tolist() if top_k > 0 else []
+            rows = [0, *(node + 1 for node in acceptance.path)]
+            features = _float16(hidden[rows]) if hidden is not None else None
         return VerifyResult(
             accepted_tokens=accepted,
             accepted_nodes=acceptance.path,
             bonus_token=acceptance.bonus_token,
             verify_ns=time.perf_counter_ns() - start,
             top_tokens=top_tokens,
+            features=features,
         )
 
     def release(self, session_id: str) -> bool:
@@ -171,8 +196,10 @@ class Verifier:
                 raise InvalidArgument(f"{what} id {token} is outside the vocabulary [0, {self.vocab_size})")
 
     @torch.inference_mode()
-    def _forward(self, session: _Session, token_ids: list[int], logits_to_keep: int = 0) -> torch.Tensor:
-        """Append ``token_ids`` to the session's cache; returns their logits [n, vocab].
+    def _forward(
+        self, session: _Session, token_ids: list[int], logits_to_keep: int = 0, return_features: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append ``token_ids`` to the session's cache; returns their logits [n, vocab] and last hidden states.
 
         ``logits_to_keep`` > 0 computes only the last rows (prefill needs none).
         """
@@ -185,12 +212,15 @@ class Verifier:
             past_key_values=session.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            output_hidden_states=return_features,
         )
-        return out.logits[0].float()
+        return out.logits[0].float(), out.hidden_states[-1][0] if return_features else None
 
     @torch.inference_mode()
-    def _forward_tree(self, session: _Session, tree: TokenTree) -> torch.Tensor:
-        """Score the pending token and every tree node in one forward; returns logits [n + 1, vocab]."""
+    def _forward_tree(
+        self, session: _Session, tree: TokenTree, return_features: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Score the pending token and every tree node in one forward: logits [n + 1, vocab], hidden states."""
         dtype = next(self._model.parameters()).dtype
         input_ids, positions, mask = tree_inputs(
             tree, session.committed[-1], session.cache.get_seq_length(), dtype, self.device
@@ -201,8 +231,9 @@ class Verifier:
             attention_mask=mask,
             past_key_values=session.cache,
             use_cache=True,
+            output_hidden_states=return_features,
         )
-        return out.logits[0].float()
+        return out.logits[0].float(), out.hidden_states[-1][0] if return_features else None
 
     @staticmethod
     def _accept(tree: TokenTree, logits: torch.Tensor, session: _Session) -> Acceptance:

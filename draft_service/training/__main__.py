@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from coordinator.prompts import eos_token_ids
+from draft_service.draft_head import truncate_cache
 from draft_service.training.distill_data import DistillSettings, generate_shards, load_shards
 from draft_service.training.evaluate import chain_acceptance, draft_step_ms
 from draft_service.training.prompts import training_prompts
@@ -80,7 +81,7 @@ def target_step_ms(model: Any, context: int = 256, repeats: int = 15) -> float:
         start = time.perf_counter()
         model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
         times.append((time.perf_counter() - start) * 1000)
-        cache.crop(context)
+        truncate_cache(cache, context)
     return sorted(times)[len(times) // 2]
 
 

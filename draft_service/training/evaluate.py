@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from draft_service.draft_head import DraftHead
+from draft_service.draft_head import DraftHead, truncate_cache
 
 
 @dataclass(frozen=True)
@@ -83,5 +83,5 @@ def draft_step_ms(head: DraftHead, context: int = 256, repeats: int = 30) -> flo
         start = time.perf_counter()
         head(torch.randn(1, 1, hidden), torch.zeros(1, 1, dtype=torch.long), past_key_values=cache)
         times.append((time.perf_counter() - start) * 1000)
-        cache.crop(context)
+        truncate_cache(cache, context)
     return sorted(times)[len(times) // 2]

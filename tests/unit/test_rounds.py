@@ -74,6 +74,7 @@ class FailingAfter:
     def __init__(self, inner: DraftStream, rounds: int) -> None:
         self._inner = inner
         self._rounds = rounds
+        self.wants_features = inner.wants_features
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
         if self._rounds == 0:
@@ -120,11 +121,13 @@ class ForgetfulVerifier(InProcessVerifier):
         self._every = every
         self._calls = 0
 
-    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
         self._calls += 1
         if self._calls % self._every == 0:
             self._verifier_ref.release(session_id)
-        return await super().verify(session_id, num_committed, tree, top_k)
+        return await super().verify(session_id, num_committed, tree, top_k, return_features)
 
 
 def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -> None:

@@ -62,8 +62,8 @@ def test_cache_after_rounds_equals_a_fresh_prefill() -> None:
     b = verifier._sessions.get("b")
     assert a is not None and b is not None
     assert a.cache.get_seq_length() == b.cache.get_seq_length() == len(committed) - 1
-    logits_a = verifier._forward(a, [committed[-1], *probe.token_ids])
-    logits_b = verifier._forward(b, [committed[-1], *probe.token_ids])
+    logits_a = verifier._forward(a, [committed[-1], *probe.token_ids])[0]
+    logits_b = verifier._forward(b, [committed[-1], *probe.token_ids])[0]
     torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
 
 
@@ -235,7 +235,7 @@ def test_cache_after_tree_rounds_equals_a_fresh_prefill() -> None:
     assert a is not None and b is not None
     assert a.cache.get_seq_length() == b.cache.get_seq_length() == len(committed) - 1
     probe = [committed[-1], 0, 1, 2]
-    torch.testing.assert_close(verifier._forward(a, probe), verifier._forward(b, probe), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(verifier._forward(a, probe)[0], verifier._forward(b, probe)[0], rtol=1e-4, atol=1e-4)
 
 
 def test_tree_rows_equal_sequential_decoding_of_each_path() -> None:
@@ -247,7 +247,7 @@ def test_tree_rows_equal_sequential_decoding_of_each_path() -> None:
     verifier.prefill("t", prompt, SamplingParams())
     session = verifier._sessions.get("t")
     assert session is not None
-    rows = verifier._forward_tree(session, tree)
+    rows = verifier._forward_tree(session, tree)[0]
     for node in range(len(tree)):
         path = [tree.token_ids[i] for i in tree.path_to(node)]
         with torch.inference_mode():

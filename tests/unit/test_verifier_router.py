@@ -7,7 +7,7 @@ import pytest
 
 from coordinator.ports import VerifierInfo
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
-from specserve.acceptance import VerifyResult
+from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -21,11 +21,15 @@ class FakeReplica:
     async def info(self) -> VerifierInfo:
         return VerifierInfo(self.address, "fp", 10, 8, 4, 100, True)
 
-    async def prefill(self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams) -> int:
+    async def prefill(
+        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
         self.calls.append(("prefill", session_id))
-        return 0
+        return PrefillResult(0)
 
-    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0) -> VerifyResult:
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
         self.calls.append(("verify", session_id))
         return VerifyResult([], [], 1, 0)
 

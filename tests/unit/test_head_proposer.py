@@ -1,0 +1,212 @@
+"""Drafting with the draft head on a tiny random target: features, dynamic trees, losslessness."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from coordinator.inproc import InProcessDrafter, InProcessVerifier
+from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy, TextChunk
+from draft_service.draft_head import DraftHead
+from draft_service.drafter import Drafter
+from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
+from draft_service.training.distill_data import features_of, greedy_responses
+from draft_service.training.train import TrainSettings, train
+from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
+from specserve.draft_feedback import DraftFeedback
+from specserve.ngram_pool import InMemoryNgramPool
+from specserve.sampling import SamplingParams
+from specserve.token_tree import ROOT, TokenTree
+from specserve.v1 import common_pb2
+from specserve.wire import features_from_proto, features_to_proto
+from target_service.verifier import Verifier
+from tests.conftest import CharTokenizer, plain_decode, tiny_llama
+
+VOCAB = 48
+TARGET = tiny_llama(vocab_size=VOCAB, seed=3, context=256)
+FREE = VerifyCost({0: 1.0, 64: 1.0})  # every node pays: the builder keeps whatever the head proposes
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> DraftHead:
+    """A head distilled from the tiny target (a few seconds): it drafts better than chance."""
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (6,), generator=generator).tolist() for _ in range(32)]
+    full = [p + r for p, r in zip(prompts, greedy_responses(TARGET, prompts, 40, frozenset(), 0), strict=True)]
+    data = [
+        {"tokens": torch.tensor(ids, dtype=torch.int32), "features": f, "argmax": a, "prompt_length": 6}
+        for ids, (f, a) in zip(full, features_of(TARGET, full, 0), strict=True)
+    ]
+    settings = TrainSettings(
+        draft_vocab_size=40, intermediate_size=96, window=48, batch_size=4, learning_rate=3e-3, ce_weight=1.0, epochs=8
+    )
+    embedding = TARGET.get_input_embeddings().weight.detach()
+    lm_head = TARGET.get_output_embeddings().weight.detach()
+    trained, _ = train(data, embedding, lm_head, TARGET.config, tmp_path_factory.mktemp("head"), settings, False)
+    return trained
+
+
+def test_verifier_features_are_the_targets_hidden_states_at_committed_positions() -> None:
+    verifier = Verifier(TARGET, "fp")
+    prompt = [3, 1, 4, 1, 5]
+    prefill = verifier.prefill("s", prompt, SamplingParams(), return_features=True)
+    assert prefill.features is not None and prefill.features.shape == (4, 64)
+    result = verifier.verify("s", 5, TokenTree.chain([9, 2, 6]), return_features=True)
+    assert result.features is not None and result.features.shape == (len(result.committed), 64)
+    committed = prompt + result.committed
+    with torch.inference_mode():
+        hidden = TARGET(input_ids=torch.tensor([committed]), output_hidden_states=True).hidden_states[-1][0]
+    expected = torch.cat([hidden[:4], hidden[4 : 4 + len(result.committed)]]).numpy()
+    got = np.concatenate([prefill.features, result.features]).astype(np.float32)
+    np.testing.assert_allclose(got, expected, rtol=2e-2, atol=2e-2)
+    assert verifier.verify("s", len(committed), TokenTree()).features is None  # not asked for
+
+
+def test_features_round_trip_on_the_wire_and_malformed_ones_are_refused() -> None:
+    rows = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float16)
+    message = features_to_proto(rows)
+    assert message is not None
+    back = features_from_proto(message)
+    assert back is not None and np.array_equal(back, rows)
+    assert features_from_proto(common_pb2.HiddenFeatures()) is None
+    with pytest.raises(ValueError, match="carry 10 bytes"):
+        features_from_proto(common_pb2.HiddenFeatures(num_positions=3, hidden_size=8, float16_data=b"0" * 10))
+
+
+def feed(proposer: HeadProposer, log: FeatureLog, tokens: list[int]) -> None:
+    """Give the proposer the target's features of all positions but the last, as the coordinator would."""
+    with torch.inference_mode():
+        hidden = TARGET(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+    log.extend(hidden[log.count : len(tokens) - 1].numpy().astype(np.float16))
+
+
+def test_dynamic_trees_are_valid_ranked_and_carry_node_probabilities(head: DraftHead) -> None:
+    log = FeatureLog()
+    proposer = HeadProposer(head, log, TreeShape(depth=3, branching=3, beam=2, max_nodes=8))
+    tokens = [5, 6, 7, 8, 9, 10]
+    assert len(proposer.propose(tokens, 8)) == 0  # no features yet
+    feed(proposer, log, tokens)
+    tree = proposer.propose(tokens, 8)
+    tree.validate(VOCAB, max_nodes=8)
+    assert 0 < len(tree) <= 8 and not tree.sampled
+    depths = tree.depths()
+    assert depths == sorted(depths) and max(depths) >= 2
+    assert len(tree.node_probs) == len(tree)
+    cumulative: list[float] = []
+    for node, parent in enumerate(tree.parents):  # path probabilities shrink along every path
+        cumulative.append(tree.node_probs[node] * (1.0 if parent == ROOT else cumulative[parent]))
+        assert parent == ROOT or cumulative[node] <= cumulative[parent]
+    # The cache holds only committed positions afterwards: proposing again gives the same tree.
+    assert proposer.propose(tokens, 8) == tree
+
+
+def test_level_forward_with_tree_mask_equals_sequential_drafting(head: DraftHead) -> None:
+    """A depth-2 node's q, from the batched level forward, equals feeding its path one step at a time."""
+    log = FeatureLog()
+    proposer = HeadProposer(head, log, TreeShape(depth=2, branching=3, beam=3, max_nodes=12))
+    tokens = [11, 12, 13, 14, 15, 16, 17]
+    feed(proposer, log, tokens)
+    tree = proposer.propose(tokens, 12)
+    features = torch.from_numpy(np.concatenate([log.since(0)]).astype(np.float32))[None]
+    draft_index = {token: i for i, token in enumerate(head.draft_vocab.tolist())}
+    depth_two = [n for n, p in enumerate(tree.parents) if p != ROOT]
+    assert len({tree.parents[n] for n in depth_two}) > 1  # several parents expanded in one forward
+    with torch.inference_mode():
+        for node in depth_two:
+            parent = tree.parents[node]
+            cache = DynamicCache()
+            context = head(features, torch.tensor([tokens[1:]]), past_key_values=cache)
+            first_q = torch.softmax(context.logits[0, -1], dim=-1)
+            assert float(first_q[draft_index[tree.token_ids[parent]]]) == pytest.approx(
+                tree.node_probs[parent], rel=1e-4
+            )
+            step = head(context.features[:, -1:], torch.tensor([[tree.token_ids[parent]]]), past_key_values=cache)
+            q = torch.softmax(step.logits[0, -1], dim=-1)
+            assert float(q[draft_index[tree.token_ids[node]]]) == pytest.approx(tree.node_probs[node], rel=1e-3)
+
+
+def test_the_builder_calibrates_nodes_that_carry_q() -> None:
+    assert credit_label("draft_model", 0.73) == "draft_model@q7"
+    assert credit_label("draft_model", 1.0) == "draft_model@q9"
+    assert credit_label("prompt_lookup", None) == "prompt_lookup"
+    tree = TokenTree((4, 5), (ROOT, ROOT), node_probs=(0.9, 0.05))
+    built = TreeBuilder(AcceptanceStats(), FREE).build([("draft_model", tree)], 4)
+    assert built.sources == (frozenset({"draft_model@q9"}), frozenset({"draft_model@q0"}))
+    assert built.scores[0] == pytest.approx(0.9) and built.scores[1] == pytest.approx(0.05)
+    # An expensive verifier drops the unlikely draft: the gate is the learnt estimate against the cost.
+    costly = TreeBuilder(AcceptanceStats(), VerifyCost({0: 1.0, 1: 1.5, 2: 1.6}))
+    assert costly.build([("draft_model", tree)], 4).tree.token_ids == (4,)
+
+
+def generate(head: DraftHead, request: GenerationRequest, fingerprint: str = "fp") -> tuple[list[int], GenerationStats]:
+    head.target_fingerprint = fingerprint
+    pool = InMemoryNgramPool()
+    drafter = Drafter(lambda _: pool, sources=("draft_model",), cost=FREE, draft_head=head)
+    generation = Generation(
+        request,
+        InProcessVerifier(Verifier(TARGET, "fp")),
+        InProcessDrafter(drafter),
+        CharTokenizer(),
+        frozenset({-1}),
+        "fp",
+        RoundPolicy(draft_max_nodes=8),
+    )
+
+    async def collect() -> tuple[list[int], GenerationStats]:
+        tokens: list[int] = []
+        async for event in generation.stream():
+            if isinstance(event, TextChunk):
+                tokens += event.token_ids
+            else:
+                return tokens, event
+        raise AssertionError("no stats")
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=7)])
+def test_generation_with_the_draft_head_is_plain_decoding(head: DraftHead, sampling: SamplingParams) -> None:
+    prompt = [2, 7, 1, 8, 2, 8]
+    tokens, stats = generate(head, GenerationRequest(prompt, 40, sampling))
+    assert tokens == plain_decode(TARGET, prompt, 40, sampling)
+    assert not stats.drafter_error
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_rounds < 40
+
+
+def test_a_head_for_another_vocabulary_is_refused_per_session(head: DraftHead) -> None:
+    tokens, stats = generate(head, GenerationRequest([1, 2, 3], 8), fingerprint="other")
+    assert tokens == plain_decode(TARGET, [1, 2, 3], 8, SamplingParams())
+    assert "trained for the vocabulary other" in stats.drafter_error
+
+
+def test_the_session_collects_forwarded_features(head: DraftHead) -> None:
+    head.target_fingerprint = "fp"
+    drafter = Drafter(lambda _: InMemoryNgramPool(), sources=("draft_model",), draft_head=head)
+    assert drafter.wants_features and drafter.vocab_fingerprint == "fp"
+    session = drafter.open_session("s", [1, 2, 3], "fp")
+    session.propose(DraftFeedback((4,), (), np.zeros((3, 64), dtype=np.float16)), 0)
+    session.propose(DraftFeedback((5, 6), (), np.ones((2, 64), dtype=np.float16)), 0)
+    assert session.wants_features and session.tokens == [1, 2, 3, 4, 5, 6]
+    log = session._features
+    assert log is not None and log.count == 5 == len(session.tokens) - 1
+    assert log.since(3).tolist() == [[1.0] * 64] * 2
+    assert not Drafter(lambda _: InMemoryNgramPool()).wants_features
+
+
+def test_the_draft_model_source_needs_a_head() -> None:
+    with pytest.raises(ValueError, match="needs a draft head"):
+        Drafter(lambda _: InMemoryNgramPool(), sources=("draft_model",))
+
+
+def test_feature_log_hands_out_rows_from_a_position() -> None:
+    log = FeatureLog()
+    log.extend(np.arange(6, dtype=np.float16).reshape(3, 2))
+    log.extend(np.arange(6, 10, dtype=np.float16).reshape(2, 2))
+    assert log.count == 5
+    assert log.since(2).tolist() == [[4, 5], [6, 7], [8, 9]]
+    assert log.since(4).tolist() == [[8, 9]]
