@@ -22,6 +22,8 @@ from coordinator.inproc import InProcessDrafter, InProcessVerifier, verifier_inf
 from coordinator.prompts import build_request
 from coordinator.rounds import FinishReason, Generation, GenerationStats, TextChunk
 from draft_service.config import DrafterConfig
+from draft_service.draft_head import DraftHead
+from draft_service.drafter import ALL_SOURCES, NGRAM_SOURCES
 from draft_service.main import build_drafter
 from specserve.sampling import SamplingParams
 from target_service.config import VerifierConfig
@@ -30,9 +32,18 @@ from target_service.verifier import Verifier
 from .decoding import hf_generate, plain_decode
 
 DEFAULT_MODES = ("baseline", "hf-pld", "inproc", "distributed")
-# One draft source alone, in process: `inproc:prompt_lookup` and so on.
-SOURCE_MODES = tuple(f"inproc:{source}" for source in DrafterConfig().sources)
+# Draft sources alone or combined, in process: `inproc:prompt_lookup`, `inproc:draft_model`,
+# `inproc:prompt_lookup+ngram_pool+token_recycling` (any `+`-joined set of sources) and so on.
+SOURCE_MODES = (*(f"inproc:{source}" for source in ALL_SOURCES), "inproc:" + "+".join(NGRAM_SOURCES))
 MODES = DEFAULT_MODES + SOURCE_MODES
+
+
+def mode_sources(name: str) -> tuple[str, ...] | None:
+    """The draft sources of an ``inproc:a+b`` mode name; None when it is not one (or names unknown sources)."""
+    if not name.startswith("inproc:"):
+        return None
+    sources = tuple(name.removeprefix("inproc:").split("+"))
+    return sources if sources and set(sources) <= set(ALL_SOURCES) else None
 
 
 @dataclass(frozen=True)
@@ -157,10 +168,12 @@ class InProcessMode:
         fingerprint: str,
         eos_ids: frozenset[int],
         sources: tuple[str, ...] = DrafterConfig().sources,
+        head: DraftHead | None = None,
     ) -> None:
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
+        self._head = head
         self._verifier = Verifier.from_config(model, fingerprint, VerifierConfig())
         info = verifier_info(self._verifier)
         self._policy = round_policy(CoordinatorConfig(), info)
@@ -168,7 +181,7 @@ class InProcessMode:
         self._tokenizer = tokenizer
         self._fingerprint = fingerprint
         self._eos_ids = eos_ids
-        self._drafter = InProcessDrafter(build_drafter(self._drafter_config)[0])
+        self._drafter = InProcessDrafter(build_drafter(self._drafter_config, head)[0])
         self._loop = asyncio.Runner()
 
     def run(self, prompt: Prompt) -> Outcome:
@@ -193,7 +206,7 @@ class InProcessMode:
         return _outcome_from_stats(tokens, time.perf_counter_ns() - start, generation.stats)
 
     def reset(self) -> None:
-        self._drafter = InProcessDrafter(build_drafter(self._drafter_config)[0])
+        self._drafter = InProcessDrafter(build_drafter(self._drafter_config, self._head)[0])
 
     def close(self) -> None:
         self._loop.close()

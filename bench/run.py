@@ -26,6 +26,9 @@ from tqdm import tqdm
 
 from coordinator.config import CoordinatorConfig
 from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
+from draft_service.config import DrafterConfig
+from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
+from draft_service.head_proposer import HeadProposer
 from specserve.model_loading import (
     ModelSource,
     default_cache_root,
@@ -53,6 +56,7 @@ from .modes import (
     Mode,
     Outcome,
     Prompt,
+    mode_sources,
 )
 from .records import Record, first_divergence, make_record
 from .report import leaderboard, markdown, plot
@@ -123,9 +127,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
+    unknown = [m for m in args.modes if m not in MODES and mode_sources(m) is None]
     if unknown or not args.modes:
-        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)} (or inproc:<source>+<source>...)")
     categories = CATEGORIES if args.categories == "all" else args.categories.split(",")
     try:
         args.categories = expand_categories(c.strip() for c in categories if c.strip())
@@ -190,11 +194,10 @@ def build_modes(args: argparse.Namespace, target: Target, pool: PoolBackend, sta
             mode = BaselineMode(target.model, target.eos_ids)
         elif name == "hf-pld":
             mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens)
-        elif name == "inproc":
-            mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids)
-        elif name.startswith("inproc:"):
-            source = name.removeprefix("inproc:")
-            mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids, (source,))
+        elif name == "inproc" or name.startswith("inproc:"):
+            sources = mode_sources(name) or DrafterConfig().sources
+            head = draft_head(target) if HeadProposer.name in sources else None
+            mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids, sources, head)
         else:
             cluster = start_cluster(target.name, pool, args.torch_threads, args.out_dir / "tmp" / "cluster-logs")
             stack.callback(cluster.stop)
@@ -202,6 +205,21 @@ def build_modes(args: argparse.Namespace, target: Target, pool: PoolBackend, sta
         stack.callback(mode.close)
         modes.append(mode)
     return modes
+
+
+def draft_head(target: Target) -> DraftHead:
+    """The drafter's default draft head over this process's target (its embedding and LM head)."""
+    path = Path(DrafterConfig().draft_head_path)
+    try:
+        head, _ = load_draft_head(
+            path,
+            target_fingerprint=target.fingerprint,
+            embedding=target.model.get_input_embeddings().weight.detach(),
+            lm_head=target.model.get_output_embeddings().weight.detach(),
+        )
+    except DraftHeadError as exc:
+        raise SystemExit(f"error: the draft_model source needs its head: {exc}") from exc
+    return head
 
 
 def _pool_reset(pool: PoolBackend, target: Target, keep: bool) -> Callable[[], None] | None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+# The committed head for the packaged target (`make train-draft` writes it; it ships as package data).
+DEFAULT_DRAFT_HEAD = Path(__file__).resolve().parent / "weights" / "smollm2-draft-head.pt"
 
 
 @dataclass(frozen=True)
@@ -19,7 +23,7 @@ class DrafterConfig:
     sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling")
     metrics_port: int = 0
     # The draft_model source: a draft head trained for this target (`make train-draft`).
-    draft_head_path: str = "draft_service/weights/smollm2-draft-head.pt"
+    draft_head_path: str = str(DEFAULT_DRAFT_HEAD)
     target_model: str = "smollm2"  # whose embedding and LM head the head reads (name or local path)
     tree_depth: int = 4  # dynamic tree: levels, children per expanded node, nodes expanded per level
     tree_branching: int = 4
