@@ -152,6 +152,12 @@ class DraftHead(nn.Module):
         tmp.replace(path)
 
 
+def require_weights(path: Path) -> None:
+    """Fail early, before any model is loaded, when there is no weight file at ``path``."""
+    if not path.is_file():
+        raise DraftHeadError(f"no draft head weights at {path}: run `make train-draft` or pass another file")
+
+
 def load_draft_head(
     path: Path, *, target_fingerprint: str, embedding: torch.Tensor, lm_head: torch.Tensor
 ) -> tuple[DraftHead, dict[str, Any]]:
@@ -160,8 +166,7 @@ def load_draft_head(
     Raises DraftHeadError naming the problem when the file is missing, not a
     draft head, trained for another vocabulary, or shaped for another target.
     """
-    if not path.is_file():
-        raise DraftHeadError(f"no draft head weights at {path}: run `make train-draft` or pass another file")
+    require_weights(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a corrupt file

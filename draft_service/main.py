@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from draft_service.config import DrafterConfig
-from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
+from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head, require_weights
 from draft_service.drafter import ALL_SOURCES, Drafter
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.pools import PoolRegistry
@@ -60,7 +60,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         default=env("SPECSERVE_DRAFT_HEAD", defaults.draft_head_path),
         help="weights of the draft head (the draft_model source)",
     )
-    parser.add_argument("--target-model", default=defaults.target_model, help="the target the head was trained for")
+    parser.add_argument(
+        "--target-model",
+        default=env("SPECSERVE_MODEL", defaults.target_model),
+        help="the target the head was trained for (its embedding and LM head are loaded)",
+    )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
     parser.add_argument("--tree-beam", type=int, default=defaults.tree_beam)
@@ -89,6 +93,7 @@ def load_head(config: DrafterConfig) -> tuple[DraftHead, str]:
 
     Raises DraftHeadError (missing, corrupt or foreign weights) with a message that says what to do.
     """
+    require_weights(Path(config.draft_head_path))
     source = materialize(resolve_model(config.target_model), default_cache_root())
     fingerprint = vocab_fingerprint(load_tokenizer(source))
     target = load_model(source)

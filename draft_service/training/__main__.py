@@ -45,7 +45,7 @@ BENCH_QUESTIONS = Path("bench/data/spec_bench.jsonl")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m draft_service.training", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--prompts", type=int, default=768, help="training prompts (5%% more are held out)")
+    parser.add_argument("--prompts", type=int, default=720, help="training prompts (5%% more are held out)")
     parser.add_argument("--max-new-tokens", type=int, default=DistillSettings.max_new_tokens)
     parser.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="distillation batch")
     parser.add_argument("--max-minutes", type=float, default=TrainSettings.max_minutes, help="training budget")

@@ -29,7 +29,7 @@ from tqdm import tqdm
 @dataclass(frozen=True)
 class DistillSettings:
     max_new_tokens: int = 192
-    batch_size: int = 16
+    batch_size: int = 48
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -134,3 +136,15 @@ def test_training_prompts_exclude_the_benchmark() -> None:
     assert not set(chosen) & set(banned) and len(chosen) == 10
     with pytest.raises(ValueError, match="only"):
         training_prompts(10**6, excluded=[])
+
+
+def test_the_drafter_refuses_to_start_without_its_head_weights(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "draft_service", "--sources", "draft_model", "--draft-head-path", str(missing)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert f"no draft head weights at {missing}: run `make train-draft`" in result.stderr
