@@ -20,7 +20,8 @@ class DrafterConfig:
     pool_max_keys: int = 200_000  # in-memory pool only; Redis is bounded by TTL and per-key caps
     lookup_min_ngram: int = 2
     lookup_max_ngram: int = 4
-    sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling")
+    # All four sources; the draft head's weights ship with the drafter (draft_service/weights/).
+    sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling", "draft_model")
     metrics_port: int = 0
     # The draft_model source: a draft head trained for this target (`make train-draft`).
     draft_head_path: str = str(DEFAULT_DRAFT_HEAD)

@@ -40,8 +40,8 @@ class TrainSettings:
     weight_decay: float = 0.0
     ce_weight: float = 0.1
     feature_noise: float = 0.05
-    epochs: int = 4
-    max_minutes: float = 25.0
+    epochs: int = 24
+    max_minutes: float = 30.0
     checkpoint_every: int = 100
     seed: int = 0
 
