@@ -34,6 +34,7 @@ from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
 from specserve.token_tree import ROOT, TokenTree
+from specserve.tree_masks import additive_mask, ancestor_matrix
 
 
 class FeatureLog:
@@ -155,28 +156,16 @@ class HeadProposer:
         cached = self._fed + len(speculative)
         allowed = torch.zeros(len(level), cached + len(level), dtype=torch.bool)
         allowed[:, : self._fed] = True
-        for row, node in enumerate(level):
-            ancestors = _ancestors(node, nodes)
-            for column, entry in enumerate(speculative):
-                allowed[row, self._fed + column] = entry in ancestors
-            allowed[row, cached + row] = True
-        dtype = features.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        out = self._head(
-            features, tokens, position_ids=positions, past_key_values=self._cache, attention_mask=mask[None, None]
-        )
+        if speculative:  # earlier levels' entries: each row sees its own ancestors among them
+            parents = torch.tensor([node.parent for node in nodes])
+            ancestors = ancestor_matrix(parents, max(node.depth for node in nodes))
+            allowed[:, self._fed : cached] = ancestors[level][:, speculative]
+        allowed[:, cached:] = torch.eye(len(level), dtype=torch.bool)
+        mask = additive_mask(allowed, features.dtype)
+        out = self._head(features, tokens, position_ids=positions, past_key_values=self._cache, attention_mask=mask)
         for row, node in enumerate(level):
             outputs[node] = (out.features[0, row], out.logits[0, row])
         speculative.extend(level)
-
-
-def _ancestors(node: int, nodes: list[_Node]) -> set[int]:
-    found = set()
-    parent = nodes[node].parent
-    while parent != ROOT:
-        found.add(parent)
-        parent = nodes[parent].parent
-    return found
 
 
 def _best_subtree(nodes: list[_Node], budget: int) -> TokenTree:

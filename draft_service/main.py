@@ -88,8 +88,8 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
     return Drafter(pools, lookup, sources=config.sources, draft_head=head, tree_shape=tree), pools
 
 
-def load_head(config: DrafterConfig) -> tuple[DraftHead, str]:
-    """The draft head over the target's embedding and LM head, and the target's vocabulary fingerprint.
+def load_head(config: DrafterConfig) -> DraftHead:
+    """The draft head over the target's embedding and LM head (its ``target_fingerprint`` is the target's).
 
     Raises DraftHeadError (missing, corrupt or foreign weights) with a message that says what to do.
     """
@@ -102,7 +102,7 @@ def load_head(config: DrafterConfig) -> tuple[DraftHead, str]:
     head, _ = load_draft_head(
         Path(config.draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
     )
-    return head, fingerprint
+    return head
 
 
 async def serve(config: DrafterConfig) -> None:
@@ -111,7 +111,7 @@ async def serve(config: DrafterConfig) -> None:
     head = None
     if HeadProposer.name in config.sources:
         try:
-            head, _ = load_head(config)
+            head = load_head(config)
         except DraftHeadError as exc:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)

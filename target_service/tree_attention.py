@@ -15,23 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from specserve.token_tree import TokenTree
-
-
-def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[n, n] bool: entry (i, j) is True when j is i or an ancestor of i.
-
-    One vectorised step per tree level: follow every node's parent pointer at
-    once, ``max_depth`` times.
-    """
-    n = parents.numel()
-    rows = torch.arange(n, device=parents.device)
-    ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
-    current = parents.clone()
-    for _ in range(max_depth - 1):
-        alive = current >= 0
-        ancestors[rows[alive], current[alive]] = True
-        current = torch.where(alive, parents[current.clamp(min=0)], current)
-    return ancestors
+from specserve.tree_masks import additive_mask, ancestor_matrix
 
 
 def tree_inputs(
@@ -48,8 +32,7 @@ def tree_inputs(
     allowed[:, num_cached + 1 :] = False
     if n:
         allowed[1:, num_cached + 1 :] = ancestor_matrix(parents, max_depth)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return input_ids, positions[None], mask[None, None]
+    return input_ids, positions[None], additive_mask(allowed, dtype)
 
 
 def keep_path(cache: DynamicCache, num_cached: int, path: list[int]) -> None:

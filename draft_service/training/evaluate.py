@@ -12,6 +12,7 @@ of that depth from the head alone.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,8 +74,6 @@ def chain_acceptance(
 @torch.inference_mode()
 def draft_step_ms(head: DraftHead, context: int = 256, repeats: int = 30) -> float:
     """Median time of one draft step (one token) on top of ``context`` cached positions."""
-    import time
-
     hidden = head.config.hidden_size
     cache = DynamicCache()
     head(torch.randn(1, context, hidden), torch.zeros(1, context, dtype=torch.long), past_key_values=cache)
