@@ -90,6 +90,9 @@ class GrpcVerifier:
             r.verify_ns,
             rows,
             self._features(r.features),
+            draft_budget_nodes=r.draft_budget_nodes if r.HasField("draft_budget_nodes") else None,
+            batch_sessions=r.batch_sessions,
+            queue_ns=r.queue_ns,
         )
 
     def _features(self, message: common_pb2.HiddenFeatures) -> np.ndarray | None:

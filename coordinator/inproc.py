@@ -5,6 +5,7 @@ Used by the single-process benchmark mode and by unit tests; no gRPC involved.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from coordinator.ports import DrafterFailed, VerifierInfo
@@ -29,6 +30,8 @@ def verifier_info(v: Verifier) -> VerifierInfo:
 
 
 class InProcessVerifier:
+    """The round loop's VerifierPort over a Verifier in this process; waiting never blocks the event loop."""
+
     def __init__(self, verifier: Verifier) -> None:
         self._verifier = verifier
 
@@ -38,12 +41,16 @@ class InProcessVerifier:
     async def prefill(
         self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
     ) -> PrefillResult:
-        return self._verifier.prefill(session_id, list(token_ids), sampling, return_features)
+        return await asyncio.wrap_future(
+            self._verifier.submit_prefill(session_id, list(token_ids), sampling, return_features)
+        )
 
     async def verify(
         self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
     ) -> VerifyResult:
-        return self._verifier.verify(session_id, num_committed, tree, top_k, return_features)
+        return await asyncio.wrap_future(
+            self._verifier.submit_verify(session_id, num_committed, tree, top_k, return_features)
+        )
 
     async def release(self, session_id: str) -> None:
         self._verifier.release(session_id)

@@ -65,6 +65,7 @@ class GenerationStats:
     num_accepted_tokens: int = 0
     num_rounds_without_drafter: int = 0
     num_reprefills: int = 0
+    num_rounds_budget_off: int = 0  # rounds where the verifier's load budget left no room for drafts
     total_ns: int = 0
     draft_ns: int = 0
     verify_ns: int = 0
@@ -110,6 +111,7 @@ class Generation:
         self._unreported: list[int] = []  # committed tokens the drafter has not been told about
         self._successors: list[tuple[int, tuple[int, ...]]] = []  # last round's target top tokens
         self._unreported_features: list[np.ndarray] = []  # target features the drafter has not had
+        self._draft_budget: int | None = None  # the verifier's last word on how many nodes pay at its load
         self.stats.num_prompt_tokens = len(self.request.prompt_ids)
 
     async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
@@ -157,9 +159,13 @@ class Generation:
         """One propose -> verify -> commit; returns the committed tokens (at most ``remaining``)."""
         room = self.policy.max_session_tokens - len(self._committed) - 1
         max_nodes = max(0, min(self.policy.draft_max_nodes, remaining - 1, room))
+        if self._draft_budget is not None and self._draft_budget < max_nodes:
+            max_nodes = self._draft_budget
+            self.stats.num_rounds_budget_off += max_nodes == 0
         tree = await self._propose(max_nodes)
         pending = self._committed[-1]
         result = await self._verify(tree)
+        self._draft_budget = result.draft_budget_nodes
         if result.top_tokens and self._draft is not None:
             positions = (pending, *tree.token_ids)
             self._successors = [(t, tuple(top)) for t, top in zip(positions, result.top_tokens, strict=True)]

@@ -55,6 +55,10 @@ class VerifyResult:
     # With features asked for: the target's last hidden state (float16 [len(committed), hidden]) at each
     # committed position whose token it had as input: the pending token, then the accepted nodes.
     features: np.ndarray | None = None
+    # Most draft nodes worth sending next round at the verifier's load (None: the verifier did not say).
+    draft_budget_nodes: int | None = None
+    batch_sessions: int = 1  # sessions that shared the forward
+    queue_ns: int = 0  # time waiting for the engine
 
     @property
     def committed(self) -> list[int]:

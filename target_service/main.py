@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import signal
 import threading
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from specserve.hardware import choose_dtype
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -24,6 +26,7 @@ from specserve.rpc import add_health, mark_serving
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
+from target_service.draft_budget import CostCurve
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier
@@ -42,7 +45,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         help="'smollm2' (packaged GGUF), a .gguf file or a Hugging Face model directory",
     )
     parser.add_argument("--device", default=env("SPECSERVE_DEVICE", defaults.device), help="cpu, cuda, cuda:1 ...")
-    parser.add_argument("--dtype", default=defaults.dtype, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default=env("SPECSERVE_DTYPE", defaults.dtype),
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the target's layers; auto: bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32 "
+        "(acceptance always reads fp32 logits)",
+    )
     parser.add_argument(
         "--cache-dir",
         default=env("SPECSERVE_CACHE_DIR", ""),
@@ -57,6 +66,27 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         type=int,
         default=defaults.max_session_tokens,
         help="context limit per session (0: the model's)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=defaults.kv_cache_gib,
+        help="preallocated KV cache for all sessions; prefills wait for room, then get RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_batch_tokens,
+        help="tokens scored in one engine step across sessions (long prefills are chunked to fit)",
+    )
+    parser.add_argument("--max-batch-sessions", type=int, default=defaults.max_batch_sessions)
+    parser.add_argument("--admission-timeout-s", type=float, default=defaults.admission_timeout_s)
+    parser.add_argument("--evict-idle-s", type=float, default=defaults.evict_idle_s)
+    parser.add_argument(
+        "--no-profile-cost",
+        dest="profile_cost",
+        action="store_false",
+        help="skip measuring the cost curve at start-up (draft budgets then follow the tree limits only)",
     )
     parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
     parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
@@ -73,9 +103,42 @@ def build_verifier(config: VerifierConfig) -> Verifier:
         torch.set_num_threads(config.torch_threads)
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
-    model = load_model(source, device=config.device, dtype=config.dtype)
+    dtype = choose_dtype(config.dtype, config.device)
+    log.info("target dtype %s (%s)", dtype.dtype, dtype.reason)
+    model = load_model(source, device=config.device, dtype=dtype.dtype)
     fingerprint = vocab_fingerprint(load_tokenizer(source))
-    return Verifier.from_config(model, fingerprint, config)
+    verifier = Verifier.from_config(model, fingerprint, config, profile=False)
+    if config.profile_cost:
+        _size_budgets(verifier, cache_root / "cost-curves" / f"{_curve_key(source.name, verifier, config)}.json")
+    return verifier
+
+
+def _curve_key(model_name: str, verifier: Verifier, config: VerifierConfig) -> str:
+    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget."""
+    import torch
+
+    from specserve.hardware import cpu_model
+
+    parts = [model_name, verifier.dtype, str(verifier.device), cpu_model(), str(torch.get_num_threads())]
+    parts.append(str(config.max_batch_tokens))
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _size_budgets(verifier: Verifier, cached: Path) -> None:
+    """Use the cost curve measured on an earlier start on this machine, else measure it (seconds) and keep it."""
+    try:
+        verifier.use_cost_curve(CostCurve.from_json(cached.read_text()))
+        log.info("cost curve from %s (delete it to measure again)", cached)
+        return
+    except (OSError, ValueError):
+        pass
+    log.info("measuring the engine's cost curve (once per machine, model and dtype)")
+    curve = verifier.profile_cost()
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text(curve.to_json())
+    except OSError as exc:
+        log.warning("could not keep the cost curve in %s: %s", cached, exc)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,5 +169,9 @@ def main(argv: list[str] | None = None) -> None:
         metrics.serve(config.metrics_port)
     servicer.attach(verifier)
     mark_serving(health, [SERVICE_NAME])
-    print(f"verifier listening on {address} (model {config.model}, vocab {verifier.vocab_fingerprint})", flush=True)
+    print(
+        f"verifier listening on {address} (model {config.model}, {verifier.dtype}, "
+        f"KV cache {config.kv_cache_gib:g} GiB, vocab {verifier.vocab_fingerprint})",
+        flush=True,
+    )
     server.wait_for_termination()

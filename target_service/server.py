@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from typing import TypeVar
+
 import grpc
 
 from specserve.errors import Unavailable
@@ -10,6 +13,14 @@ from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from specserve.wire import features_to_proto, sampling_from_proto, tree_from_proto
 from target_service.metrics import VerifierMetrics
 from target_service.verifier import Verifier
+
+T = TypeVar("T")
+
+
+def _wait(future: Future[T], context: grpc.ServicerContext) -> T:
+    """The engine's answer; a caller that goes away takes its queued call out of the queue."""
+    context.add_callback(future.cancel)
+    return future.result()
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
@@ -37,12 +48,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self, request: verifier_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.PrefillResponse:
         with self._metrics.in_flight():
-            result = self._verifier.prefill(
+            submitted = self._verifier.submit_prefill(
                 request.session_id,
                 list(request.token_ids),
                 sampling_from_proto(request.sampling),
                 request.return_features,
             )
+            result = _wait(submitted, context)
         self._metrics.sessions(self._verifier.num_active_sessions)
         return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
 
@@ -50,10 +62,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         tree = tree_from_proto(request.tree)
         with self._metrics.in_flight():
-            result = self._verifier.verify(
+            submitted = self._verifier.submit_verify(
                 request.session_id, request.num_committed_tokens, tree, request.top_k, request.return_features
             )
+            result = _wait(submitted, context)
         self._metrics.verified(num_draft=len(tree), num_accepted=len(result.accepted_tokens))
+        self._metrics.engine(self._verifier.stats(), result.batch_sessions, result.queue_ns)
         return verifier_pb2.VerifyResponse(
             accepted_token_ids=result.accepted_tokens,
             accepted_node_indices=result.accepted_nodes,
@@ -61,6 +75,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             verify_ns=result.verify_ns,
             top_token_ids=[token for row in result.top_tokens for token in row],
             features=features_to_proto(result.features),
+            draft_budget_nodes=result.draft_budget_nodes,
+            batch_sessions=result.batch_sessions,
+            queue_ns=result.queue_ns,
         )
 
     @maps_domain_errors
@@ -74,6 +91,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     @maps_domain_errors
     def Info(self, request: verifier_pb2.InfoRequest, context: grpc.ServicerContext) -> verifier_pb2.InfoResponse:
         limits = self._verifier.limits
+        stats = self._verifier.stats()
         return verifier_pb2.InfoResponse(
             model_name=self._verifier.model_name,
             vocab_fingerprint=self._verifier.vocab_fingerprint,
@@ -84,5 +102,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             max_session_tokens=limits.max_session_tokens,
             supports_branching=self._verifier.supports_branching,
             device=str(self._verifier.device),
-            num_active_sessions=self._verifier.num_active_sessions,
+            num_active_sessions=stats.num_sessions,
+            dtype=self._verifier.dtype,
+            kv_cache_capacity_bytes=stats.kv_capacity_bytes,
+            kv_cache_used_bytes=stats.kv_used_bytes,
+            num_queued_requests=stats.num_queued,
+            max_batch_tokens=limits.max_batch_tokens,
         )

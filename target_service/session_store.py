@@ -13,15 +13,24 @@ T = TypeVar("T")
 class SessionStore(Generic[T]):
     """Holds at most ``max_sessions`` values; idle ones expire after ``ttl_s``.
 
-    Not thread-safe: the verifier calls it under its own lock.
+    ``on_evict(key, value)`` is called for every value dropped by the limit,
+    the TTL or ``evict`` (not for ``pop``), so the owner can free what it
+    holds. Not thread-safe: the verifier's engine thread owns it.
     """
 
-    def __init__(self, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_sessions: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[str, T], None] | None = None,
+    ) -> None:
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
         self._max_sessions = max_sessions
         self._ttl_s = ttl_s
         self._clock = clock
+        self._on_evict = on_evict
         self._entries: OrderedDict[str, tuple[float, T]] = OrderedDict()
         self.num_evicted = 0
 
@@ -30,10 +39,12 @@ class SessionStore(Generic[T]):
 
     def put(self, key: str, value: T) -> None:
         self.expire()
-        self._entries.pop(key, None)
+        old = self._entries.pop(key, None)
+        if old is not None and old[1] is not value:
+            self._dropped(key, old[1])
         while len(self._entries) >= self._max_sessions:
-            self._entries.popitem(last=False)
-            self.num_evicted += 1
+            oldest, (_, dropped) = self._entries.popitem(last=False)
+            self._dropped(oldest, dropped)
         self._entries[key] = (self._clock(), value)
 
     def get(self, key: str) -> T | None:
@@ -45,15 +56,41 @@ class SessionStore(Generic[T]):
         self._entries[key] = (self._clock(), entry[1])
         return entry[1]
 
+    def peek(self, key: str) -> T | None:
+        """The value without marking it used."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry[1]
+
     def pop(self, key: str) -> T | None:
+        """Remove and return the value; the caller frees what it holds."""
         entry = self._entries.pop(key, None)
         return None if entry is None else entry[1]
+
+    def evict(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._dropped(key, entry[1])
+
+    def least_recent(self, idle_s: float, eligible: Callable[[str, T], bool]) -> str | None:
+        """The least recently used key idle for at least ``idle_s`` that ``eligible`` accepts, or None."""
+        deadline = self._clock() - idle_s
+        for key, (last_used, value) in self._entries.items():
+            if last_used > deadline:
+                return None
+            if eligible(key, value):
+                return key
+        return None
 
     def expire(self) -> None:
         deadline = self._clock() - self._ttl_s
         while self._entries:
-            key, (last_used, _) = next(iter(self._entries.items()))
+            key, (last_used, value) = next(iter(self._entries.items()))
             if last_used > deadline:
                 break
             del self._entries[key]
-            self.num_evicted += 1
+            self._dropped(key, value)
+
+    def _dropped(self, key: str, value: T) -> None:
+        self.num_evicted += 1
+        if self._on_evict is not None:
+            self._on_evict(key, value)

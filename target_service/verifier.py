@@ -1,44 +1,75 @@
-"""The verifier: target model, per-session KV caches, and draft verification.
+"""The verifier: the target model serving many sessions at once.
 
 A session's KV cache holds every committed token except the last one, which
 is "pending": each Verify forwards the pending token followed by the draft
 nodes, so the target scores the draft and produces its bonus token in one
 forward pass. The cache is then cut back to the committed tokens (the pending
-token plus the accepted drafts); the new bonus token becomes the pending one.
+token plus the accepted path); the new bonus token becomes the pending one.
 A tree of size zero is plain decoding.
+
+Prefill, Verify and Release calls from any thread go into one queue. A single
+engine thread owns the model, the KV arena and the sessions: each step it
+takes what is waiting, up to a token budget and a session budget (Verify
+calls first in arrival order, then prefill chunks, so a long prompt never
+holds running streams for more than one step), runs ONE forward over all of
+it (``ModelRunner`` over a ragged ``StepPlan``), then applies each caller's
+acceptance and answers it. A caller whose request fails (a bad tree, no
+memory, a sampling error) gets its own error; the rest of the batch goes on.
+
+Memory is admitted in bytes: a prefill that finds no room evicts sessions
+idle for ``evict_idle_s`` (least recently used first), else waits in the
+queue, and after ``admission_timeout_s`` gets RESOURCE_EXHAUSTED. An evicted
+session's next Verify gets NOT_FOUND and the coordinator prefills it again
+from its committed tokens, so no token is lost or repeated.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from specserve.acceptance import Acceptance, PrefillResult, VerifyResult, accept_greedy, accept_sampled
-from specserve.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specserve.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    SpecserveError,
+    Unavailable,
+)
 from specserve.keyed_noise import PositionNoise, fresh_seed
 from specserve.sampling import SamplingParams, target_probs
 from specserve.token_tree import InvalidTreeError, TokenTree
+from specserve.tree_masks import ancestor_matrix
 from target_service.config import VerifierConfig
+from target_service.draft_budget import CostCurve, DraftBudget, flat_curve, measure_curve
+from target_service.kv_arena import KVArena, Region
+from target_service.model_runner import ModelRunner
+from target_service.ragged_attention import Segment, StepPlan
 from target_service.session_store import SessionStore
-from target_service.tree_attention import keep_path, tree_inputs
+
+log = logging.getLogger(__name__)
+
+# Slots reserved beyond a prompt at prefill, so the first rounds grow in place.
+PREFILL_HEADROOM_TOKENS = 64
 
 
 @dataclass
 class _Session:
     committed: list[int]  # all committed tokens; the cache holds all but the last
-    cache: DynamicCache
+    region: Region
     sampling: SamplingParams
     seed: int  # keys the sampling draws by position (keyed_noise)
-
-
-def _float16(hidden: torch.Tensor | None) -> np.ndarray | None:
-    return None if hidden is None else hidden.detach().to("cpu", torch.float16).numpy()
 
 
 @dataclass(frozen=True)
@@ -47,10 +78,76 @@ class VerifierLimits:
     max_tree_depth: int
     max_sessions: int
     max_session_tokens: int
+    max_batch_tokens: int
+    max_batch_sessions: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for Info and metrics."""
+
+    num_sessions: int
+    num_queued: int
+    kv_capacity_bytes: int
+    kv_used_bytes: int
+    num_steps: int
+    num_evicted: int
+
+
+@dataclass(eq=False)
+class _Call:
+    session_id: str
+    future: Future[Any] = field(default_factory=Future)
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    started_ns: int = 0  # first step that served it
+
+
+@dataclass(eq=False)
+class _PrefillCall(_Call):
+    tokens: list[int] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_features: bool = False
+    session: _Session | None = None  # built chunk by chunk, registered when complete
+    features: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_to_cache(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def remaining(self) -> int:
+        done = self.session.region.length if self.session is not None else 0
+        return self.num_to_cache - done
+
+
+@dataclass(eq=False)
+class _VerifyCall(_Call):
+    num_committed: int = 0
+    tree: TokenTree = field(default_factory=TokenTree)
+    top_k: int = 0
+    return_features: bool = False
+    score_only: bool = False  # answer the fp32 logits and leave the session as it was
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 + len(self.tree)
+
+
+@dataclass(eq=False)
+class _ReleaseCall(_Call):
+    pass
+
+
+@dataclass
+class _Work:
+    """What one step serves: calls with the tokens each feeds into the forward."""
+
+    verifies: list[tuple[_VerifyCall, _Session]] = field(default_factory=list)
+    prefills: list[tuple[_PrefillCall, int]] = field(default_factory=list)  # (call, tokens this step)
 
 
 class Verifier:
-    """Holds the target model and its sessions; thread-safe."""
+    """Holds the target model and its sessions; every public method is thread-safe."""
 
     supports_branching = True
 
@@ -65,26 +162,57 @@ class Verifier:
         max_tree_nodes: int = 64,
         max_tree_depth: int = 32,
         max_session_tokens: int = 0,
+        kv_cache_bytes: int = 256 * 2**20,
+        max_batch_tokens: int = 256,
+        max_batch_sessions: int = 64,
+        admission_timeout_s: float = 30.0,
+        evict_idle_s: float = 2.0,
+        cost_curve: CostCurve | None = None,
     ) -> None:
-        self._model = model
+        self._runner = ModelRunner(model)
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
-        self.vocab_size = int(model.config.vocab_size)
-        self.hidden_size = int(model.config.hidden_size)
-        context = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.vocab_size = self._runner.vocab_size
+        self.hidden_size = self._runner.hidden_size
+        context = self._runner.max_positions
+        if max_batch_tokens < max_tree_nodes + 1:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) must hold one full tree ({max_tree_nodes} + 1)")
         self.limits = VerifierLimits(
             max_tree_nodes=max_tree_nodes,
             max_tree_depth=max_tree_depth,
             max_sessions=max_sessions,
             max_session_tokens=min(max_session_tokens, context) if max_session_tokens > 0 else context,
+            max_batch_tokens=max_batch_tokens,
+            max_batch_sessions=max_batch_sessions,
         )
-        self._sessions: SessionStore[_Session] = SessionStore(max_sessions, session_ttl_s)
-        self._lock = threading.Lock()
+        probe = self._runner.new_arena(16)
+        self._arena: KVArena = self._runner.new_arena(kv_cache_bytes // probe.bytes_per_token)
+        del probe
+        self.dtype = str(self._runner.dtype).removeprefix("torch.")
+        self._budget = DraftBudget(cost_curve or flat_curve(), max_tree_nodes)
+        self._admission_timeout_ns = int(admission_timeout_s * 1e9)
+        self._evict_idle_s = evict_idle_s
+        self._sessions: SessionStore[_Session] = SessionStore(max_sessions, session_ttl_s, on_evict=self._forget)
+        self._queue: deque[_Call] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._paused = False
+        self._busy = False  # a step is being built or run
+        self._num_steps = 0
+        self._in_step: set[str] = set()  # sessions with a call in the step being built: never evicted
+        self._step_calls: list[_Call] = []
+        self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
+        self._thread = threading.Thread(target=self._loop, name="verifier-engine", daemon=True)
+        self._thread.start()
 
     @classmethod
-    def from_config(cls, model: Any, vocab_fingerprint: str, config: VerifierConfig) -> Verifier:
-        """A verifier over an already loaded ``model`` with the limits ``config`` sets."""
-        return cls(
+    def from_config(cls, model: Any, vocab_fingerprint: str, config: VerifierConfig, profile: bool = True) -> Verifier:
+        """A verifier over an already loaded ``model`` with the limits ``config`` sets.
+
+        ``profile`` measures the engine's cost curve first (a few seconds), which sizes the draft budget;
+        main.py keeps the measured curve in the model cache and passes profile=False when it has one.
+        """
+        verifier = cls(
             model,
             vocab_fingerprint,
             model_name=config.model,
@@ -93,16 +221,39 @@ class Verifier:
             max_tree_nodes=config.max_tree_nodes,
             max_tree_depth=config.max_tree_depth,
             max_session_tokens=config.max_session_tokens,
+            kv_cache_bytes=int(config.kv_cache_gib * 2**30),
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_sessions=config.max_batch_sessions,
+            admission_timeout_s=config.admission_timeout_s,
+            evict_idle_s=config.evict_idle_s,
         )
+        if profile and config.profile_cost:
+            verifier.profile_cost()
+        return verifier
+
+    # ---- public API (any thread) ----
 
     @property
     def device(self) -> torch.device:
-        return next(self._model.parameters()).device
+        return self._runner.device
 
     @property
     def num_active_sessions(self) -> int:
-        with self._lock:
-            return len(self._sessions)
+        return len(self._sessions)
+
+    @property
+    def cost_curve(self) -> CostCurve:
+        return self._budget.curve
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_sessions=len(self._sessions),
+            num_queued=len(self._queue),
+            kv_capacity_bytes=self._arena.capacity_bytes,
+            kv_used_bytes=self._arena.used_bytes,
+            num_steps=self._num_steps,
+            num_evicted=self._sessions.num_evicted,
+        )
 
     def prefill(
         self, session_id: str, token_ids: list[int], sampling: SamplingParams, return_features: bool = False
@@ -112,7 +263,13 @@ class Verifier:
         With ``return_features``, the result holds the target's last hidden
         state at every position but the last (whose token is pending).
         """
-        start = time.perf_counter_ns()
+        result: PrefillResult = self.submit_prefill(session_id, token_ids, sampling, return_features).result()
+        return result
+
+    def submit_prefill(
+        self, session_id: str, token_ids: list[int], sampling: SamplingParams, return_features: bool = False
+    ) -> Future[PrefillResult]:
+        """Queue a prefill; cancelling the future before it completes frees what it held."""
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not token_ids:
@@ -127,18 +284,14 @@ class Verifier:
             sampling.validate()
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from exc
-        seed = sampling.seed if sampling.seed is not None else fresh_seed()
-        session = _Session(list(token_ids), DynamicCache(), sampling, seed)
-        with self._lock:
-            self._sessions.pop(session_id)
-            features = None
-            if len(token_ids) > 1:
-                _, hidden = self._forward(session, token_ids[:-1], logits_to_keep=1, return_features=return_features)
-                features = _float16(hidden)
-            elif return_features:
-                features = np.zeros((0, self.hidden_size), dtype=np.float16)
-            self._sessions.put(session_id, session)
-        return PrefillResult(time.perf_counter_ns() - start, features)
+        needed = len(token_ids) * self._arena.bytes_per_token
+        if needed > self._arena.capacity_bytes:
+            raise ResourceExhausted(
+                f"{len(token_ids)} tokens need {needed / 2**20:.1f} MiB of KV cache, more than the verifier's "
+                f"{self._arena.capacity_bytes / 2**20:.1f} MiB: raise --kv-cache-gib or send a shorter prompt"
+            )
+        call = _PrefillCall(session_id, tokens=list(token_ids), sampling=sampling, return_features=return_features)
+        return self._submit(call)
 
     def verify(
         self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
@@ -148,96 +301,463 @@ class Verifier:
         ``top_k`` > 0 also returns the target's top next tokens at every scored
         position; ``return_features`` its hidden states at the committed ones.
         """
-        start = time.perf_counter_ns()
+        result: VerifyResult = self.submit_verify(session_id, num_committed, tree, top_k, return_features).result()
+        return result
+
+    def submit_verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> Future[VerifyResult]:
         try:
             tree.validate(self.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
         except InvalidTreeError as exc:
             raise InvalidArgument(str(exc)) from exc
-        with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None:
-                raise NotFound(f"unknown session {session_id!r} (never prefilled, released or evicted): prefill it")
-            if num_committed != len(session.committed):
-                raise FailedPrecondition(
-                    f"session {session_id!r} holds {len(session.committed)} committed tokens, "
-                    f"the request says {num_committed}: prefill it again"
-                )
-            depth = max(tree.depths(), default=0)
-            if len(session.committed) + depth + 1 > self.limits.max_session_tokens:
-                raise ResourceExhausted(
-                    f"session {session_id!r} would exceed the context limit of {self.limits.max_session_tokens} tokens"
-                )
-            num_cached = len(session.committed) - 1
-            logits, hidden = self._forward_tree(session, tree, return_features)
-            acceptance = self._accept(tree, logits, session)
-            # Keep the pending token and the accepted path; rejected branches leave no trace.
-            keep_path(session.cache, num_cached, acceptance.path)
-            accepted = [tree.token_ids[node] for node in acceptance.path]
-            session.committed.extend([*accepted, acceptance.bonus_token])
-            top_tokens = logits.topk(min(top_k, self.vocab_size), dim=-1).indices.tolist() if top_k > 0 else []
-            rows = [0, *(node + 1 for node in acceptance.path)]
-            features = _float16(hidden[rows]) if hidden is not None else None
-        return VerifyResult(
-            accepted_tokens=accepted,
-            accepted_nodes=acceptance.path,
-            bonus_token=acceptance.bonus_token,
-            verify_ns=time.perf_counter_ns() - start,
-            top_tokens=top_tokens,
-            features=features,
+        if top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
+        call = _VerifyCall(
+            session_id, num_committed=num_committed, tree=tree, top_k=top_k, return_features=return_features
         )
+        return self._submit(call)
+
+    def score(self, session_id: str, tree: TokenTree) -> torch.Tensor:
+        """The target's fp32 logits [len(tree) + 1, vocab] at the pending token and each node; commits nothing.
+
+        The same forward rows that Verify's acceptance reads (for tests and numerics reports).
+        """
+        logits: torch.Tensor = self.submit_score(session_id, tree).result()
+        return logits
+
+    def submit_score(self, session_id: str, tree: TokenTree) -> Future[torch.Tensor]:
+        session = self._sessions.peek(session_id)
+        num_committed = len(session.committed) if session is not None else 0
+        return self._submit(_VerifyCall(session_id, num_committed=num_committed, tree=tree, score_only=True))
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the engine between steps: calls submitted meanwhile are served together afterwards."""
+        with self._cond:
+            self._paused = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused = False
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until nothing is queued or running; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(timeout=min(left, 0.05))
+        return True
 
     def release(self, session_id: str) -> bool:
-        with self._lock:
-            return self._sessions.pop(session_id) is not None
+        released: bool = self._submit(_ReleaseCall(session_id)).result()
+        return released
+
+    def profile_cost(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 2) -> CostCurve:
+        """Measure this engine's cost curve on a scratch session and size draft budgets with it."""
+        sizes = tuple(n for n in sizes if n <= self.limits.max_batch_tokens)
+        context = 128
+        scratch = self._runner.new_arena((context + max(sizes) + 16) * 8 + 16 * 8)
+        regions = [scratch.allocate(context + max(sizes)) for _ in range(8)]
+        prompt = torch.randint(0, self.vocab_size, (context + max(sizes),), device=self.device)
+
+        def run(sessions: int, tokens: int) -> None:
+            per = max(1, tokens // sessions)
+            plan = StepPlan(scratch)
+            ids, pos = [], []
+            for i in range(sessions):
+                region = regions[i]
+                assert region is not None
+                region.length = context
+                plan.segments.append(Segment(region, context, slice(i * per, (i + 1) * per)))
+                ids.append(prompt[:per])
+                pos.append(torch.arange(context, context + per, device=self.device))
+            rows = torch.arange(sessions * per, device=self.device)
+            self._runner.forward(plan, torch.cat(ids), torch.cat(pos), rows, rows[:0])
+
+        for region in regions:  # fill the context once
+            assert region is not None
+            plan = StepPlan(scratch, [Segment(region, 0, slice(0, context))])
+            empty = torch.zeros(0, dtype=torch.long, device=self.device)
+            self._runner.forward(plan, prompt[:context], torch.arange(context, device=self.device), empty, empty)
+        curve = measure_curve(run, sizes, repeats)
+        self.use_cost_curve(curve)
+        return curve
+
+    def use_cost_curve(self, curve: CostCurve) -> None:
+        """Size draft budgets with ``curve`` (measured by ``profile_cost``, now or on an earlier start)."""
+        with self._cond:
+            self._budget = DraftBudget(curve, self.limits.max_tree_nodes)
+        ratios = ", ".join(f"{n}: {r:.2f}" for n, r in curve.ratios().items())
+        log.info(
+            "cost curve c(n)/c(1) {%s}; c(1) = %.1f ms, %.2f ms per extra session",
+            ratios,
+            curve.seconds[0] * 1e3,
+            curve.per_session_s * 1e3,
+        )
+
+    def close(self) -> None:
+        """Stop the engine thread; queued calls fail with UNAVAILABLE."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
 
     def _check_tokens(self, token_ids: list[int], what: str) -> None:
-        for token in token_ids:
-            if not 0 <= token < self.vocab_size:
-                raise InvalidArgument(f"{what} id {token} is outside the vocabulary [0, {self.vocab_size})")
+        array = np.asarray(token_ids, dtype=np.int64)
+        bad = np.flatnonzero((array < 0) | (array >= self.vocab_size))
+        if bad.size:
+            token = int(array[bad[0]])
+            raise InvalidArgument(f"{what} id {token} is outside the vocabulary [0, {self.vocab_size})")
 
-    @torch.inference_mode()
-    def _forward(
-        self, session: _Session, token_ids: list[int], logits_to_keep: int = 0, return_features: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Append ``token_ids`` to the session's cache; returns their logits [n, vocab] and last hidden states.
+    def _submit(self, call: _Call) -> Future[Any]:
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("the verifier is shutting down; retry on another replica")
+            self._queue.append(call)
+            self._cond.notify()
+        return call.future
 
-        ``logits_to_keep`` > 0 computes only the last rows (prefill needs none).
+    # ---- the engine thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+                while (not self._queue or self._paused) and not self._stopping:
+                    self._cond.wait(timeout=5.0)
+                    if not self._paused:
+                        self._sessions.expire()
+                if self._stopping:
+                    pending = list(self._queue)
+                    self._queue.clear()
+                    break
+                self._busy = True
+            try:
+                if not self._step():
+                    with self._cond:  # everything waits for memory: nap until a call arrives or a moment passes
+                        self._cond.wait(timeout=0.01)
+            except Exception as exc:  # a bug must not kill the engine nor leave callers waiting
+                log.exception("engine step failed")
+                for call in self._step_calls:
+                    if not call.future.done():
+                        self._abandon(call, Unavailable(f"the verifier failed this step ({type(exc).__name__}); retry"))
+        for call in pending:
+            _fail(call, Unavailable("the verifier is shutting down; retry on another replica"))
+
+    def _step(self) -> bool:
+        """Run one step; False when there was nothing it could run."""
+        work = self._take_work()
+        if not work.verifies and not work.prefills:
+            return False
+        started = time.perf_counter_ns()
+        for call in [c for c, _ in work.verifies] + [c for c, _ in work.prefills]:
+            call.started_ns = call.started_ns or started
+        plan, input_ids, positions, score_rows, feature_rows = self._build_inputs(work)
+        out = self._runner.forward(plan, input_ids, positions, score_rows, feature_rows)
+        self._num_steps += 1
+        sessions = len(work.verifies)
+        self._recent_sessions = max(float(sessions), 0.5 * self._recent_sessions + 0.5 * sessions)
+        budget = self._budget.nodes_for(round(self._recent_sessions))
+        score_at = 0
+        feature_at = 0
+        for call, session in work.verifies:
+            n = call.num_tokens
+            logits = out.logits[score_at : score_at + n]
+            score_at += n
+            hidden = out.features[feature_at : feature_at + n] if call.return_features else None
+            feature_at += n if call.return_features else 0
+            self._finish_verify(call, session, logits, hidden, budget, sessions)
+        for prefill, tokens in work.prefills:
+            if prefill.return_features:
+                prefill.features.append(out.features[feature_at : feature_at + tokens])
+                feature_at += tokens
+            self._advance_prefill(prefill, tokens)
+        return True
+
+    def _take_work(self) -> _Work:
+        """Pick this step's calls under the token and session budgets; answer releases and stale calls.
+
+        Verify calls go first, in arrival order, so running streams are never
+        held up by new prompts; prefill chunks take what is left of the token
+        budget (a prompt always advances by at least one small chunk). One
+        call per session per step; the others stay queued in order.
         """
-        num_cached = session.cache.get_seq_length()
-        input_ids = torch.tensor([token_ids], device=self.device)
-        positions = torch.arange(num_cached, num_cached + len(token_ids), device=self.device)[None]
-        out = self._model(
-            input_ids=input_ids,
-            position_ids=positions,
-            past_key_values=session.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=return_features,
-        )
-        return out.logits[0].float(), out.hidden_states[-1][0] if return_features else None
+        work = _Work()
+        tokens_left = self.limits.max_batch_tokens
+        seen: set[str] = set()
+        deferred: list[_Call] = []
+        prefills: list[_PrefillCall] = []
+        with self._cond:
+            self._sessions.expire()
+            queued = list(self._queue)
+            self._queue.clear()
+        self._in_step = {call.session_id for call in queued}
+        self._step_calls = queued
+        for call in queued:
+            if call.future.cancelled():
+                self._abandon(call, None)
+            elif call.future.done():  # a prefill whose last chunk completed it in the previous step
+                continue
+            elif call.session_id in seen:
+                deferred.append(call)
+            elif isinstance(call, _ReleaseCall):
+                self._release_now(call)
+            elif isinstance(call, _PrefillCall):
+                prefills.append(call)
+            elif isinstance(call, _VerifyCall):
+                if len(work.verifies) >= self.limits.max_batch_sessions or call.num_tokens > tokens_left:
+                    deferred.append(call)
+                elif (session := self._session_for(call)) is not None:
+                    if self._reserve(session.region, len(session.committed) + len(call.tree)):
+                        work.verifies.append((call, session))
+                        tokens_left -= call.num_tokens
+                    else:
+                        self._wait_or_fail(call, deferred)
+            seen.add(call.session_id)
+        for prefill in prefills:
+            if tokens_left <= 0 and (work.prefills or work.verifies):
+                deferred.append(prefill)
+            elif prefill.session is None and not self._start_prefill(prefill):
+                self._wait_or_fail(prefill, deferred)
+            elif prefill.remaining == 0:
+                self._complete_prefill(prefill)
+            else:
+                chunk = min(prefill.remaining, max(tokens_left, 16))
+                work.prefills.append((prefill, chunk))
+                tokens_left -= chunk
+                deferred.append(prefill)  # stays queued until its last chunk is done
+        deferred.sort(key=lambda c: c.enqueued_ns)
+        with self._cond:
+            self._queue.extendleft(reversed(deferred))
+        return work
 
-    @torch.inference_mode()
-    def _forward_tree(
-        self, session: _Session, tree: TokenTree, return_features: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Score the pending token and every tree node in one forward: logits [n + 1, vocab], hidden states."""
-        dtype = next(self._model.parameters()).dtype
-        input_ids, positions, mask = tree_inputs(
-            tree, session.committed[-1], session.cache.get_seq_length(), dtype, self.device
+    def _session_for(self, call: _VerifyCall) -> _Session | None:
+        """The call's session if it is there and in step; otherwise the call is answered with the error."""
+        session = self._sessions.get(call.session_id)
+        if session is None:
+            _fail(
+                call,
+                NotFound(f"unknown session {call.session_id!r} (never prefilled, released or evicted): prefill it"),
+            )
+            return None
+        if call.num_committed != len(session.committed):
+            _fail(
+                call,
+                FailedPrecondition(
+                    f"session {call.session_id!r} holds {len(session.committed)} committed tokens, "
+                    f"the request says {call.num_committed}: prefill it again"
+                ),
+            )
+            return None
+        depth = max(call.tree.depths(), default=0)
+        if len(session.committed) + depth + 1 > self.limits.max_session_tokens:
+            _fail(
+                call,
+                ResourceExhausted(
+                    f"session {call.session_id!r} would exceed the context limit of "
+                    f"{self.limits.max_session_tokens} tokens"
+                ),
+            )
+            return None
+        return session
+
+    def _reserve(self, region: Region, tokens: int) -> bool:
+        """Room for ``tokens`` in ``region``, evicting idle sessions (least recently used first) if needed."""
+        limit = self.limits.max_session_tokens
+        while not self._arena.reserve(region, tokens, limit):
+            if not self._evict_one(0.0, keep=region):
+                return False
+        return True
+
+    def _evict_one(self, idle_s: float, keep: Region | None = None) -> bool:
+        """Evict the least recently used session idle for ``idle_s`` with no call queued; False if none."""
+        with self._cond:
+            busy = self._in_step | {call.session_id for call in self._queue}
+        victim = self._sessions.least_recent(idle_s, lambda key, s: key not in busy and s.region is not keep)
+        if victim is None:
+            return False
+        log.info("evicting session %s to free KV cache memory", victim)
+        self._sessions.evict(victim)
+        return True
+
+    def _wait_or_fail(self, call: _Call, deferred: list[_Call]) -> None:
+        waited = time.perf_counter_ns() - call.enqueued_ns
+        if waited < self._admission_timeout_ns:
+            deferred.append(call)
+            return
+        self._abandon(
+            call,
+            ResourceExhausted(
+                f"the verifier's KV cache ({self._arena.capacity_bytes / 2**30:.2f} GiB) stayed full for "
+                f"{waited / 1e9:.0f} s: retry later, or give the verifier more --kv-cache-gib or replicas"
+            ),
         )
-        out = self._model(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            past_key_values=session.cache,
-            use_cache=True,
-            output_hidden_states=return_features,
+
+    def _start_prefill(self, call: _PrefillCall) -> bool:
+        old = self._sessions.pop(call.session_id)
+        if old is not None:
+            self._arena.free(old.region)
+        region = self._arena.allocate(call.num_to_cache + PREFILL_HEADROOM_TOKENS)
+        while region is None and self._evict_one(self._evict_idle_s):
+            region = self._arena.allocate(call.num_to_cache + PREFILL_HEADROOM_TOKENS)
+        if region is None:
+            return False
+        seed = call.sampling.seed if call.sampling.seed is not None else fresh_seed()
+        call.session = _Session(list(call.tokens), region, call.sampling, seed)
+        return True
+
+    def _advance_prefill(self, call: _PrefillCall, tokens: int) -> None:
+        assert call.session is not None
+        call.session.region.length += tokens
+        if call.remaining == 0:
+            self._complete_prefill(call)
+
+    def _complete_prefill(self, call: _PrefillCall) -> None:
+        session = call.session
+        assert session is not None
+        if call.future.cancelled():
+            self._abandon(call, None)
+            return
+        self._sessions.put(call.session_id, session)
+        features = None
+        if call.return_features:
+            rows = torch.cat(call.features) if call.features else torch.zeros(0, self.hidden_size)
+            features = _float16(rows)
+        call.features = []
+        _resolve(call, PrefillResult(time.perf_counter_ns() - call.enqueued_ns, features))
+
+    def _abandon(self, call: _Call, error: SpecserveError | None) -> None:
+        """Give up a call; a prefill in progress frees its memory."""
+        if isinstance(call, _PrefillCall) and call.session is not None:
+            if self._sessions.peek(call.session_id) is not call.session:
+                self._arena.free(call.session.region)
+            call.session = None
+        if error is not None:
+            _fail(call, error)
+
+    def _release_now(self, call: _ReleaseCall) -> None:
+        session = self._sessions.pop(call.session_id)
+        if session is not None:
+            self._arena.free(session.region)
+        _resolve(call, session is not None)
+
+    def _forget(self, session_id: str, session: _Session) -> None:
+        """SessionStore eviction hook (TTL or session count): give the memory back."""
+        self._arena.free(session.region)
+
+    def _build_inputs(self, work: _Work) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pack every call's tokens into one forward: ids, positions, rows to score and rows to return."""
+        device = self.device
+        plan = StepPlan(self._arena)
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        score: list[int] = []
+        feature: list[int] = []
+        for call, session in work.verifies:
+            start = len(ids)
+            cached = len(session.committed) - 1
+            ids.append(session.committed[-1])
+            ids.extend(call.tree.token_ids)
+            n = call.num_tokens
+            depths = torch.tensor([0, *call.tree.depths()], dtype=torch.long)
+            positions.append(cached + depths)
+            mask = None
+            if len(call.tree):
+                allowed = torch.ones(n, cached + n, dtype=torch.bool)
+                allowed[:, cached:] = False
+                allowed[0, cached] = True
+                allowed[1:, cached] = True
+                parents = torch.tensor(call.tree.parents, dtype=torch.long)
+                allowed[1:, cached + 1 :] = ancestor_matrix(parents, int(depths.max()))
+                mask = allowed.to(device)
+            plan.segments.append(Segment(session.region, cached, slice(start, start + n), mask))
+            score.extend(range(start, start + n))
+            if call.return_features:
+                feature.extend(range(start, start + n))
+        for prefill, tokens in work.prefills:
+            assert prefill.session is not None
+            start = len(ids)
+            done = prefill.session.region.length
+            ids.extend(prefill.tokens[done : done + tokens])
+            positions.append(torch.arange(done, done + tokens))
+            plan.segments.append(Segment(prefill.session.region, done, slice(start, start + tokens)))
+            if prefill.return_features:
+                feature.extend(range(start, start + tokens))
+        return (
+            plan,
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.cat(positions).to(device),
+            torch.tensor(score, dtype=torch.long, device=device),
+            torch.tensor(feature, dtype=torch.long, device=device),
         )
-        return out.logits[0].float(), out.hidden_states[-1][0] if return_features else None
+
+    def _finish_verify(
+        self,
+        call: _VerifyCall,
+        session: _Session,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        budget: int,
+        batch_sessions: int,
+    ) -> None:
+        tree = call.tree
+        if call.score_only:
+            _resolve(call, logits.clone())
+            return
+        try:
+            acceptance = self._accept(tree, logits, session)
+        except (ValueError, RuntimeError) as exc:  # e.g. no probability mass left after top-k/top-p
+            _fail(call, InvalidArgument(f"cannot sample with this session's parameters: {exc}"))
+            return
+        cached = len(session.committed) - 1
+        # Keep the pending token and the accepted path; rejected branches leave no trace.
+        self._arena.keep(session.region, cached, [0, *(node + 1 for node in acceptance.path)])
+        accepted = [tree.token_ids[node] for node in acceptance.path]
+        session.committed.extend([*accepted, acceptance.bonus_token])
+        self._budget.observe(max(tree.depths(), default=0), len(accepted))
+        top_tokens = logits.topk(min(call.top_k, self.vocab_size), dim=-1).indices.tolist() if call.top_k > 0 else []
+        rows = [0, *(node + 1 for node in acceptance.path)]
+        now = time.perf_counter_ns()
+        _resolve(
+            call,
+            VerifyResult(
+                accepted_tokens=accepted,
+                accepted_nodes=acceptance.path,
+                bonus_token=acceptance.bonus_token,
+                verify_ns=now - call.enqueued_ns,
+                top_tokens=top_tokens,
+                features=_float16(hidden[rows]) if hidden is not None else None,
+                draft_budget_nodes=budget,
+                batch_sessions=batch_sessions,
+                queue_ns=call.started_ns - call.enqueued_ns,
+            ),
+        )
 
     @staticmethod
     def _accept(tree: TokenTree, logits: torch.Tensor, session: _Session) -> Acceptance:
         if session.sampling.greedy:
+            # torch.argmax returns the first maximum: ties go to the lowest id on every path.
             return accept_greedy(tree, logits.argmax(dim=-1).tolist())
         p = target_probs(logits, session.sampling).cpu()
         return accept_sampled(tree, p, PositionNoise(session.seed, first_position=len(session.committed)))
+
+
+def _float16(rows: torch.Tensor) -> np.ndarray:
+    return rows.detach().to("cpu", torch.float16).numpy()
+
+
+def _resolve(call: _Call, value: object) -> None:
+    if not call.future.done() and call.future.set_running_or_notify_cancel():
+        call.future.set_result(value)
+
+
+def _fail(call: _Call, error: SpecserveError) -> None:
+    if not call.future.done() and call.future.set_running_or_notify_cancel():
+        call.future.set_exception(error)

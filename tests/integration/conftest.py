@@ -17,6 +17,8 @@ from tests.conftest import plain_decode
 
 SPEC_BENCH = Path(__file__).parents[2] / "bench" / "data" / "spec_bench.jsonl"
 SYSTEM_REDIS = "redis://127.0.0.1:6379/0"
+# Identity with plain decoding is asserted token for token: the reference and the verifier run in fp32.
+FP32_VERIFIER = ["--dtype", "float32"]
 
 
 def spec_bench_prompts(per_category: int = 1, categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -76,5 +78,7 @@ def target() -> Target:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Coordinator, drafter (with Redis when reachable) and verifier as real processes."""
     logs = tmp_path_factory.mktemp("cluster-logs")
-    with LocalCluster(free_port(), free_port(), free_port(), redis_url=system_redis_url(), log_dir=logs) as c:
+    cluster = LocalCluster(free_port(), free_port(), free_port(), redis_url=system_redis_url(), log_dir=logs)
+    cluster.extra_verifier_args = list(FP32_VERIFIER)
+    with cluster as c:
         yield c

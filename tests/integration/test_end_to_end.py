@@ -179,3 +179,29 @@ def test_seeded_sampling_through_the_three_processes_is_plain_seeded_decoding(
     assert runs[0] == target.decode(target.chat_ids(text), params.max_new_tokens, sampling)
     assert stats.num_generated_tokens == len(runs[0]) > 0
     assert stats.finish_reason in ("length", "eos")
+
+
+def test_sixteen_concurrent_streams_are_each_identical_to_plain_greedy(cluster: LocalCluster, target: Target) -> None:
+    """One verifier batches 16 streams; each gets exactly its own plain decoding, and nothing is left behind."""
+    prompts = [record["turns"][0] for record in spec_bench_prompts(per_category=2)][:16]
+    assert len(prompts) == 16
+    results: dict[int, tuple[list[int], str, Stats]] = {}
+
+    def run(index: int) -> None:
+        results[index] = generate(cluster.coordinator_address, prompts[index], 32)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert sorted(results) == list(range(16))
+    for index, text in enumerate(prompts):
+        tokens, _, stats = results[index]
+        assert tokens == target.greedy(target.chat_ids(text), 32), text[:60]
+        assert stats.num_generated_tokens == len(tokens)
+    with grpc.insecure_channel(cluster.verifier_address) as channel:
+        info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(verifier_pb2.InfoRequest(), timeout=10)
+    assert info.dtype == "float32"
+    assert info.num_active_sessions == 0 and info.kv_cache_used_bytes == 0 and info.num_queued_requests == 0
+    assert info.kv_cache_capacity_bytes > 0

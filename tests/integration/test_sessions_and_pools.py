@@ -14,7 +14,7 @@ import redis
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
-from tests.integration.conftest import Target
+from tests.integration.conftest import FP32_VERIFIER, Target
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -36,7 +36,7 @@ def one_session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lo
     """A verifier that holds a single session: any other prefill evicts the running one."""
     logs = tmp_path_factory.mktemp("one-session")
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs)
-    cluster.extra_verifier_args = ["--max-sessions", "1"]
+    cluster.extra_verifier_args = ["--max-sessions", "1", *FP32_VERIFIER]
     with cluster:
         yield cluster
 
@@ -78,8 +78,22 @@ def two_clusters(
     """Two complete deployments (A and B) whose drafters share one private Redis."""
     logs = tmp_path_factory.mktemp("shared-pool")
     with (
-        LocalCluster(free_port(), free_port(), free_port(), redis_url=redis_server.url, log_dir=logs / "a") as a,
-        LocalCluster(free_port(), free_port(), free_port(), redis_url=redis_server.url, log_dir=logs / "b") as b,
+        LocalCluster(
+            free_port(),
+            free_port(),
+            free_port(),
+            redis_url=redis_server.url,
+            log_dir=logs / "a",
+            extra_verifier_args=list(FP32_VERIFIER),
+        ) as a,
+        LocalCluster(
+            free_port(),
+            free_port(),
+            free_port(),
+            redis_url=redis_server.url,
+            log_dir=logs / "b",
+            extra_verifier_args=list(FP32_VERIFIER),
+        ) as b,
     ):
         yield a, b
 

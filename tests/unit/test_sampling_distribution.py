@@ -153,8 +153,6 @@ def test_tree_rows_of_the_verifier_match_the_probability_table() -> None:
     """The rows used above are the verifier's own tree-forward rows."""
     verifier = Verifier(TARGET, "fp")
     verifier.prefill("s", PROMPT, SAMPLING)
-    session = verifier._sessions.get("s")
-    assert session is not None
     tree = deterministic_tree(torch.Generator().manual_seed(5))
-    rows = target_probs(verifier._forward_tree(session, tree)[0], SAMPLING).double()
+    rows = target_probs(verifier.score("s", tree), SAMPLING).double()
     torch.testing.assert_close(rows, rows_for(tree), rtol=1e-4, atol=1e-5)

@@ -58,13 +58,11 @@ def test_cache_after_rounds_equals_a_fresh_prefill() -> None:
         committed += verifier.verify("a", len(committed), TokenTree.chain(draft)).committed
     verifier.prefill("b", committed, SamplingParams())
     probe = TokenTree.chain([0, 1, 2])
-    a = verifier._sessions.get("a")
-    b = verifier._sessions.get("b")
+    a = verifier._sessions.peek("a")
+    b = verifier._sessions.peek("b")
     assert a is not None and b is not None
-    assert a.cache.get_seq_length() == b.cache.get_seq_length() == len(committed) - 1
-    logits_a = verifier._forward(a, [committed[-1], *probe.token_ids])[0]
-    logits_b = verifier._forward(b, [committed[-1], *probe.token_ids])[0]
-    torch.testing.assert_close(logits_a, logits_b, rtol=1e-4, atol=1e-4)
+    assert a.region.length == b.region.length == len(committed) - 1
+    torch.testing.assert_close(verifier.score("a", probe), verifier.score("b", probe), rtol=1e-4, atol=1e-4)
 
 
 def test_seeded_sampling_is_reproducible() -> None:
@@ -231,11 +229,11 @@ def test_cache_after_tree_rounds_equals_a_fresh_prefill() -> None:
         tree = random_tree_around(reference[done : done + depth], rng, 20)
         committed += verifier.verify("a", len(committed), tree).committed
     verifier.prefill("b", committed, SamplingParams())
-    a, b = verifier._sessions.get("a"), verifier._sessions.get("b")
+    a, b = verifier._sessions.peek("a"), verifier._sessions.peek("b")
     assert a is not None and b is not None
-    assert a.cache.get_seq_length() == b.cache.get_seq_length() == len(committed) - 1
-    probe = [committed[-1], 0, 1, 2]
-    torch.testing.assert_close(verifier._forward(a, probe)[0], verifier._forward(b, probe)[0], rtol=1e-4, atol=1e-4)
+    assert a.region.length == b.region.length == len(committed) - 1
+    probe = TokenTree.chain([0, 1, 2])
+    torch.testing.assert_close(verifier.score("a", probe), verifier.score("b", probe), rtol=1e-4, atol=1e-4)
 
 
 def test_tree_rows_equal_sequential_decoding_of_each_path() -> None:
@@ -245,9 +243,7 @@ def test_tree_rows_equal_sequential_decoding_of_each_path() -> None:
     tree = random_tree_around([], rng, 12)
     verifier = new_verifier()
     verifier.prefill("t", prompt, SamplingParams())
-    session = verifier._sessions.get("t")
-    assert session is not None
-    rows = verifier._forward_tree(session, tree)[0]
+    rows = verifier.score("t", tree)
     for node in range(len(tree)):
         path = [tree.token_ids[i] for i in tree.path_to(node)]
         with torch.inference_mode():

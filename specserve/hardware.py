@@ -1,0 +1,58 @@
+"""What the hardware runs fast: the dtype that ``--dtype auto`` picks.
+
+bf16 pays on GPUs and on CPUs whose matrix units take it natively (Intel AMX,
+AVX512-BF16 on recent Intel and AMD cores); elsewhere bf16 matmuls are
+emulated and slower than fp32, so fp32 it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # "float32", "bfloat16" or "float16"
+    reason: str  # why, for the start-up log and Info
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's feature flags (empty where /proc/cpuinfo is absent)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first processor's model name ("unknown" where /proc/cpuinfo is absent)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return "unknown"
+
+
+def choose_dtype(requested: str, device: str, flags: frozenset[str] | None = None) -> DtypeChoice:
+    """``requested`` unless it is "auto"; then bf16 where the device runs it natively, else fp32."""
+    if requested != "auto":
+        return DtypeChoice(requested, "requested")
+    if device.startswith("cuda"):
+        return DtypeChoice("bfloat16", "auto: CUDA device")
+    have = cpu_flags() if flags is None else flags
+    native = [flag for flag in BF16_CPU_FLAGS if flag in have]
+    if native:
+        return DtypeChoice("bfloat16", f"auto: CPU has {', '.join(native)}")
+    return DtypeChoice("float32", "auto: CPU has neither AMX nor AVX512-BF16")

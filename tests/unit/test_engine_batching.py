@@ -1,0 +1,218 @@
+"""The verifier engine on tiny random models: batching, chunked prefill, memory, cancellation (fp32)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from coordinator.inproc import InProcessVerifier
+from coordinator.rounds import Generation, GenerationRequest
+from specserve.acceptance import VerifyResult
+from specserve.errors import FailedPrecondition, NotFound, ResourceExhausted
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
+from target_service.verifier import PREFILL_HEADROOM_TOKENS, Verifier
+from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
+
+VOCAB = 48
+MODEL = tiny_llama(vocab_size=VOCAB, seed=3, context=512)
+SAMPLED = SamplingParams(temperature=0.8, top_k=20, seed=7)
+
+
+def random_tree(rng: random.Random, size: int) -> TokenTree:
+    parents = [rng.randrange(-1, i) for i in range(size)]
+    return TokenTree(tuple(rng.randrange(VOCAB) for _ in range(size)), tuple(parents))
+
+
+def sessions_for(rng: random.Random, count: int) -> list[tuple[list[int], TokenTree, SamplingParams]]:
+    """Prompts of different lengths, trees of different shapes, greedy and sampled."""
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 60))]
+        sampling = SAMPLED if i % 3 == 2 else SamplingParams()
+        out.append((prompt, random_tree(rng, rng.randrange(0, 12)), sampling))
+    return out
+
+
+def verify_alone(prompt: list[int], tree: TokenTree, sampling: SamplingParams) -> tuple[VerifyResult, torch.Tensor]:
+    verifier = Verifier(MODEL, "fp")
+    try:
+        verifier.prefill("s", prompt, sampling)
+        logits = verifier.score("s", tree)
+        return verifier.verify("s", len(prompt), tree, top_k=3, return_features=True), logits
+    finally:
+        verifier.close()
+
+
+def test_sessions_verified_in_one_batch_get_what_each_gets_alone() -> None:
+    cases = sessions_for(random.Random(0), 7)
+    verifier = Verifier(MODEL, "fp")
+    for i, (prompt, _, sampling) in enumerate(cases):
+        verifier.prefill(f"s{i}", prompt, sampling)
+    with verifier.paused():
+        scores = [verifier.submit_score(f"s{i}", tree) for i, (_, tree, _) in enumerate(cases)]
+    with verifier.paused():
+        futures = [
+            verifier.submit_verify(f"s{i}", len(prompt), tree, top_k=3, return_features=True)
+            for i, (prompt, tree, _) in enumerate(cases)
+        ]
+    results = [f.result(timeout=30) for f in futures]
+    verifier.close()
+    assert {r.batch_sessions for r in results} == {len(cases)}  # one forward served them all
+    for (prompt, tree, sampling), result, score in zip(cases, results, scores, strict=True):
+        alone, alone_logits = verify_alone(prompt, tree, sampling)
+        assert (result.accepted_nodes, result.bonus_token) == (alone.accepted_nodes, alone.bonus_token)
+        assert result.top_tokens == alone.top_tokens
+        torch.testing.assert_close(score.result(), alone_logits, rtol=1e-5, atol=1e-5)
+        assert result.features is not None and alone.features is not None
+        assert abs(result.features.astype(float) - alone.features.astype(float)).max() < 1e-2
+
+
+def test_a_bad_call_in_a_batch_fails_alone() -> None:
+    verifier = Verifier(MODEL, "fp")
+    prompt = [1, 2, 3, 4, 5]
+    expected = plain_greedy(MODEL, prompt, 4)
+    verifier.prefill("good", prompt, SamplingParams())
+    verifier.prefill("stale", prompt, SamplingParams())
+    with verifier.paused():
+        good = verifier.submit_verify("good", 5, TokenTree.chain(expected[:3]))
+        stale = verifier.submit_verify("stale", 9, TokenTree())
+        unknown = verifier.submit_verify("nobody", 5, TokenTree())
+    assert good.result(timeout=30).committed == expected
+    with pytest.raises(FailedPrecondition):
+        stale.result(timeout=30)
+    with pytest.raises(NotFound):
+        unknown.result(timeout=30)
+    # The stale session is untouched and still usable.
+    assert verifier.verify("stale", 5, TokenTree()).committed == expected[:1]
+    verifier.close()
+
+
+@pytest.mark.parametrize("return_features", [False, True])
+def test_chunked_prefill_equals_one_shot_prefill(return_features: bool) -> None:
+    prompt = [random.Random(1).randrange(VOCAB) for _ in range(150)]
+    probe = TokenTree((1, 2, 3, 4), (-1, 0, -1, 2))
+    chunked = Verifier(MODEL, "fp", max_tree_nodes=8, max_batch_tokens=17)  # 150 tokens in 9 chunks
+    one_shot = Verifier(MODEL, "fp", max_batch_tokens=512)
+    a = chunked.prefill("s", prompt, SamplingParams(), return_features)
+    b = one_shot.prefill("s", prompt, SamplingParams(), return_features)
+    assert chunked.stats().num_steps >= 9 and one_shot.stats().num_steps == 1
+    torch.testing.assert_close(chunked.score("s", probe), one_shot.score("s", probe), rtol=1e-5, atol=1e-5)
+    if return_features:
+        assert a.features is not None and b.features is not None and a.features.shape == (149, 64)
+        assert abs(a.features.astype(float) - b.features.astype(float)).max() < 1e-2
+    chunked.close()
+    one_shot.close()
+
+
+def test_running_streams_advance_while_a_long_prompt_is_prefilled() -> None:
+    """A long prefill takes a chunk per step; a Verify submitted with it is answered in the first step."""
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8, max_batch_tokens=32)
+    verifier.prefill("running", [1, 2, 3], SamplingParams())
+    with verifier.paused():
+        long_prompt = verifier.submit_prefill("new", [5] * 300, SamplingParams())
+        step = verifier.submit_verify("running", 3, TokenTree.chain([4, 5]))
+    step.result(timeout=30)
+    assert not long_prompt.done()  # the verify came back while the prompt was still being prefilled
+    long_prompt.result(timeout=30)
+    assert verifier.stats().num_steps >= 300 // 32
+    verifier.close()
+
+
+def test_cache_is_accounted_in_bytes() -> None:
+    verifier = Verifier(MODEL, "fp", kv_cache_bytes=2**20)
+    config = MODEL.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (64 // 4) * 4  # keys + values, fp32
+    stats = verifier.stats()
+    assert stats.kv_capacity_bytes == (2**20 // per_token) // 16 * 16 * per_token
+    assert stats.kv_used_bytes == 0
+    verifier.prefill("s", list(range(40)), SamplingParams())
+    reserved = -(-(39 + PREFILL_HEADROOM_TOKENS) // 16) * 16
+    assert verifier.stats().kv_used_bytes == reserved * per_token
+    verifier.release("s")
+    assert verifier.stats().kv_used_bytes == 0
+    verifier.close()
+
+
+def test_memory_pressure_evicts_idle_sessions_and_the_round_loop_loses_nothing() -> None:
+    """A cache for about two sessions, three generations: evictions are re-prefilled transparently."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    verifier = Verifier(MODEL, "fp", kv_cache_bytes=per_token * 160, evict_idle_s=0.0, max_tree_nodes=4)
+    prompts = [[7, 1, 3], [9, 9, 2, 4], [5, 6]]
+
+    async def generate(prompt: list[int]) -> list[int]:
+        generation = Generation(
+            GenerationRequest(prompt, max_new_tokens=60),
+            InProcessVerifier(verifier),
+            None,
+            CharTokenizer(),
+            frozenset(),
+            "fp",
+        )
+        tokens: list[int] = []
+        async for event in generation.stream():
+            if not hasattr(event, "num_reprefills"):
+                tokens.extend(event.token_ids)  # type: ignore[union-attr]
+        reprefills.append(generation.stats.num_reprefills)
+        return tokens
+
+    async def interleaved() -> list[list[int]]:
+        return list(await asyncio.gather(*(generate(p) for p in prompts)))
+
+    reprefills: list[int] = []
+    outputs = asyncio.run(interleaved())
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == plain_greedy(MODEL, prompt, 60)
+    assert sum(reprefills) > 0  # memory really ran out
+    assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
+    verifier.close()
+
+
+def test_a_prefill_that_finds_no_memory_waits_then_is_resource_exhausted() -> None:
+    per_token = 2 * 2 * 2 * 16 * 4
+    verifier = Verifier(MODEL, "fp", kv_cache_bytes=per_token * 128, evict_idle_s=60.0, admission_timeout_s=0.3)
+    verifier.prefill("holder", [1] * 60, SamplingParams())
+    with pytest.raises(ResourceExhausted, match="kv-cache-gib"):
+        verifier.prefill("late", [2] * 60, SamplingParams())
+    verifier.release("holder")
+    verifier.prefill("late", [2] * 60, SamplingParams())  # room again
+    verifier.close()
+
+
+def test_a_prompt_larger_than_the_whole_cache_is_refused_at_once() -> None:
+    verifier = Verifier(MODEL, "fp", kv_cache_bytes=2 * 2 * 2 * 16 * 4 * 64)
+    with pytest.raises(ResourceExhausted, match="more than the verifier's"):
+        verifier.prefill("s", [1] * 200, SamplingParams())
+    verifier.close()
+
+
+def test_a_call_cancelled_while_queued_leaves_the_queue_and_holds_no_cache() -> None:
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8, max_batch_tokens=16)
+    futures: list[Future[object]] = []
+    with verifier.paused():
+        futures.append(verifier.submit_prefill("gone", [3] * 100, SamplingParams()))  # type: ignore[arg-type]
+        assert futures[0].cancel()
+    assert verifier.wait_idle()
+    assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
+    # Cancelled half-way through a chunked prefill (31 steps): the partial session is freed too.
+    partial = verifier.submit_prefill("half", [3] * 500, SamplingParams())
+    while verifier.stats().num_steps < 3:
+        time.sleep(0.001)
+    assert partial.cancel()
+    assert verifier.wait_idle()
+    assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
+    verifier.close()
+
+
+def test_verify_reports_a_draft_budget_and_the_batch() -> None:
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8)
+    verifier.prefill("s", [1, 2], SamplingParams())
+    result = verifier.verify("s", 2, TokenTree.chain([3]))
+    assert result.draft_budget_nodes is not None and 0 <= result.draft_budget_nodes <= 8
+    assert result.batch_sessions == 1 and result.queue_ns >= 0
+    verifier.close()
