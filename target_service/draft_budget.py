@@ -10,8 +10,9 @@ large, and it shrinks as L grows until, at saturation, k = 0 and speculation
 switches off rather than lowering aggregate throughput (the adaptive
 verification idea of vLLM's and SGLang's schedulers).
 
-g(k) follows a chain with a per-token acceptance rate alpha learnt from every
-Verify (accepted tokens over tokens tried): alpha (1 - alpha^k) / (1 - alpha).
+g(k) follows a chain with a per-token acceptance rate alpha learnt from recent
+Verify calls (accepted tokens over tokens tried, exponentially weighted):
+alpha (1 - alpha^k) / (1 - alpha).
 Trees accept at least as much as a chain of the same depth, so the estimate
 errs towards smaller trees.
 """
@@ -107,6 +108,9 @@ def measure_curve(
 class DraftBudget:
     """The draft-node budget per session for a batch of a given size; learns the acceptance rate."""
 
+    # Each verified tree weighs this much less than the next: the estimate follows the last few hundred.
+    DECAY = 0.99
+
     def __init__(self, curve: CostCurve, max_nodes: int, prior_accepted: float = 3.0, prior_tried: float = 5.0) -> None:
         self.curve = curve
         self.max_nodes = max_nodes
@@ -124,8 +128,8 @@ class DraftBudget:
         if tree_depth <= 0:
             return
         before = round(self.alpha, 2)
-        self._accepted += num_accepted
-        self._tried += num_accepted + (1 if num_accepted < tree_depth else 0)
+        self._accepted = self.DECAY * self._accepted + num_accepted
+        self._tried = self.DECAY * self._tried + num_accepted + (1 if num_accepted < tree_depth else 0)
         if round(self.alpha, 2) != before:
             self._cache.clear()
 

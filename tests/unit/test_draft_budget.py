@@ -1,0 +1,55 @@
+"""Draft budgets from the engine's cost curve: trees shrink as load grows, and switch off at saturation."""
+
+from __future__ import annotations
+
+from target_service.draft_budget import CostCurve, DraftBudget, flat_curve, measure_curve
+
+# Shaped like the fp32 curve measured on a 2-core Xeon (c(n)/c(1)).
+CPU_FP32 = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.15, 1.55, 1.84, 2.09, 2.45, 3.55, 6.5), 0.02)
+LINEAR = CostCurve((1, 1000), (1.0, 1000.0))  # every row costs a full forward: speculation never pays
+
+
+def test_curve_interpolates_and_extrapolates() -> None:
+    assert CPU_FP32.forward_s(1) == 1.0
+    assert CPU_FP32.forward_s(3) == (1.15 + 1.55) / 2
+    assert CPU_FP32.forward_s(256) > CPU_FP32.forward_s(128)
+    assert CPU_FP32.step_s(4, 16) == CPU_FP32.forward_s(16) + 4 * 0.02
+    assert CostCurve.from_json(CPU_FP32.to_json()) == CPU_FP32
+
+
+def test_budget_shrinks_with_load_and_switches_off_at_saturation() -> None:
+    budget = DraftBudget(CPU_FP32, max_nodes=64)
+    by_load = [budget.nodes_for(sessions) for sessions in (1, 4, 16, 64, 128)]
+    assert by_load[0] > 0 and by_load[-1] == 0
+    assert max(by_load[2:]) < max(by_load[:2])  # not strictly monotone: the measured curve has kinks
+
+
+def test_no_speculation_when_every_row_costs_a_forward_and_all_of_it_when_rows_are_free() -> None:
+    assert DraftBudget(LINEAR, max_nodes=32).nodes_for(1) == 0
+    assert DraftBudget(flat_curve(), max_nodes=8, prior_accepted=9, prior_tried=10).nodes_for(64) == 8
+
+
+def test_acceptance_is_learnt_and_moves_the_budget() -> None:
+    budget = DraftBudget(CPU_FP32, max_nodes=64)
+    before = budget.nodes_for(4)
+    for _ in range(200):
+        budget.observe(tree_depth=8, num_accepted=8)  # everything accepted
+    assert budget.alpha > 0.9 and budget.nodes_for(4) > before
+    for _ in range(2000):
+        budget.observe(tree_depth=8, num_accepted=0)  # nothing accepted
+    assert budget.alpha < 0.1 and budget.nodes_for(4) == 0
+
+
+def test_measure_curve_times_each_size_and_the_per_session_cost() -> None:
+    calls: list[tuple[int, int]] = []
+    clock_now = [0.0]
+
+    def run(sessions: int, tokens: int) -> None:
+        calls.append((sessions, tokens))
+        clock_now[0] += 1.0 + tokens * 0.01 + sessions * 0.1
+
+    curve = measure_curve(run, (1, 8), repeats=2, clock=lambda: clock_now[0])
+    assert curve.tokens == (1, 8)
+    assert abs(curve.seconds[1] - (1.0 + 0.08 + 0.1)) < 1e-9
+    assert abs(curve.per_session_s - 0.1) < 1e-9
+    assert (8, 8) in calls
