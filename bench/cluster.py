@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,9 +63,16 @@ class ClusterStartError(RuntimeError):
 
 
 def start_cluster(
-    model: str, pool: PoolBackend, torch_threads: int, log_dir: Path, timeout_s: float = 600.0
+    model: str,
+    pool: PoolBackend,
+    torch_threads: int,
+    log_dir: Path,
+    timeout_s: float = 600.0,
+    verifier_args: Sequence[str] = (),
 ) -> LocalCluster:
     """Verifier, drafter and coordinator on free loopback ports; the verifier uses the harness's thread count.
+
+    ``verifier_args`` go at the end of the verifier's command line (after ``--torch-threads``, so they win).
 
     LocalCluster.start() waits for the coordinator only, and the coordinator
     waits (for many minutes) for a verifier that may have died at start-up;
@@ -76,7 +84,7 @@ def start_cluster(
         verifier_port=free_port(),
         model=model,
         redis_url=pool.redis_url,
-        extra_verifier_args=["--torch-threads", str(torch_threads)],
+        extra_verifier_args=["--torch-threads", str(torch_threads), *verifier_args],
         log_dir=log_dir,
     )
     failure: list[BaseException] = []
@@ -92,8 +100,10 @@ def start_cluster(
     while starter.is_alive():
         exited = [name for name, process in list(cluster.processes.items()) if process.poll() is not None]
         if exited:
+            # The starter notices the exit too and stops the cluster itself: wait for it rather than
+            # stopping concurrently (two stop() calls would race on the process table).
+            starter.join(timeout=30)
             cluster.stop()
-            starter.join()
             logs = ", ".join(str(log_dir / f"{name}.log") for name in exited)
             raise ClusterStartError(f"{', '.join(exited)} exited while starting; see {logs}")
         time.sleep(0.5)
