@@ -436,6 +436,13 @@ def test_production_scales_each_tier_on_its_own_signal(rendered: dict[str, list[
     assert len(of_kind(objs, "ServiceMonitor")) == 1
 
 
+def test_the_verifier_gets_its_engine_settings(rendered: dict[str, list[Obj]]) -> None:
+    container = pod_template(named(rendered["default"], "Deployment", "specserve-verifier"))["spec"]["containers"][0]
+    assert {"--kv-cache-gib=2", "--dtype=auto", "--max-batch-tokens=256"} <= set(container["args"])
+    limit = container["resources"]["limits"]["memory"]
+    assert limit.endswith("Gi") and int(limit[:-2]) > 2  # the KV cache fits beside the model
+
+
 def test_production_puts_the_verifier_on_gpus_and_drafters_on_their_pool(rendered: dict[str, list[Obj]]) -> None:
     objs = rendered["production"]
     verifier = pod_template(named(objs, "Deployment", "specserve-verifier"))["spec"]
