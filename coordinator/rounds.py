@@ -195,6 +195,9 @@ class Generation:
             self.stats.draft_ns += time.perf_counter_ns() - started
 
     async def _propose(self, max_nodes: int) -> TokenTree:
+        if max_nodes == 0 and self._draft is not None:
+            # Nothing to draft this round: the commit report waits for the next request (or the final one).
+            return TokenTree()
         tree = await self._ask_drafter(max_nodes) if self._draft is not None else None
         if tree is None:
             self.stats.num_rounds_without_drafter += 1

@@ -110,18 +110,22 @@ class HeadProposer:
 
     def _grow(self, budget: int) -> TokenTree:
         assert self._last_feature is not None and self._last_logits is not None
-        shape = self._shape
+        # The best ``budget`` nodes are closed under parents (a path's probability only falls), so they lie
+        # within ``budget`` levels and among each level's ``budget`` likeliest nodes: a small budget (the
+        # verifier's, under load) grows a small tree and runs fewer head forwards, losing nothing.
+        depth = min(self._shape.depth, budget)
+        beam = min(self._shape.beam, budget)
         nodes: list[_Node] = []
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {ROOT: (self._last_feature, self._last_logits)}
         frontier = [ROOT]
         speculative: list[int] = []  # node index of each speculative cache entry, in cache order
-        for level in range(1, shape.depth + 1):
+        for level in range(1, depth + 1):
             children: list[int] = []
             for parent in frontier:
                 children += self._expand(parent, outputs[parent][1], nodes, level)
-            if level == shape.depth or not children:
+            if level == depth or not children:
                 break
-            frontier = sorted(children, key=lambda i: -nodes[i].log_prob)[: shape.beam]
+            frontier = sorted(children, key=lambda i: -nodes[i].log_prob)[:beam]
             self._forward_level(frontier, nodes, outputs, speculative)
         truncate_cache(self._cache, self._fed)
         return _best_subtree(nodes, budget)

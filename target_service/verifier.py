@@ -201,6 +201,7 @@ class Verifier:
         self._num_steps = 0
         self._in_step: set[str] = set()  # sessions with a call in the step being built: never evicted
         self._step_calls: list[_Call] = []
+        self._activity = _ActivityLog()
         self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
         self._thread = threading.Thread(target=self._loop, name="verifier-engine", daemon=True)
         self._thread.start()
@@ -465,6 +466,7 @@ class Verifier:
         sessions = len(work.verifies)
         self._recent_sessions = max(float(sessions), 0.5 * self._recent_sessions + 0.5 * sessions)
         budget = self._budget.nodes_for(round(self._recent_sessions))
+        self._activity.add(len(plan.segments), int(input_ids.numel()), time.perf_counter_ns() - started, budget)
         score_at = 0
         feature_at = 0
         for call, session in work.verifies:
@@ -747,6 +749,37 @@ class Verifier:
             return accept_greedy(tree, logits.argmax(dim=-1).tolist())
         p = target_probs(logits, session.sampling).cpu()
         return accept_sampled(tree, p, PositionNoise(session.seed, first_position=len(session.committed)))
+
+
+class _ActivityLog:
+    """Sums over engine steps, logged every ``every_s`` while the engine works: what an operator watches."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self._every_ns = int(every_s * 1e9)
+        self._since = time.perf_counter_ns()
+        self._steps = self._segments = self._tokens = self._busy_ns = self._budget = 0
+
+    def add(self, segments: int, tokens: int, step_ns: int, budget: int) -> None:
+        self._steps += 1
+        self._segments += segments
+        self._tokens += tokens
+        self._busy_ns += step_ns
+        self._budget += budget
+        now = time.perf_counter_ns()
+        if now - self._since >= self._every_ns:
+            n = self._steps
+            log.info(
+                "engine: %d steps in %.1f s (busy %.0f%%), %.1f sessions and %.1f tokens a step, "
+                "%.1f ms a step, draft budget %.1f nodes",
+                n,
+                (now - self._since) / 1e9,
+                100 * self._busy_ns / (now - self._since),
+                self._segments / n,
+                self._tokens / n,
+                self._busy_ns / n / 1e6,
+                self._budget / n,
+            )
+            self.__init__(self._every_ns / 1e9)  # type: ignore[misc]
 
 
 def _float16(rows: torch.Tensor) -> np.ndarray:
