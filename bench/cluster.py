@@ -69,10 +69,12 @@ def start_cluster(
     log_dir: Path,
     timeout_s: float = 600.0,
     verifier_args: Sequence[str] = (),
+    coordinator_args: Sequence[str] = (),
 ) -> LocalCluster:
     """Verifier, drafter and coordinator on free loopback ports; the verifier uses the harness's thread count.
 
-    ``verifier_args`` go at the end of the verifier's command line (after ``--torch-threads``, so they win).
+    ``verifier_args`` go at the end of the verifier's command line (after ``--torch-threads``, so they win);
+    ``coordinator_args`` at the end of the coordinator's (``--drafter ''`` runs without drafting).
 
     LocalCluster.start() waits for the coordinator only, and the coordinator
     waits (for many minutes) for a verifier that may have died at start-up;
@@ -85,6 +87,7 @@ def start_cluster(
         model=model,
         redis_url=pool.redis_url,
         extra_verifier_args=["--torch-threads", str(torch_threads), *verifier_args],
+        extra_coordinator_args=list(coordinator_args),
         log_dir=log_dir,
     )
     failure: list[BaseException] = []

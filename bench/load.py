@@ -122,6 +122,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "e.g. --verifier-arg='--dtype bfloat16'",
     )
     parser.add_argument(
+        "--coordinator-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="appended to the coordinator's command line, e.g. --coordinator-arg=\"--drafter ''\" "
+        "(plain decoding through the batching verifier, for comparison)",
+    )
+    parser.add_argument(
         "--redis-url",
         default=DEFAULT_REDIS_URL,
         help="Redis for the drafter's n-gram pool ('' for in-memory); this vocabulary's keys there are emptied "
@@ -140,6 +148,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     args.verifier_args = [word for value in args.verifier_arg for word in shlex.split(value)]
+    args.coordinator_args = [word for value in args.coordinator_arg for word in shlex.split(value)]
     if args.max_new_tokens < 1 or args.torch_threads < 1 or args.stream_timeout_s <= 0:
         parser.error("--max-new-tokens and --torch-threads must be at least 1, --stream-timeout-s above 0")
     return args
@@ -429,6 +438,7 @@ def initial_meta(args: argparse.Namespace, target: TargetText, pool: PoolBackend
             "stream_timeout_s": args.stream_timeout_s,
             "torch_threads": args.torch_threads,
             "verifier_command_args": ["--torch-threads", str(args.torch_threads), *args.verifier_args],
+            "coordinator_command_args": args.coordinator_args,
             "pool": pool.description,
             "pool_emptied_before_measuring": pool.redis_url is not None,
             "reference": "skipped (--no-reference)",
@@ -450,7 +460,14 @@ def run_levels(
 ) -> str:
     """Start the cluster, measure, stop it; returns the error that stopped the run early ('' when none)."""
     log_dir = args.out_dir / "tmp" / "cluster-logs"
-    cluster = start_cluster(target.name, pool, args.torch_threads, log_dir, verifier_args=args.verifier_args)
+    cluster = start_cluster(
+        target.name,
+        pool,
+        args.torch_threads,
+        log_dir,
+        verifier_args=args.verifier_args,
+        coordinator_args=args.coordinator_args,
+    )
     redis_url = pool.redis_url
 
     def reset_pool() -> None:  # the drafter's embedded in-memory pool cannot be emptied from here

@@ -273,6 +273,7 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         + (", emptied after the warm-up stream" if settings["pool_emptied_before_measuring"] else ""),
         f"- Verifier: `{' '.join(settings['verifier_command_args'])}`; max batch tokens "
         f"{verifier.get('max_batch_tokens') or 'unreported'}",
+        f"- Coordinator: `{' '.join(settings.get('coordinator_command_args') or []) or 'defaults'}`",
         "",
     ]
     return lines

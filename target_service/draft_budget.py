@@ -149,3 +149,90 @@ class DraftBudget:
                     best_k, best_rate = k, rate
             self._cache[sessions] = best_k
         return self._cache[sessions]
+
+
+class ThroughputGuard:
+    """Keeps speculation on only while it measurably wins: an A/B check of the cost model at run time.
+
+    The cost curve sees the verifier's forward passes only. It misses what a
+    round costs elsewhere: drafting (on drafters that share hardware with the
+    verifier, as on one machine, every drafted round takes cores from the
+    verifier), and the rounds' round trips. So the engine keeps serving one
+    arm ("model": the curve's budget, or "off": no drafts) and every
+    ``exploit_s`` probes the other for ``probe_s``, comparing committed tokens
+    per second per open session over the probe with the exploit arm just
+    before it; the probe's arm takes over when it wins by ``margin``. Each
+    phase's first ``settle_s`` is not measured: budgets reach the drafters one
+    round late.
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        exploit_s: float = 8.0,
+        probe_s: float = 3.0,
+        settle_s: float = 0.5,
+        margin: float = 0.05,
+        min_tokens: int = 64,
+    ) -> None:
+        self._clock = clock
+        self._exploit_s = exploit_s
+        self._probe_s = probe_s
+        self._settle_s = settle_s
+        self._margin = margin
+        self._min_tokens = min_tokens
+        self.speculate = True  # the exploit arm: True for the cost model's budget, False for none
+        self.num_switches = 0
+        self._probing = False
+        self._phase_start = clock()
+        self._window = _Window()
+        self._before = _Window()  # the exploit arm's last stretch, to compare the probe with
+
+    @property
+    def arm_now(self) -> bool:
+        """Whether budgets come from the cost model right now (probes included)."""
+        return self.speculate != self._probing
+
+    def observe(self, committed_tokens: int, open_sessions: int) -> None:
+        """One engine step: tokens it committed and sessions open on the verifier."""
+        now = self._clock()
+        elapsed = now - self._phase_start
+        if elapsed >= self._settle_s:
+            self._window.add(now, committed_tokens, open_sessions)
+        if not self._probing and elapsed >= self._exploit_s:
+            self._before, self._window = self._window.tail(now, self._probe_s), _Window()
+            self._probing, self._phase_start = True, now
+        elif self._probing and elapsed >= self._probe_s:
+            probe, before = self._window.rate(), self._before.rate()
+            enough = min(self._window.tokens, self._before.tokens) >= self._min_tokens
+            if enough and probe > before * (1 + self._margin):
+                self.speculate = not self.speculate
+                self.num_switches += 1
+            self._probing, self._phase_start, self._window = False, now, _Window()
+
+
+class _Window:
+    """Committed tokens per second per open session over a stretch of steps."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int, int]] = []  # (time, tokens, open sessions)
+        self.tokens = 0
+
+    def add(self, now: float, tokens: int, sessions: int) -> None:
+        self.steps.append((now, tokens, sessions))
+        self.tokens += tokens
+
+    def tail(self, now: float, seconds: float) -> _Window:
+        kept = _Window()
+        for step in self.steps:
+            if step[0] >= now - seconds:
+                kept.add(*step)
+        return kept
+
+    def rate(self) -> float:
+        if len(self.steps) < 2:
+            return 0.0
+        # Tokens committed after the first step's end, over the time since it.
+        span = self.steps[-1][0] - self.steps[0][0]
+        sessions = sum(s for _, _, s in self.steps[1:]) / (len(self.steps) - 1)
+        return (self.tokens - self.steps[0][1]) / span / max(sessions, 1.0) if span > 0 else 0.0

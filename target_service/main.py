@@ -88,6 +88,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         action="store_false",
         help="skip measuring the cost curve at start-up (draft budgets then follow the tree limits only)",
     )
+    parser.add_argument(
+        "--no-throughput-guard",
+        dest="throughput_guard",
+        action="store_false",
+        help="size draft budgets by the cost curve alone, without checking them against measured throughput",
+    )
     parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
     parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
     args = parser.parse_args(argv)

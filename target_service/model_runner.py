@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from target_service.kv_arena import KVArena
+from target_service.kv_arena import KVArena, bytes_per_token
 from target_service.ragged_attention import StepPlan, install
 
 # Decoder-only families whose layers take (hidden, position_embeddings, **kwargs) and call the
@@ -61,6 +61,10 @@ class ModelRunner:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.max_positions = int(getattr(config, "max_position_embeddings", 2048))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def new_arena(self, capacity_tokens: int) -> KVArena:
         return KVArena(self.num_layers, self.num_kv_heads, self.head_dim, capacity_tokens, self.dtype, self.device)

@@ -35,8 +35,18 @@ class Segment:
     region: Region
     num_cached: int
     rows: slice
-    # [n, num_cached + n] bool, True where a row may attend; None: plain causal.
+    # [n, num_cached + n] bool, True where a row may attend; None: every cached token and itself (one row)
+    # or, with ``causal``, plain causal attention over new rows with nothing cached (SDPA's fast path).
     mask: torch.Tensor | None = None
+    causal: bool = False
+
+    @classmethod
+    def chunk(cls, region: Region, num_cached: int, rows: slice, device: torch.device) -> Segment:
+        """A run of consecutive tokens (a prefill chunk): causal over what is cached and the chunk."""
+        num_new = rows.stop - rows.start
+        if num_cached == 0 and num_new > 1:
+            return cls(region, num_cached, rows, causal=True)
+        return cls(region, num_cached, rows, causal_mask(num_cached, num_new, device))
 
     @property
     def num_new(self) -> int:
@@ -83,9 +93,6 @@ def ragged_attention(
     for seg in plan.segments:
         plan.arena.write(layer, seg.region, seg.num_cached, key[0, :, seg.rows], value[0, :, seg.rows])
         keys, values = plan.arena.read(layer, seg.region, seg.num_cached + seg.num_new)
-        # A first chunk with no cache is plain causal attention: SDPA's fast path.
-        causal = seg.mask is None and seg.num_cached == 0 and seg.num_new > 1
-        mask = seg.mask if seg.mask is not None or causal else causal_mask(seg.num_cached, seg.num_new, query.device)
         q, k, v = query[:, :, seg.rows], keys[None], values[None]
         if upcast:
             q, k, v = q.float(), k.float(), v.float()
@@ -93,8 +100,8 @@ def ragged_attention(
             q,
             k,
             v,
-            attn_mask=mask,
-            is_causal=causal,
+            attn_mask=seg.mask,
+            is_causal=seg.causal,
             scale=scaling,
             enable_gqa=gqa,
         )

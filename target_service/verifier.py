@@ -52,7 +52,7 @@ from specserve.sampling import SamplingParams, target_probs
 from specserve.token_tree import InvalidTreeError, TokenTree
 from specserve.tree_masks import ancestor_matrix
 from target_service.config import VerifierConfig
-from target_service.draft_budget import CostCurve, DraftBudget, flat_curve, measure_curve
+from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
 from target_service.kv_arena import KVArena, Region
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
@@ -168,6 +168,7 @@ class Verifier:
         admission_timeout_s: float = 30.0,
         evict_idle_s: float = 2.0,
         cost_curve: CostCurve | None = None,
+        throughput_guard: bool = True,
     ) -> None:
         self._runner = ModelRunner(model)
         self.model_name = model_name
@@ -185,9 +186,7 @@ class Verifier:
             max_batch_tokens=max_batch_tokens,
             max_batch_sessions=max_batch_sessions,
         )
-        probe = self._runner.new_arena(16)
-        self._arena: KVArena = self._runner.new_arena(kv_cache_bytes // probe.bytes_per_token)
-        del probe
+        self._arena: KVArena = self._runner.new_arena(kv_cache_bytes // self._runner.kv_bytes_per_token)
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self._budget = DraftBudget(cost_curve or flat_curve(), max_tree_nodes)
         self._admission_timeout_ns = int(admission_timeout_s * 1e9)
@@ -202,6 +201,7 @@ class Verifier:
         self._in_step: set[str] = set()  # sessions with a call in the step being built: never evicted
         self._step_calls: list[_Call] = []
         self._activity = _ActivityLog()
+        self._guard = ThroughputGuard() if throughput_guard else _NeverProbe()
         self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
         self._thread = threading.Thread(target=self._loop, name="verifier-engine", daemon=True)
         self._thread.start()
@@ -227,6 +227,7 @@ class Verifier:
             max_batch_sessions=config.max_batch_sessions,
             admission_timeout_s=config.admission_timeout_s,
             evict_idle_s=config.evict_idle_s,
+            throughput_guard=config.throughput_guard,
         )
         if profile and config.profile_cost:
             verifier.profile_cost()
@@ -375,7 +376,7 @@ class Verifier:
                 region = regions[i]
                 assert region is not None
                 region.length = context
-                plan.segments.append(Segment(region, context, slice(i * per, (i + 1) * per)))
+                plan.segments.append(Segment.chunk(region, context, slice(i * per, (i + 1) * per), self.device))
                 ids.append(prompt[:per])
                 pos.append(torch.arange(context, context + per, device=self.device))
             rows = torch.arange(sessions * per, device=self.device)
@@ -383,7 +384,7 @@ class Verifier:
 
         for region in regions:  # fill the context once
             assert region is not None
-            plan = StepPlan(scratch, [Segment(region, 0, slice(0, context))])
+            plan = StepPlan(scratch, [Segment.chunk(region, 0, slice(0, context), self.device)])
             empty = torch.zeros(0, dtype=torch.long, device=self.device)
             self._runner.forward(plan, prompt[:context], torch.arange(context, device=self.device), empty, empty)
         curve = measure_curve(run, sizes, repeats)
@@ -465,22 +466,24 @@ class Verifier:
         self._num_steps += 1
         sessions = len(work.verifies)
         self._recent_sessions = max(float(sessions), 0.5 * self._recent_sessions + 0.5 * sessions)
-        budget = self._budget.nodes_for(round(self._recent_sessions))
+        budget = self._budget.nodes_for(round(self._recent_sessions)) if self._guard.arm_now else 0
         self._activity.add(len(plan.segments), int(input_ids.numel()), time.perf_counter_ns() - started, budget)
         score_at = 0
         feature_at = 0
+        committed = 0
         for call, session in work.verifies:
             n = call.num_tokens
             logits = out.logits[score_at : score_at + n]
             score_at += n
             hidden = out.features[feature_at : feature_at + n] if call.return_features else None
             feature_at += n if call.return_features else 0
-            self._finish_verify(call, session, logits, hidden, budget, sessions)
+            committed += self._finish_verify(call, session, logits, hidden, budget, sessions)
         for prefill, tokens in work.prefills:
             if prefill.return_features:
                 prefill.features.append(out.features[feature_at : feature_at + tokens])
                 feature_at += tokens
             self._advance_prefill(prefill, tokens)
+        self._guard.observe(committed, len(self._sessions))
         return True
 
     def _take_work(self) -> _Work:
@@ -689,7 +692,7 @@ class Verifier:
             done = prefill.session.region.length
             ids.extend(prefill.tokens[done : done + tokens])
             positions.append(torch.arange(done, done + tokens))
-            plan.segments.append(Segment(prefill.session.region, done, slice(start, start + tokens)))
+            plan.segments.append(Segment.chunk(prefill.session.region, done, slice(start, start + tokens), device))
             if prefill.return_features:
                 feature.extend(range(start, start + tokens))
         return (
@@ -708,16 +711,17 @@ class Verifier:
         hidden: torch.Tensor | None,
         budget: int,
         batch_sessions: int,
-    ) -> None:
+    ) -> int:
+        """Apply the call's acceptance and answer it; returns the tokens it committed."""
         tree = call.tree
         if call.score_only:
             _resolve(call, logits.clone())
-            return
+            return 0
         try:
             acceptance = self._accept(tree, logits, session)
         except (ValueError, RuntimeError) as exc:  # e.g. no probability mass left after top-k/top-p
             _fail(call, InvalidArgument(f"cannot sample with this session's parameters: {exc}"))
-            return
+            return 0
         cached = len(session.committed) - 1
         # Keep the pending token and the accepted path; rejected branches leave no trace.
         self._arena.keep(session.region, cached, [0, *(node + 1 for node in acceptance.path)])
@@ -741,6 +745,7 @@ class Verifier:
                 queue_ns=call.started_ns - call.enqueued_ns,
             ),
         )
+        return len(accepted) + 1
 
     @staticmethod
     def _accept(tree: TokenTree, logits: torch.Tensor, session: _Session) -> Acceptance:
@@ -749,6 +754,15 @@ class Verifier:
             return accept_greedy(tree, logits.argmax(dim=-1).tolist())
         p = target_probs(logits, session.sampling).cpu()
         return accept_sampled(tree, p, PositionNoise(session.seed, first_position=len(session.committed)))
+
+
+class _NeverProbe:
+    """Budgets from the cost model alone (``throughput_guard=False``: tests, benchmarks of the model itself)."""
+
+    arm_now = True
+
+    def observe(self, committed_tokens: int, open_sessions: int) -> None:
+        return None
 
 
 class _ActivityLog:

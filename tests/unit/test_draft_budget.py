@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from target_service.draft_budget import CostCurve, DraftBudget, flat_curve, measure_curve
+from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
 
 # Shaped like the fp32 curve measured on a 2-core Xeon (c(n)/c(1)).
 CPU_FP32 = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.15, 1.55, 1.84, 2.09, 2.45, 3.55, 6.5), 0.02)
@@ -53,3 +53,37 @@ def test_measure_curve_times_each_size_and_the_per_session_cost() -> None:
     assert abs(curve.seconds[1] - (1.0 + 0.08 + 0.1)) < 1e-9
     assert abs(curve.per_session_s - 0.1) < 1e-9
     assert (8, 8) in calls
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_guard(guard: ThroughputGuard, clock: FakeClock, seconds: float, rate: dict[bool, int]) -> None:
+    """Steps of 0.1 s committing rate[arm] tokens each, 4 sessions open."""
+    for _ in range(int(seconds * 10)):
+        clock.now += 0.1
+        guard.observe(rate[guard.arm_now], 4)
+
+
+def test_guard_switches_speculation_off_when_plain_steps_commit_more_and_back_when_it_pays() -> None:
+    clock = FakeClock()
+    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3)
+    run_guard(guard, clock, 30, {True: 10, False: 20})  # drafting costs more than it brings
+    assert not guard.speculate and guard.num_switches == 1
+    run_guard(guard, clock, 30, {True: 30, False: 20})  # now it pays
+    assert guard.speculate and guard.num_switches == 2
+
+
+def test_guard_keeps_the_arm_when_the_probe_does_not_win_clearly() -> None:
+    clock = FakeClock()
+    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3, margin=0.05)
+    run_guard(guard, clock, 60, {True: 20, False: 21})  # within the margin: noise
+    assert guard.speculate and guard.num_switches == 0
+    idle = ThroughputGuard(clock, exploit_s=8, probe_s=3)
+    run_guard(idle, clock, 60, {True: 0, False: 1})  # too few tokens to judge
+    assert idle.speculate
