@@ -43,12 +43,15 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
+from target_service.verifier import Verifier
 
 from . import machine
 from .cluster import DEFAULT_REDIS_URL, ClusterStartError, PoolBackend, choose_pool, clear_pool, start_cluster
 from .dataset import CATEGORIES, load_questions, select
-from .decoding import plain_decode, top2_gap
+from .decoding import Decoded
 from .load_report import (
     LevelResult,
     StreamResult,
@@ -357,8 +360,43 @@ def resolve_dtypes(reported: str, verifier_args: Sequence[str], reference: str) 
     return label, reference
 
 
+def engine_plain_decode(
+    verifier: Verifier, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: frozenset[int]
+) -> Decoded:
+    """Plain greedy decoding through the verifier engine alone: one session, one token per forward.
+
+    The same kernels and fp32 head as the service's plain path; in fp32 this
+    is token-identical to transformers' own decoding (tests/unit), and in bf16
+    it is the reference the noise floor is measured against (make bench-numerics).
+    """
+    verifier.prefill("reference", list(prompt_ids), SamplingParams())
+    committed = list(prompt_ids)
+    tokens: list[int] = []
+    try:
+        while len(tokens) < max_new_tokens:
+            token = verifier.verify("reference", len(committed), TokenTree()).bonus_token
+            committed.append(token)
+            if token in eos_ids:
+                return Decoded(tokens, True, len(tokens) + 1)
+            tokens.append(token)
+    finally:
+        verifier.release("reference")
+    return Decoded(tokens, False, len(tokens))
+
+
+def engine_top2_gap(verifier: Verifier, context: Sequence[int]) -> float:
+    """The engine's fp32 logit margin between its best and second-best token after ``context``."""
+    verifier.prefill("gap", list(context), SamplingParams())  # the last token is pending: row 0 follows it
+    try:
+        logits = verifier.score("gap", TokenTree())[0]
+    finally:
+        verifier.release("gap")
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
 def compare_with_reference(
-    stream: StreamResult, prompt: LoadPrompt, model: Any, target: TargetText, max_new_tokens: int
+    stream: StreamResult, prompt: LoadPrompt, verifier: Verifier, target: TargetText, max_new_tokens: int
 ) -> None:
     """Set the stream's identity fields from plain greedy decoding of the same prompt ids."""
     if stream.stats_prompt_tokens != len(prompt.token_ids):
@@ -368,14 +406,14 @@ def compare_with_reference(
             f"{len(prompt.token_ids)}: not comparable"
         )
         return
-    reference = plain_decode(model, prompt.token_ids, max_new_tokens, target.eos_ids)
+    reference = engine_plain_decode(verifier, prompt.token_ids, max_new_tokens, target.eos_ids)
     divergence = first_divergence(reference.tokens, reference.eos, stream.token_ids, stream.eos, target.eos_id)
     stream.identical = divergence is None
     if divergence is not None:
         stream.first_diff = divergence.position
         stream.reference_token = divergence.baseline_token
         stream.stream_token = divergence.mode_token
-        stream.logit_gap = top2_gap(model, prompt.token_ids, reference.tokens[: divergence.position])
+        stream.logit_gap = engine_top2_gap(verifier, [*prompt.token_ids, *reference.tokens[: divergence.position]])
 
 
 def add_references(
@@ -385,18 +423,21 @@ def add_references(
     dtype: str,
     max_new_tokens: int,
 ) -> None:
-    """Plain greedy decoding of every completed stream's prompt with the target in this process."""
-    model = load_model(target.source, dtype=dtype)
+    """Plain greedy decoding of every completed stream's prompt through the engine in this process."""
+    verifier = Verifier(load_model(target.source, dtype=dtype), "reference", throughput_guard=False)
     total = sum(s.error is None for level in levels for s in level.streams)
     done = 0
-    for level, prompts in zip(levels, plan, strict=False):
-        for stream, prompt in zip(level.streams, prompts, strict=True):
-            if stream.error is not None:
-                continue
-            compare_with_reference(stream, prompt, model, target, max_new_tokens)
-            done += 1
-            verdict = "identical" if stream.identical else f"differs at {stream.first_diff}"
-            progress(f"reference {done}/{total} (N={level.n}, question {prompt.question_id}): {verdict}")
+    try:
+        for level, prompts in zip(levels, plan, strict=False):
+            for stream, prompt in zip(level.streams, prompts, strict=True):
+                if stream.error is not None:
+                    continue
+                compare_with_reference(stream, prompt, verifier, target, max_new_tokens)
+                done += 1
+                verdict = "identical" if stream.identical else f"differs at {stream.first_diff}"
+                progress(f"reference {done}/{total} (N={level.n}, question {prompt.question_id}): {verdict}")
+    finally:
+        verifier.close()
 
 
 def write_outputs(out_dir: Path, meta: dict[str, Any], levels: Sequence[LevelResult]) -> dict[str, Path]:
@@ -506,7 +547,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     reported = str(meta["verifier"].get("dtype", "")) or next(iter(polled), "")
     meta["dtype"], reference_dtype = resolve_dtypes(reported, args.verifier_args, args.reference_dtype)
     if not args.no_reference and levels and error != "interrupted":
-        meta["settings"]["reference"] = f"plain greedy decoding in this process, {reference_dtype}"
+        meta["settings"]["reference"] = (
+            f"plain greedy decoding through the engine alone in this process, {reference_dtype}"
+        )
         progress(f"plain greedy references in {reference_dtype}")
         try:
             add_references(levels, plan, target, reference_dtype, args.max_new_tokens)

@@ -297,9 +297,11 @@ def markdown(meta: dict[str, Any], summaries: Sequence[LevelSummary], levels: Se
         "- **latency**: one stream, request to end of stream; **TTFT**: request to the first streamed chunk. "
         "Both over the streams that completed.",
         "- **tau**: tokens committed per target forward (the EOS token counts), from the streams' final stats.",
-        "- **identical**: output token-identical to plain greedy decoding of the same token ids by the target in "
-        "the harness, after the load levels; where not, the first differing position and the target's top-2 "
-        "logit gap there are listed.",
+        "- **identical**: output token-identical to plain greedy decoding of the same token ids through the "
+        "verifier engine alone (one session, one token per forward, in the harness after the load levels); "
+        "where not, the first differing position and the engine's fp32 top-2 logit gap there are listed. In "
+        "bf16 a batched forward rounds differently from a lone one, so near-tie divergences are expected "
+        "(make bench-numerics measures that noise floor); in fp32 every stream must be identical.",
         "- **peak KV cache**: the highest `kv_cache_used_bytes` the verifier's Info reported, polled every 0.5 s; "
         "**sessions left**: its `num_active_sessions` after every stream of the level closed. 0 / 0 MiB means the "
         "verifier does not report its cache; a level shorter than one poll can miss its peak.",
