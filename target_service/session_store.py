@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -37,14 +37,20 @@ class SessionStore(Generic[T]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, key: str, value: T) -> None:
+    def put(self, key: str, value: T, protected: Collection[str] = ()) -> None:
+        """Store ``value``, evicting the least recently used beyond the limit, never a ``protected`` key.
+
+        When every other entry is protected the store holds one more than its limit until the next put.
+        """
         self.expire()
         old = self._entries.pop(key, None)
         if old is not None and old[1] is not value:
             self._dropped(key, old[1])
         while len(self._entries) >= self._max_sessions:
-            oldest, (_, dropped) = self._entries.popitem(last=False)
-            self._dropped(oldest, dropped)
+            victim = next((k for k in self._entries if k not in protected), None)
+            if victim is None:
+                break
+            self._dropped(victim, self._entries.pop(victim)[1])
         self._entries[key] = (self._clock(), value)
 
     def get(self, key: str) -> T | None:

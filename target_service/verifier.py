@@ -630,7 +630,8 @@ class Verifier:
         if call.future.cancelled():
             self._abandon(call, None)
             return
-        self._sessions.put(call.session_id, session)
+        # Sessions in the step being run keep their memory: the forward writes into it.
+        self._sessions.put(call.session_id, session, protected=self._in_step)
         features = None
         if call.return_features:
             rows = torch.cat(call.features) if call.features else torch.zeros(0, self.hidden_size)

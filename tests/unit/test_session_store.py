@@ -37,3 +37,13 @@ def test_pop_removes() -> None:
     store.put("a", 1)
     assert store.pop("a") == 1
     assert store.pop("a") is None
+
+
+def test_protected_keys_are_never_evicted_by_the_limit() -> None:
+    store: SessionStore[int] = SessionStore(max_sessions=2, ttl_s=100, clock=Clock())
+    store.put("a", 1)
+    store.put("b", 2)
+    store.put("c", 3, protected={"a"})  # a is least recent but protected: b goes
+    assert (store.peek("a"), store.peek("b"), store.peek("c")) == (1, None, 3)
+    store.put("d", 4, protected={"a", "c"})  # nothing evictable: one over the limit for now
+    assert len(store) == 3
