@@ -1,21 +1,27 @@
 # Benchmarks; the top-level Makefile includes this fragment.
-#   make bench                the Spec-Bench run: all four modes, 10 prompts per category, 128 new tokens
-#   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context
+#   make bench                the Spec-Bench run: the default modes in the dtype --dtype auto picks, 7 prompts per category, 128 new tokens
+#   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context, and B = 1..16 sessions
+#                             in one step, in float32 and bfloat16
 #   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/results/load/)
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/results/numerics/)
-# All write to bench/results/. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS, e.g.
+#   make bench-peers          specserve against llama.cpp on the same prompts (bench/results/peers/); opt-in: it first
+#                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
+# All write to bench/results/. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
+# BENCH_PEERS_ARGS, e.g.
 #   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/results/tmp"
-#   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtype bfloat16 --device cuda"
+#   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtypes bfloat16 --device cuda"
 #   make bench-load BENCH_LOAD_ARGS="--levels 1,2 --max-new-tokens 8 --verifier-arg='--dtype bfloat16'"
 #   make bench-numerics BENCH_NUMERICS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/results/numerics/tmp"
+#   make bench-peers BENCH_PEERS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/results/peers/tmp"
 
 PY ?= .venv/bin/python
 BENCH_ARGS ?=
 VERIFY_COST_ARGS ?=
 BENCH_LOAD_ARGS ?=
 BENCH_NUMERICS_ARGS ?=
+BENCH_PEERS_ARGS ?=
 
-.PHONY: bench bench-verify-cost bench-load bench-numerics
+.PHONY: bench bench-verify-cost bench-load bench-numerics bench-peers bench-peers-install
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -28,3 +34,29 @@ bench-load: proto
 
 bench-numerics: proto
 	$(PY) -m bench.numerics $(BENCH_NUMERICS_ARGS)
+
+bench-peers: proto bench-peers-install
+	$(PY) -m bench.peers $(BENCH_PEERS_ARGS)
+
+# llama-cpp-python built from source for AVX2 only: the native build (AVX512/AMX) has crashed on these machines.
+# Rebuilt only when the installed version or the flags recorded next to the venv's python differ from these.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CPP_BUILD_FILE = $(dir $(PY))../llama-cpp-python-build.txt
+LLAMA_CPP_BUILT = llama-cpp-python==$(LLAMA_CPP_VERSION) CMAKE_ARGS=$(LLAMA_CPP_CMAKE_ARGS)
+
+bench-peers-install: venv
+	@if $(PY) -c "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != '$(LLAMA_CPP_VERSION)')" 2>/dev/null \
+	  && [ "$$(cat $(LLAMA_CPP_BUILD_FILE) 2>/dev/null)" = "$(LLAMA_CPP_BUILT)" ]; then \
+	  echo "llama-cpp-python $(LLAMA_CPP_VERSION) is built ($(LLAMA_CPP_CMAKE_ARGS))"; \
+	else \
+	  set -e; \
+	  command -v c++ >/dev/null || { echo "building llama-cpp-python needs a C++ compiler (apt-get install g++)" >&2; exit 1; }; \
+	  command -v cmake >/dev/null || $(PY) -m pip install -q cmake; \
+	  rm -f $(LLAMA_CPP_BUILD_FILE); \
+	  $(PY) -m pip uninstall -q -y llama-cpp-python 2>/dev/null || true; \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) from source (several minutes on 2 cores)"; \
+	  PATH="$$(cd $(dir $(PY)) && pwd):$$PATH" CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	  echo "$(LLAMA_CPP_BUILT)" > $(LLAMA_CPP_BUILD_FILE); \
+	fi

@@ -2,6 +2,11 @@
 
 Every decoder stops after ``max_new_tokens`` tokens or at an EOS token; the EOS
 token ends the output and is not part of it (``Decoded.eos`` says it came).
+
+The plain loop reads its logits as the verifier does (design.md, "Numerics"):
+final norm and LM head in fp32 whatever dtype the layers run in, ties to the
+lowest id. In fp32 that is exactly what transformers computes; in bf16 it keeps
+the head's rounding from manufacturing argmax ties the verifier never sees.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from specserve.keyed_noise import PositionNoise, fresh_seed
@@ -28,6 +34,36 @@ class Decoded:
     forward_ns: int = 0  # time inside target forwards (0 when not measured)
 
 
+class Fp32Head:
+    """The model's decoder with its final norm and LM head in fp32, on the last position only.
+
+    Runs transformers' decoder (``model.get_decoder()``), takes the hidden state
+    that enters its final norm (a forward pre-hook), and applies the norm to it
+    in fp32 and an fp32 copy of the LM head, as ``target_service.model_runner``
+    does. Build one per model and reuse it: the fp32 copy of a bf16 head is
+    made once here, not inside a timed forward.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._decoder = model.get_decoder()
+        self._norm = self._decoder.norm
+        weight = model.get_output_embeddings().weight.detach()
+        self._weight = weight if weight.dtype == torch.float32 else weight.float()
+        self.dtype = str(weight.dtype).removeprefix("torch.")
+
+    @torch.inference_mode()
+    def last_logits(self, input_ids: Sequence[int], cache: DynamicCache | None = None) -> torch.Tensor:
+        """fp32 logits [1, vocab] after ``input_ids`` (appended to ``cache`` when one is given)."""
+        entering: list[torch.Tensor] = []
+        handle = self._norm.register_forward_pre_hook(lambda _, args: entering.append(args[0][0, -1:]))
+        try:
+            self._decoder(input_ids=torch.tensor([list(input_ids)]), past_key_values=cache, use_cache=cache is not None)
+        finally:
+            handle.remove()
+        # RMSNorm computes in fp32 and multiplies by its weight: on fp32 input the result stays fp32.
+        return F.linear(self._norm(entering[-1].float()), self._weight)
+
+
 @torch.inference_mode()
 def plain_decode(
     model: Any,
@@ -35,12 +71,15 @@ def plain_decode(
     max_new_tokens: int,
     eos_ids: frozenset[int],
     sampling: SamplingParams = SamplingParams(),
+    head: Fp32Head | None = None,
 ) -> Decoded:
     """One token per forward with a KV cache: argmax, or the keyed sample of p, after each forward.
 
-    Sampling draws are keyed by position as the verifier's are, so a seeded
-    run here commits what a seeded speculative run commits.
+    Logits are fp32 from ``head`` (built here when not given). Sampling draws
+    are keyed by position as the verifier's are, so a seeded run here commits
+    what a seeded speculative run commits.
     """
+    head = head or Fp32Head(model)
     noise = PositionNoise(sampling.seed if sampling.seed is not None else fresh_seed(), len(prompt_ids))
     cache = DynamicCache()
     next_input = list(prompt_ids)
@@ -48,9 +87,8 @@ def plain_decode(
     forward_ns = 0
     for _ in range(max_new_tokens):
         start = time.perf_counter_ns()
-        out = model(input_ids=torch.tensor([next_input]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = head.last_logits(next_input, cache)
         forward_ns += time.perf_counter_ns() - start
-        logits = out.logits[0, -1:].float()
         if sampling.greedy:
             token = int(logits.argmax())
         else:
@@ -127,12 +165,14 @@ def hf_generate(
 
 
 @torch.inference_mode()
-def top2_gap(model: Any, prompt_ids: Sequence[int], prefix: Sequence[int]) -> float:
-    """The target's logit margin between its best and second-best next token after prompt + prefix.
+def top2_gap(model: Any, prompt_ids: Sequence[int], prefix: Sequence[int], head: Fp32Head | None = None) -> float:
+    """The target's fp32 logit margin between its best and second-best next token after prompt + prefix.
 
-    A divergence from the baseline at a position with a tiny margin is float
-    noise (batched vs one-token kernels), not a verification bug.
+    One forward over the whole context, in the model's dtype, with the final
+    norm and LM head in fp32 (``head``, built here when not given). A
+    divergence from the baseline at a position with a tiny margin is float
+    noise (batched vs one-token kernels, or bf16), not a verification bug.
     """
-    logits = model(input_ids=torch.tensor([[*prompt_ids, *prefix]]), logits_to_keep=1).logits[0, -1].float()
+    logits = (head or Fp32Head(model)).last_logits([*prompt_ids, *prefix])[0]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])

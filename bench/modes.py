@@ -1,10 +1,14 @@
-"""The four decoding modes the benchmark compares, behind one ``Mode`` protocol.
+"""The decoding modes the benchmark compares, behind one ``Mode`` protocol.
 
 Each mode turns a chat prompt into an ``Outcome``: the output tokens and the
 time it took, measured the same way for all modes (wall clock from the
 prompt's token ids to the last token; ``distributed`` starts from the request
 on the wire, so it also pays the coordinator's chat template and tokenization,
 well under a millisecond).
+
+Every mode runs the target in the run's dtype except ``baseline-fp32``, plain
+decoding in float32: what bf16 costs or saves against the dtype the project
+used to run in.
 """
 
 from __future__ import annotations
@@ -29,13 +33,27 @@ from specserve.sampling import SamplingParams
 from target_service.config import VerifierConfig
 from target_service.verifier import Verifier
 
-from .decoding import hf_generate, plain_decode
+from .decoding import Fp32Head, hf_generate, plain_decode
 
-DEFAULT_MODES = ("baseline", "hf-pld", "inproc", "distributed")
+BASELINE = "baseline"
+FP32_BASELINE = "baseline-fp32"  # plain decoding in float32, whatever the run's dtype
+FLOAT32 = "float32"
+COMPARED_MODES = ("hf-pld", "inproc", "distributed")
 # Draft sources alone or combined, in process: `inproc:prompt_lookup`, `inproc:draft_model`,
 # `inproc:prompt_lookup+ngram_pool+token_recycling` (any `+`-joined set of sources) and so on.
 SOURCE_MODES = (*(f"inproc:{source}" for source in ALL_SOURCES), "inproc:" + "+".join(NGRAM_SOURCES))
-MODES = DEFAULT_MODES + SOURCE_MODES
+MODES = (BASELINE, FP32_BASELINE, *COMPARED_MODES, *SOURCE_MODES)
+
+
+def default_modes(dtype: str) -> tuple[str, ...]:
+    """``baseline``, ``hf-pld``, ``inproc`` and ``distributed``; with ``baseline-fp32`` when ``dtype`` is not fp32."""
+    extra = (FP32_BASELINE,) if dtype != FLOAT32 else ()
+    return (BASELINE, *extra, *COMPARED_MODES)
+
+
+def model_dtype(model: Any) -> str:
+    """A model's parameter dtype as the verifier names it ("float32", "bfloat16")."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def mode_sources(name: str) -> tuple[str, ...] | None:
@@ -70,6 +88,7 @@ class Outcome:
 class Mode(Protocol):
     name: str
     learns: bool  # its drafts improve with traffic (n-gram pools): a warm-pool pass is worth running
+    dtype: str  # what its target runs in
 
     def run(self, prompt: Prompt) -> Outcome: ...
 
@@ -81,18 +100,22 @@ class Mode(Protocol):
 
 
 class BaselineMode:
-    """The project's plain decoding loop: one target forward per token."""
+    """The project's plain decoding loop: one target forward per token (fp32 head, as the verifier's)."""
 
-    name = "baseline"
     learns = False
 
-    def __init__(self, model: Any, eos_ids: frozenset[int]) -> None:
+    def __init__(self, model: Any, eos_ids: frozenset[int], name: str = BASELINE) -> None:
+        self.name = name
+        self.dtype = model_dtype(model)
         self._model = model
+        self._head = Fp32Head(model)
         self._eos_ids = eos_ids
 
     def run(self, prompt: Prompt) -> Outcome:
         start = time.perf_counter_ns()
-        decoded = plain_decode(self._model, prompt.token_ids, prompt.max_new_tokens, self._eos_ids, prompt.sampling)
+        decoded = plain_decode(
+            self._model, prompt.token_ids, prompt.max_new_tokens, self._eos_ids, prompt.sampling, self._head
+        )
         wall_ns = time.perf_counter_ns() - start
         return Outcome(
             decoded.tokens, decoded.eos, wall_ns, decoded.forwards, 0, 0, draft_ns=0, verify_ns=decoded.forward_ns
@@ -112,6 +135,7 @@ class HfPromptLookupMode:
     learns = False
 
     def __init__(self, model: Any, eos_ids: frozenset[int], num_tokens: int = 10) -> None:
+        self.dtype = model_dtype(model)
         self._model = model
         self._eos_ids = eos_ids
         self._num_tokens = num_tokens
@@ -175,6 +199,7 @@ class InProcessMode:
         self._drafter_config = DrafterConfig(sources=sources)
         self._head = head
         self._verifier = Verifier.from_config(model, fingerprint, VerifierConfig())
+        self.dtype = self._verifier.dtype  # the model's: the harness loaded it in the run's dtype
         info = verifier_info(self._verifier)
         self._policy = round_policy(CoordinatorConfig(), info)
         self._limits = prompt_limits(CoordinatorConfig(), info)
@@ -210,15 +235,20 @@ class InProcessMode:
 
     def close(self) -> None:
         self._loop.close()
+        self._verifier.close()
 
 
 class DistributedMode:
-    """The three specserve processes over gRPC on loopback, through the client SDK."""
+    """The three specserve processes over gRPC on loopback, through the client SDK.
+
+    ``dtype`` is what the verifier was started with (``--dtype``); the harness does not load this target.
+    """
 
     name = "distributed"
     learns = True
 
-    def __init__(self, address: str, reset_pool: Callable[[], None] | None = None) -> None:
+    def __init__(self, address: str, dtype: str, reset_pool: Callable[[], None] | None = None) -> None:
+        self.dtype = dtype
         self._client = SpecserveClient(address, timeout_s=600.0)
         self._reset_pool = reset_pool
 

@@ -47,6 +47,34 @@ def _load(machine: dict[str, Any]) -> str:
     return f"{start[0] if start else NA} at start, {end[0] if end else NA} at end"
 
 
+def dtype_line(settings: dict[str, Any]) -> str:
+    """The run's dtype and why it was chosen, and the modes that ran in another one (older runs: fp32)."""
+    dtype = settings.get("dtype", "float32")
+    reason = settings.get("dtype_reason")
+    line = f"Dtype: {dtype}" + (f" ({reason})" if reason else "") + ", every mode's target"
+    others = {mode: d for mode, d in settings.get("mode_dtypes", {}).items() if d != dtype}
+    if others:
+        line += " except " + ", ".join(f"`{mode}` ({d})" for mode, d in others.items())
+    return line + "."
+
+
+def identity_line(settings: dict[str, Any]) -> str:
+    """What the Identical column and the divergence table compare, and what to expect of them."""
+    dtype = settings.get("dtype", "float32")
+    others = [f"`{mode}`" for mode, d in settings.get("mode_dtypes", {}).items() if d != dtype]
+    line = f"Identical: token-identical to `baseline` in the same dtype ({dtype})"
+    if others:
+        line += f"; {', '.join(others)} ran in another dtype and is compared with nothing (n/a)"
+    line += ". "
+    if dtype == "float32":
+        return line + "In float32 specserve's greedy output must equal plain decoding token for token."
+    return (
+        line + f"In {dtype} a forward's results depend on how many rows share it, so outputs may diverge from "
+        "plain decoding, but only at near-ties: every first divergence is listed with the top-1 minus top-2 "
+        "logit gap there (fp32 logits of `baseline`'s model on `baseline`'s prefix)."
+    )
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -133,9 +161,10 @@ def details(summaries: Sequence[Summary], modes: Sequence[str], group: str) -> l
     return _table(header, rows)
 
 
-def divergences(records: Sequence[Record], greedy: bool) -> list[str]:
+def divergences(records: Sequence[Record], greedy: bool, dtype: str = "float32") -> list[str]:
     lines: list[str] = []
     different = [r for r in records if r.identical is False]
+    compared = [r for r in records if r.identical is not None and r.mode != "baseline"]
     if not greedy:
         # specserve draws by position (keyed_noise), as `baseline` does; Hugging Face draws in sequence.
         hf = [r for r in records if r.mode.startswith("hf")]
@@ -145,8 +174,10 @@ def divergences(records: Sequence[Record], greedy: bool) -> list[str]:
             lines += [note, ""]
         different = [r for r in different if not r.mode.startswith("hf")]
     if not different:
-        every = "Every output" if greedy else "Every specserve output"
-        return [*lines, f"{every} is token-identical to `baseline`."]
+        every = "Every compared output" if greedy else "Every compared specserve output"
+        return [*lines, f"{every} is token-identical to `baseline` ({dtype})."]
+    if greedy:
+        lines += [f"{len(different)} of {len(compared)} compared outputs differ from `baseline` ({dtype}).", ""]
     header = ["Mode", "Category", "Question", "First differing position", "Baseline / mode token", "Top-2 logit gap"]
     rows = [
         [
@@ -197,8 +228,11 @@ def markdown(
         f"n-gram pool of `distributed`: {settings['distributed_pool']}. {pools}"
         f"Run {meta['started_at']}, commit {machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}.",
         "",
-        "Speedup is baseline time / mode time on the same prompts (ratio of total times); "
-        "τ is tokens committed per target forward (1.00 for `baseline`).",
+        dtype_line(settings),
+        "",
+        "Speedup is `baseline` time / mode time on the same prompts (ratio of total times), `baseline` in "
+        f"{settings.get('dtype', 'float32')} for every mode; τ is tokens committed per target forward "
+        "(1.00 for `baseline`). " + identity_line(settings),
         "",
         "## Speedup over `baseline` (Spec-Bench leaderboard layout)",
         "",
@@ -212,7 +246,12 @@ def markdown(
     if mt:
         lines += ["## MT-Bench categories: speedup / τ", "", *per_group(summaries, modes, mt), ""]
     lines += ["## All figures, overall", "", *details(summaries, modes, OVERALL), ""]
-    lines += ["## Outputs that differ from `baseline`", "", *divergences(records, settings["temperature"] == 0), ""]
+    lines += [
+        "## Outputs that differ from `baseline`",
+        "",
+        *divergences(records, settings["temperature"] == 0, settings.get("dtype", "float32")),
+        "",
+    ]
     lines += notes(records)
     if meta.get("error"):
         lines += [f"**Incomplete run**: stopped after {len(records)} records: {meta['error']}", ""]

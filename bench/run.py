@@ -2,8 +2,10 @@
 
 Runs the chosen modes on the same prompts, interleaved prompt by prompt (the
 order of the modes rotates from one prompt to the next), so machine drift hits
-every mode alike. Writes ``spec_bench.json`` (every record, the summaries and
-the machine), ``spec_bench.md`` and ``spec_bench.png`` to the output folder.
+every mode alike. The target runs in one dtype (``--dtype``, by default what
+the hardware runs fast), every mode alike but ``baseline-fp32``. Writes
+``spec_bench.json`` (every record, the summaries and the machine),
+``spec_bench.md`` and ``spec_bench.png`` to the output folder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
 from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
 from draft_service.head_proposer import HeadProposer
+from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import (
     ModelSource,
     default_cache_root,
@@ -45,9 +48,11 @@ from . import machine
 from .aggregate import summarize_all
 from .cluster import DEFAULT_REDIS_URL, ClusterStartError, PoolBackend, choose_pool, clear_pool, start_cluster
 from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
-from .decoding import hf_generate, plain_decode, top2_gap
+from .decoding import Fp32Head, hf_generate, plain_decode, top2_gap
 from .modes import (
-    DEFAULT_MODES,
+    BASELINE,
+    FLOAT32,
+    FP32_BASELINE,
     MODES,
     BaselineMode,
     DistributedMode,
@@ -56,13 +61,20 @@ from .modes import (
     Mode,
     Outcome,
     Prompt,
+    default_modes,
     mode_sources,
+    model_dtype,
 )
 from .records import Record, first_divergence, make_record
 from .report import leaderboard, markdown, plot
 
 WARM_UP_TEXT = "Say hello in one short sentence."
 WARM_UP_TOKENS = 8
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The harness runs its targets on this process's CPU; only `distributed`'s verifier is a process of its own.
+DEVICE = "cpu"
+# `make bench` finishes within 45 minutes on the 2-core reference machine (bench/README.md, "Run time").
+DEFAULT_PROMPTS_PER_CATEGORY = 7
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,8 @@ class Target:
     tokenizer: Any
     fingerprint: str
     eos_ids: frozenset[int]
+    dtype: str
+    head: Fp32Head  # the model's fp32 final norm and LM head, for the top-2 gaps
 
     @property
     def eos_id(self) -> int:
@@ -81,8 +95,19 @@ class Target:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.run", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, from {', '.join(MODES)}")
-    parser.add_argument("--prompts-per-category", type=int, default=10)
+    parser.add_argument(
+        "--modes",
+        help=f"comma-separated, from {', '.join(MODES)} (default: baseline, {FP32_BASELINE} unless the dtype is "
+        "float32, hf-pld, inproc, distributed)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="what every mode's target runs in (baseline-fp32: float32); auto: bf16 where the CPU has AMX or "
+        "AVX512-BF16, else float32",
+    )
+    parser.add_argument("--prompts-per-category", type=int, default=DEFAULT_PROMPTS_PER_CATEGORY)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
         "--temperature",
@@ -126,7 +151,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a TTY)"
     )
     args = parser.parse_args(argv)
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.dtype_choice = choose_dtype(args.dtype, DEVICE)
+    modes = args.modes if args.modes is not None else ",".join(default_modes(args.dtype_choice.dtype))
+    args.modes = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES and mode_sources(m) is None]
     if unknown or not args.modes:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)} (or inproc:<source>+<source>...)")
@@ -153,18 +180,26 @@ def quiet_libraries() -> None:
     transformers.logging.disable_progress_bar()
 
 
-def load_target(name: str) -> Target:
+def load_target(name: str, dtype: str = FLOAT32) -> Target:
     source = materialize(resolve_model(name), default_cache_root())
     tokenizer = load_tokenizer(source)
     generation_config = load_generation_config(source)
+    model = load_model(source, DEVICE, dtype)
     return Target(
         name,
         source,
-        load_model(source),
+        model,
         tokenizer,
         vocab_fingerprint(tokenizer),
         eos_token_ids(tokenizer, generation_config),
+        model_dtype(model),
+        Fp32Head(model),
     )
+
+
+def fp32_model(target: Target) -> Any:
+    """The target in float32: the target itself when it is, else a second copy (the fp32 baseline, the check)."""
+    return target.model if target.dtype == FLOAT32 else load_model(target.source, DEVICE, FLOAT32)
 
 
 def make_prompt(target: Target, text: str, max_new_tokens: int, sampling: SamplingParams) -> Prompt:
@@ -172,50 +207,63 @@ def make_prompt(target: Target, text: str, max_new_tokens: int, sampling: Sampli
     return Prompt(text, ids, max_new_tokens, sampling)
 
 
-def check_baseline(target: Target, prompt: Prompt) -> dict[str, Any]:
-    """Does the project's plain loop produce exactly what transformers' greedy generate does?"""
+def check_baseline(model: Any, target: Target, prompt: Prompt) -> dict[str, Any]:
+    """Does the project's plain loop produce exactly what transformers' greedy generate does?
+
+    Checked on the fp32 ``model``, where they must agree token for token: in bf16 the loop's fp32 head
+    (the verifier's numerics) and transformers' bf16 head part at near-ties.
+    """
     greedy = Prompt(prompt.text, prompt.token_ids, prompt.max_new_tokens, SamplingParams())
-    ours = plain_decode(target.model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
-    theirs = hf_generate(target.model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
+    ours = plain_decode(model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
+    theirs = hf_generate(model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
     mismatch = first_divergence(ours.tokens, ours.eos, theirs.tokens, theirs.eos, target.eos_id)
     return {
         "baseline_matches_hf_generate": mismatch is None,
+        "dtype": model_dtype(model),
         "tokens_compared": len(ours.tokens) + int(ours.eos),
         "first_mismatch": None if mismatch is None else asdict(mismatch),
     }
 
 
-def build_modes(args: argparse.Namespace, target: Target, pool: PoolBackend, stack: ExitStack) -> list[Mode]:
-    """The modes named by ``--modes``; the stack stops the cluster and closes the modes."""
+def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolBackend, stack: ExitStack) -> list[Mode]:
+    """The modes named by ``--modes`` (``fp32``: the target in float32); the stack stops the cluster and closes
+    the modes."""
     modes: list[Mode] = []
     for name in args.modes:
         mode: Mode
-        if name == "baseline":
+        if name == BASELINE:
             mode = BaselineMode(target.model, target.eos_ids)
+        elif name == FP32_BASELINE:
+            mode = BaselineMode(fp32, target.eos_ids, name=FP32_BASELINE)
         elif name == "hf-pld":
             mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens)
         elif name == "inproc" or name.startswith("inproc:"):
             sources = mode_sources(name) or DrafterConfig().sources
-            head = draft_head(target) if HeadProposer.name in sources else None
+            head = draft_head(target, fp32) if HeadProposer.name in sources else None
             mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids, sources, head)
         else:
-            cluster = start_cluster(target.name, pool, args.torch_threads, args.out_dir / "tmp" / "cluster-logs")
+            log_dir = args.out_dir / "tmp" / "cluster-logs"
+            dtype_args = ["--dtype", target.dtype]
+            cluster = start_cluster(target.name, pool, args.torch_threads, log_dir, verifier_args=dtype_args)
             stack.callback(cluster.stop)
-            mode = DistributedMode(cluster.coordinator_address, _pool_reset(pool, target, args.keep_pool))
+            mode = DistributedMode(cluster.coordinator_address, target.dtype, _pool_reset(pool, target, args.keep_pool))
         stack.callback(mode.close)
         modes.append(mode)
     return modes
 
 
-def draft_head(target: Target) -> DraftHead:
-    """The drafter's default draft head over this process's target (its embedding and LM head)."""
+def draft_head(target: Target, fp32: Any) -> DraftHead:
+    """The drafter's default draft head over the target's embedding and LM head.
+
+    In float32 (``fp32``: the target in float32), as the drafter service loads them, whatever the target runs in.
+    """
     path = Path(DrafterConfig().draft_head_path)
     try:
         head, _ = load_draft_head(
             path,
             target_fingerprint=target.fingerprint,
-            embedding=target.model.get_input_embeddings().weight.detach(),
-            lm_head=target.model.get_output_embeddings().weight.detach(),
+            embedding=fp32.get_input_embeddings().weight.detach(),
+            lm_head=fp32.get_output_embeddings().weight.detach(),
         )
     except DraftHeadError as exc:
         raise SystemExit(f"error: the draft_model source needs its head: {exc}") from exc
@@ -254,21 +302,26 @@ def fill_pools(
 def run_prompt(
     index: int, question: Question, prompt: Prompt, modes: Sequence[Mode], target: Target, progress: tqdm
 ) -> list[Record]:
-    """Run every mode on one prompt (in an order rotated by ``index``); records in ``modes`` order."""
+    """Run every mode on one prompt (in an order rotated by ``index``); records in ``modes`` order.
+
+    Each mode's output is compared with ``baseline``'s when both run in the same dtype (a mode in another
+    dtype, ``baseline-fp32`` in a bf16 run, is compared with nothing). The top-2 gap at a divergence is
+    computed on the baseline's prefix by the baseline's model, with fp32 logits.
+    """
     k = index % len(modes)
     outcomes: dict[str, Outcome] = {}
     for mode in [*modes[k:], *modes[:k]]:
         progress.set_postfix_str(f"{question.category} #{question.question_id} {mode.name}")
         outcomes[mode.name] = mode.run(prompt)
         progress.update()
-    baseline = outcomes.get("baseline")
+    baseline = outcomes.get(BASELINE)
     gaps: dict[int, float] = {}
 
     def gap_at(position: int) -> float | None:
         if baseline is None or not prompt.sampling.greedy:
             return None
         if position not in gaps:
-            gaps[position] = top2_gap(target.model, prompt.token_ids, baseline.tokens[:position])
+            gaps[position] = top2_gap(target.model, prompt.token_ids, baseline.tokens[:position], target.head)
         return gaps[position]
 
     return [
@@ -278,7 +331,7 @@ def run_prompt(
             question.question_id,
             len(prompt.token_ids),
             outcomes[mode.name],
-            baseline,
+            baseline if mode.dtype == target.dtype else None,
             target.eos_id,
             gap_at,
         )
@@ -314,7 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_questions = load_questions()
     questions = select(all_questions, args.categories, args.prompts_per_category)
     warm_questions = select(all_questions, args.categories, args.warm_pool, skip=args.prompts_per_category)
-    target = load_target(args.model)
+    choice: DtypeChoice = args.dtype_choice
+    target = load_target(args.model, choice.dtype)
+    fp32 = fp32_model(target)
 
     def sampling(question_id: int) -> SamplingParams:
         if args.temperature <= 0:
@@ -322,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return SamplingParams(temperature=args.temperature, seed=args.seed + question_id)
 
     prompts = [make_prompt(target, q.text, args.max_new_tokens, sampling(q.question_id)) for q in questions]
-    checks = check_baseline(target, prompts[0])
+    checks = check_baseline(fp32, target, prompts[0])
     if not checks["baseline_matches_hf_generate"]:
         print(f"warning: the baseline loop differs from transformers' generate: {checks}", file=sys.stderr)
     pool = choose_pool(args.redis_url) if "distributed" in args.modes else PoolBackend(None, "not used")
@@ -332,7 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {
             "model": target.name,
             "model_source": target.source.name,
-            "dtype": "float32",
+            "dtype": target.dtype,
+            "dtype_requested": args.dtype,
+            "dtype_reason": choice.reason,
+            "device": DEVICE,
             "modes": args.modes,
             "categories": args.categories,
             "prompts_per_category": args.prompts_per_category,
@@ -356,10 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     error = ""
     with ExitStack() as stack:
         try:
-            modes = build_modes(args, target, pool, stack)
+            modes = build_modes(args, target, fp32, pool, stack)
         except ClusterStartError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        meta["settings"]["mode_dtypes"] = {mode.name: mode.dtype for mode in modes}
         # The first generation of each mode pays one-off costs (lazy initialisation, connections);
         # what the warm-up taught the n-gram pools is forgotten before measuring.
         warm_up = make_prompt(target, WARM_UP_TEXT, WARM_UP_TOKENS, sampling(0))

@@ -1,8 +1,10 @@
-"""The benchmark harness end to end: 2 categories x 2 prompts x 16 tokens, all four modes.
+"""The benchmark harness end to end: 2 categories x 2 prompts x 16 tokens, the four float32 modes.
 
 Starts the three specserve processes (with Redis when one answers) and the
-packaged target. Checks that the harness's numbers are consistent with each
-other, never how fast anything is.
+packaged target, in float32 (``--dtype float32``: the default list then has no
+``baseline-fp32``). A second, smaller run in bfloat16 checks ``baseline-fp32``
+and the report's dtype. Checks that the harness's numbers are consistent with
+each other, never how fast anything is.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 from bench import run
 from bench.dataset import load_questions
-from bench.modes import DEFAULT_MODES
+from bench.modes import FP32_BASELINE, default_modes
 from specserve.model_loading import ModelNotFoundError, resolve_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -26,6 +28,7 @@ PROMPTS_PER_CATEGORY = 2
 MAX_NEW_TOKENS = 16
 # A Redis database apart from the benchmark's own (/15), so a smoke test never empties a running benchmark's pool.
 SMOKE_REDIS_URL = "redis://127.0.0.1:6379/14"
+DEFAULT_MODES = default_modes("float32")
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,8 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     code = run.main(
         [
+            "--dtype",
+            "float32",
             "--categories",
             ",".join(CATEGORIES),
             "--prompts-per-category",
@@ -85,9 +90,21 @@ def test_every_mode_ran_every_prompt(result: dict[str, Any], out_dir: Path) -> N
     assert (out_dir / "spec_bench.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_report_names_the_dtype_and_why(result: dict[str, Any], out_dir: Path) -> None:
+    settings = result["meta"]["settings"]
+    assert settings["dtype"] == "float32" and settings["dtype_requested"] == "float32"
+    assert settings["dtype_reason"] == "requested"
+    assert FP32_BASELINE not in settings["modes"]
+    assert settings["mode_dtypes"] == {mode: "float32" for mode in DEFAULT_MODES}
+    report = (out_dir / "spec_bench.md").read_text()
+    assert "Dtype: float32 (requested)" in report
+    assert "token-identical to `baseline` in the same dtype (float32)" in report
+
+
 def test_baseline_loop_matches_hf_generate(result: dict[str, Any]) -> None:
     checks = result["meta"]["checks"]
     assert checks["baseline_matches_hf_generate"], checks
+    assert checks["dtype"] == "float32"
     assert checks["tokens_compared"] >= 1
 
 
@@ -172,3 +189,43 @@ def test_the_warm_pool_pass_uses_other_prompts_of_the_same_categories(result: di
     assert not measured & set(warm)
     by_id = {q.question_id: q.category for q in load_questions()}
     assert sorted(by_id[q] for q in warm) == sorted(CATEGORIES)
+
+
+def test_default_modes_add_the_fp32_baseline_outside_float32() -> None:
+    assert run.parse_args(["--dtype", "float32"]).modes == list(DEFAULT_MODES)
+    assert run.parse_args(["--dtype", "bfloat16"]).modes == ["baseline", FP32_BASELINE, *DEFAULT_MODES[1:]]
+    assert run.parse_args(["--dtype", "bfloat16", "--modes", "baseline,inproc"]).modes == ["baseline", "inproc"]
+
+
+@pytest.fixture(scope="module")
+def bf16_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One prompt, 8 tokens, in bfloat16 with the fp32 baseline (no cluster: that is the float32 run's job)."""
+    out = tmp_path_factory.mktemp("bench-bf16")
+    modes = ["baseline", FP32_BASELINE, "inproc"]
+    argv = ["--dtype", "bfloat16", "--modes", ",".join(modes), "--categories", "writing", "--prompts-per-category"]
+    code = run.main([*argv, "1", "--max-new-tokens", "8", "--redis-url", "", "--no-progress", "--out-dir", str(out)])
+    assert code == 0, "the harness stopped early; see its stderr"
+    return out
+
+
+def test_bf16_run_has_an_fp32_baseline_row_compared_with_nothing(bf16_out_dir: Path) -> None:
+    result = json.loads((bf16_out_dir / "spec_bench.json").read_text())
+    settings = result["meta"]["settings"]
+    assert settings["dtype"] == "bfloat16" and settings["dtype_reason"] == "requested"
+    assert settings["mode_dtypes"] == {"baseline": "bfloat16", FP32_BASELINE: "float32", "inproc": "bfloat16"}
+    assert result["meta"]["checks"]["dtype"] == "float32"
+    (fp32,) = records_of(result, FP32_BASELINE)
+    (baseline,) = records_of(result, "baseline")
+    assert fp32["identical"] is None and fp32["first_diff"] is None  # no other fp32 mode to compare with
+    assert fp32["tau"] == 1.0 and fp32["draft_tokens"] == 0
+    (inproc,) = records_of(result, "inproc")
+    assert inproc["identical"] is not None  # compared with the bf16 baseline
+    if inproc["identical"] is False:
+        assert inproc["logit_gap"] is not None and inproc["logit_gap"] >= 0
+    # Its speedup is relative to the bf16 baseline.
+    assert summary(result, FP32_BASELINE, "overall")["speedup"] == pytest.approx(baseline["wall_s"] / fp32["wall_s"])
+    report = (bf16_out_dir / "spec_bench.md").read_text()
+    assert "Dtype: bfloat16 (requested), every mode's target except `baseline-fp32` (float32)." in report
+    assert f"`{FP32_BASELINE}` ran in another dtype and is compared with nothing" in report
+    fp32_row = next(line for line in report.splitlines() if line.startswith(f"| `{FP32_BASELINE}` | 1 |"))
+    assert fp32_row.endswith("| n/a |")

@@ -49,3 +49,37 @@ def test_tree_shape_branches_with_the_same_node_count() -> None:
     tree = draft_tree("tree", [5, 6, 7, 8, 9])
     assert tree.parents == (-1, 0, 0, 1, 1)
     assert not tree.is_chain() and len(tree) == len(draft_tree("chain", [5, 6, 7, 8, 9]))
+
+
+def test_batched_steps_share_one_forward_and_are_relative_to_one_plain_session() -> None:
+    from bench.verify_cost import measure_batched, summarize_batched
+
+    batch_sizes, nodes, reps, warmup, context = [1, 2, 4], [0, 3], 2, 1, 16
+    verifier = tiny_verifier(8)
+    try:
+        batched = measure_batched(verifier, context, batch_sizes, nodes, reps, warmup)
+    finally:
+        verifier.close()
+    cases = [(b, k) for b in batch_sizes for k in nodes]
+    assert sorted(batched.times) == cases
+    assert all(len(samples) == reps and min(samples) > 0 for samples in batched.times.values())
+    # The engine was paused while the B calls queued: each step served all of them in one forward.
+    assert batched.unshared == dict.fromkeys(cases, 0)
+    assert all(batched.batch_sessions_seen[(b, k)] == [b] * reps for b, k in cases)
+    # Least-grown sessions first: no session's context runs far ahead of the others.
+    steps = (warmup + reps) * len(cases)
+    assert context <= batched.longest_context <= context + steps * (max(nodes) + 1)
+    rows = summarize_batched(batched)
+    assert [(r["sessions"], r["draft_nodes"], r["tokens"]) for r in rows] == [(b, k, b * (k + 1)) for b, k in cases]
+    assert rows[0]["ratio"] == 1.0
+    assert all(r["ms_per_session"] == r["median_ms"] / r["sessions"] for r in rows)
+
+
+def test_arguments_measure_both_dtypes_by_default() -> None:
+    from bench.verify_cost import parse_args
+
+    args = parse_args([])
+    assert args.dtypes == ["float32", "bfloat16"]
+    assert args.batch_sizes == [1, 2, 4, 8, 16] and args.batch_draft_nodes == [0, 1, 3, 7]
+    assert parse_args(["--dtype", "bfloat16"]).dtypes == ["bfloat16"]  # the old flag still works
+    assert parse_args(["--batch-sizes", ""]).batch_sizes == []
