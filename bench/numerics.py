@@ -60,6 +60,7 @@ from . import machine
 from .dataset import CATEGORIES, load_questions, select
 from .modes import InProcessMode, Prompt
 from .records import first_divergence
+from .run import quiet_libraries
 
 T = TypeVar("T")
 
@@ -568,17 +569,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.prompts < 1 or args.max_new_tokens < 1 or args.torch_threads < 1:
         parser.error("--prompts, --max-new-tokens and --torch-threads must be at least 1")
     return args
-
-
-def quiet_libraries() -> None:
-    """No hub access, no weight-loading bars or advisory warnings in the output."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
 
 
 def measure(

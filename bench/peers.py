@@ -60,8 +60,9 @@ from target_service.verifier import Verifier
 from . import machine
 from .dataset import CATEGORIES, expand_categories, load_questions, select
 from .modes import InProcessMode, Prompt
-from .numerics import load_head, quiet_libraries
+from .numerics import Case, load_head
 from .peers_report import LLAMA_CPP, ModeResult, Run, borrow_prompt_times, leaderboard, write_outputs
+from .run import quiet_libraries
 
 NOT_INSTALLED = "llama-cpp-python is not installed: run `make bench-peers` (it builds it)"
 # Written by `make bench-peers-install` next to the venv's python: the version and CMAKE_ARGS it was built with.
@@ -75,17 +76,6 @@ WARM_UP_TOKENS = 8
 
 def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One prompt: where it came from and its chat-formatted token ids."""
-
-    index: int
-    category: str
-    question_id: int
-    text: str
-    token_ids: list[int]
 
 
 @dataclass
