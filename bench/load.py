@@ -43,15 +43,12 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.sampling import SamplingParams
-from specserve.token_tree import TokenTree
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.verifier import Verifier
 
 from . import machine
 from .cluster import DEFAULT_REDIS_URL, ClusterStartError, PoolBackend, choose_pool, clear_pool, start_cluster
 from .dataset import CATEGORIES, load_questions, select
-from .decoding import Decoded
 from .load_report import (
     LevelResult,
     StreamResult,
@@ -62,6 +59,7 @@ from .load_report import (
     table,
     target_lines,
 )
+from .numerics import decode_ids_alone, top2_at
 from .records import first_divergence
 from .run import WARM_UP_TEXT, WARM_UP_TOKENS, quiet_libraries
 
@@ -360,41 +358,6 @@ def resolve_dtypes(reported: str, verifier_args: Sequence[str], reference: str) 
     return label, reference
 
 
-def engine_plain_decode(
-    verifier: Verifier, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: frozenset[int]
-) -> Decoded:
-    """Plain greedy decoding through the verifier engine alone: one session, one token per forward.
-
-    The same kernels and fp32 head as the service's plain path; in fp32 this
-    is token-identical to transformers' own decoding (tests/unit), and in bf16
-    it is the reference the noise floor is measured against (make bench-numerics).
-    """
-    verifier.prefill("reference", list(prompt_ids), SamplingParams())
-    committed = list(prompt_ids)
-    tokens: list[int] = []
-    try:
-        while len(tokens) < max_new_tokens:
-            token = verifier.verify("reference", len(committed), TokenTree()).bonus_token
-            committed.append(token)
-            if token in eos_ids:
-                return Decoded(tokens, True, len(tokens) + 1)
-            tokens.append(token)
-    finally:
-        verifier.release("reference")
-    return Decoded(tokens, False, len(tokens))
-
-
-def engine_top2_gap(verifier: Verifier, context: Sequence[int]) -> float:
-    """The engine's fp32 logit margin between its best and second-best token after ``context``."""
-    verifier.prefill("gap", list(context), SamplingParams())  # the last token is pending: row 0 follows it
-    try:
-        logits = verifier.score("gap", TokenTree())[0]
-    finally:
-        verifier.release("gap")
-    top = torch.topk(logits, 2).values
-    return float(top[0] - top[1])
-
-
 def compare_with_reference(
     stream: StreamResult, prompt: LoadPrompt, verifier: Verifier, target: TargetText, max_new_tokens: int
 ) -> None:
@@ -406,14 +369,17 @@ def compare_with_reference(
             f"{len(prompt.token_ids)}: not comparable"
         )
         return
-    reference = engine_plain_decode(verifier, prompt.token_ids, max_new_tokens, target.eos_ids)
+    # Plain decoding through the engine alone: the service's own kernels and fp32 head. In fp32 it is
+    # token-identical to transformers' decoding (tests/unit); in bf16 it is the noise floor's reference.
+    reference = decode_ids_alone(verifier, prompt.token_ids, max_new_tokens, target.eos_ids)
     divergence = first_divergence(reference.tokens, reference.eos, stream.token_ids, stream.eos, target.eos_id)
     stream.identical = divergence is None
     if divergence is not None:
         stream.first_diff = divergence.position
         stream.reference_token = divergence.baseline_token
         stream.stream_token = divergence.mode_token
-        stream.logit_gap = engine_top2_gap(verifier, [*prompt.token_ids, *reference.tokens[: divergence.position]])
+        context = [*prompt.token_ids, *reference.tokens[: divergence.position]]
+        stream.logit_gap = top2_at(verifier, context)[0]
 
 
 def add_references(

@@ -203,7 +203,14 @@ def decode_alone(
     verifier: Verifier, case: Case, max_new_tokens: int, eos_ids: frozenset[int], two_rows: bool
 ) -> Output:
     """Plain greedy decoding of one session with nothing else in the engine (variants A and C)."""
-    stream = _Stream(f"plain-{uuid.uuid4().hex}", case.token_ids, max_new_tokens, eos_ids)
+    return decode_ids_alone(verifier, case.token_ids, max_new_tokens, eos_ids, two_rows)
+
+
+def decode_ids_alone(
+    verifier: Verifier, prompt_ids: Sequence[int], max_new_tokens: int, eos_ids: frozenset[int], two_rows: bool = False
+) -> Output:
+    """Plain greedy decoding of ``prompt_ids`` through the engine alone: one session, one verify at a time."""
+    stream = _Stream(f"plain-{uuid.uuid4().hex}", list(prompt_ids), max_new_tokens, eos_ids)
     verifier.prefill(stream.session_id, stream.prompt, GREEDY)
     try:
         while not stream.done:
