@@ -138,6 +138,7 @@ class GrpcDraftStream:
             max_nodes=max_nodes,
             successors=successors,
             features=features_to_proto(feedback.features),
+            accepted_node_indices=feedback.accepted_node_indices,
         )
         await self._write(drafter_pb2.DraftRequest(propose=propose))
         try:

@@ -56,6 +56,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     tuple(propose.new_token_ids),
                     tuple((s.token_id, tuple(s.next_token_ids)) for s in propose.successors),
                     features,
+                    tuple(propose.accepted_node_indices),
                 )
                 # Off the event loop, so a draft model's forward does not stall the other sessions' streams;
                 # one at a time, because sessions share pools, successor tables and statistics.

@@ -16,3 +16,5 @@ class DraftFeedback:
     # The target's hidden features (float16 [m, hidden]) at the positions that became known since the last
     # request, for feature-level draft models; None when the coordinator does not forward them.
     features: np.ndarray | None = None
+    # Indices into the previous tree of the nodes the verifier accepted, root to leaf (empty: none, or no tree).
+    accepted_node_indices: tuple[int, ...] = ()
