@@ -15,7 +15,22 @@ from specserve.draft_feedback import DraftFeedback
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specserve.wire import features_from_proto, features_to_proto, sampling_to_proto, tree_from_proto, tree_to_proto
+from specserve.wire import (
+    features_from_proto,
+    features_to_proto,
+    sampling_to_proto,
+    split_features,
+    tree_from_proto,
+    tree_to_proto,
+)
+
+FEATURE_CHUNK_BYTES = 1 << 20
+"""Most float16 feature bytes in one Draft stream message.
+
+A long prompt's features (1,152 bytes per token at SmolLM2's hidden size) would pass gRPC's default 4 MiB
+message limit, which the drafter's server keeps; 1 MiB slices stay well under it with room for the rest of a
+ProposeTree, and are few enough (about 7 for a 6,000-token prompt) that their overhead does not matter.
+"""
 
 _DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
     grpc.StatusCode.NOT_FOUND: errors.NotFound,
@@ -137,7 +152,7 @@ class GrpcDraftStream:
             new_token_ids=feedback.new_tokens,
             max_nodes=max_nodes,
             successors=successors,
-            features=features_to_proto(feedback.features),
+            features=features_to_proto(await self._send_features_ahead(feedback.features)),
             accepted_node_indices=feedback.accepted_node_indices,
         )
         await self._write(drafter_pb2.DraftRequest(propose=propose))
@@ -149,6 +164,20 @@ class GrpcDraftStream:
             raise DrafterFailed(f"drafter at {self._target} closed the session stream")
         tree = tree_from_proto(response.tree)
         return tree, int(response.draft_ns)
+
+    async def _send_features_ahead(self, features: np.ndarray | None) -> np.ndarray | None:
+        """Write all but the last slice of ``features`` as FeatureChunk requests; the last is the propose's.
+
+        The stream keeps its messages in order, so the drafter has every chunk before the propose they belong to.
+        """
+        if features is None:
+            return None
+        *ahead, last = split_features(features, FEATURE_CHUNK_BYTES) or [features]
+        for chunk in ahead:
+            await self._write(
+                drafter_pb2.DraftRequest(features=drafter_pb2.FeatureChunk(features=features_to_proto(chunk)))
+            )
+        return last
 
     async def close(self) -> None:
         self._call.cancel()

@@ -7,12 +7,62 @@ import threading
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from draft_service.drafter import Drafter, DraftSession
+from specserve import errors
 from specserve.draft_feedback import DraftFeedback
+from specserve.rpc import status_code
 from specserve.token_tree import TokenTree
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 from specserve.wire import features_from_proto, tree_to_proto
+
+MAX_FEATURE_BYTES_AHEAD = 128 << 20
+"""Most FeatureChunk bytes one stream may send ahead of a propose (beyond it: RESOURCE_EXHAUSTED).
+
+The features of 16,384 positions of a 4,096-wide target; a whole 8,192-token SmolLM2 context needs 9 MiB.
+"""
+
+
+class FeaturesAhead:
+    """The FeatureChunk rows a stream sent ahead of its next propose, in order."""
+
+    def __init__(self, max_bytes: int = MAX_FEATURE_BYTES_AHEAD) -> None:
+        self._chunks: list[np.ndarray] = []
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def add(self, chunk: drafter_pb2.FeatureChunk) -> None:
+        """Keep a chunk's rows; InvalidArgument when malformed, ResourceExhausted past the bound."""
+        try:
+            rows = features_from_proto(chunk.features)
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"features: {exc}") from exc
+        if rows is None:
+            raise errors.InvalidArgument("features: a FeatureChunk must carry features (hidden_size > 0)")
+        self._check_width(rows, "features")
+        self._bytes += rows.nbytes
+        if self._bytes > self._max_bytes:
+            raise errors.ResourceExhausted(
+                f"features: {self._bytes} bytes sent ahead of a propose, more than the {self._max_bytes} allowed"
+            )
+        self._chunks.append(rows)
+
+    def take(self, own: np.ndarray | None) -> np.ndarray | None:
+        """The chunks' rows followed by the propose's ``own``, and forget the chunks."""
+        if not self._chunks:
+            return own
+        if own is not None:
+            self._check_width(own, "propose.features")
+        rows = np.concatenate(self._chunks if own is None else [*self._chunks, own])
+        self._chunks, self._bytes = [], 0
+        return rows
+
+    def _check_width(self, rows: np.ndarray, field: str) -> None:
+        if self._chunks and rows.shape[1] != self._chunks[0].shape[1]:
+            raise errors.InvalidArgument(
+                f"{field}: hidden size {rows.shape[1]}, but the chunks before it have {self._chunks[0].shape[1]}"
+            )
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
@@ -41,17 +91,27 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self._num_active_sessions += 1
+        ahead = FeaturesAhead()
         try:
             async for request in request_iterator:
+                if request.WhichOneof("action") == "features":
+                    # Part of the next propose's features: kept, not answered.
+                    try:
+                        ahead.add(request.features)
+                    except errors.SpecserveError as exc:
+                        await context.abort(status_code(exc), str(exc))
+                    continue
                 if request.WhichOneof("action") != "propose":
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a Draft stream may be `start`"
                     )
                 propose = request.propose
                 try:
-                    features = features_from_proto(propose.features)
+                    features = ahead.take(features_from_proto(propose.features))
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"propose.features: {exc}")
+                except errors.SpecserveError as exc:
+                    await context.abort(status_code(exc), str(exc))
                 feedback = DraftFeedback(
                     tuple(propose.new_token_ids),
                     tuple((s.token_id, tuple(s.next_token_ids)) for s in propose.successors),

@@ -63,7 +63,12 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
 
 
 def channel_options() -> list[tuple[str, Any]]:
-    """Options for client channels: round-robin over all addresses of dns:/// targets."""
+    """Options for client channels: round-robin over all addresses of dns:/// targets.
+
+    Answers may be large: the verifier's Prefill answer carries the prompt's features when asked (2 bytes per
+    value: 9 MiB for a whole 8,192-token SmolLM2 context). Requests stay under the servers' default 4 MiB: the
+    coordinator sends features to a drafter in FeatureChunks of ``coordinator.grpc_clients.FEATURE_CHUNK_BYTES``.
+    """
     return [
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),

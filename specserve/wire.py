@@ -66,3 +66,12 @@ def features_from_proto(message: common_pb2.HiddenFeatures) -> np.ndarray | None
         )
     flat = np.frombuffer(message.float16_data, dtype="<f2")
     return flat.reshape(message.num_positions, message.hidden_size).astype(np.float16)
+
+
+def split_features(features: np.ndarray, max_bytes: int) -> list[np.ndarray]:
+    """``features`` [m, hidden] cut, in order, into row slices of at most ``max_bytes`` float16 bytes each.
+
+    A row is never cut (a row wider than ``max_bytes`` is a slice of its own); no rows, no slices.
+    """
+    rows_per_slice = max(1, max_bytes // (2 * max(1, features.shape[1])))
+    return [features[i : i + rows_per_slice] for i in range(0, features.shape[0], rows_per_slice)]
