@@ -137,9 +137,14 @@ class GrpcDraftStream:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             raise DrafterFailed(f"drafter at {self._target}: {exc}") from exc
 
-    async def start(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> None:
+    async def start(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, vocab_size: int = 0
+    ) -> None:
         start = drafter_pb2.StartSession(
-            session_id=session_id, prompt_token_ids=prompt_tokens, vocab_fingerprint=vocab_fingerprint
+            session_id=session_id,
+            prompt_token_ids=prompt_tokens,
+            vocab_fingerprint=vocab_fingerprint,
+            vocab_size=vocab_size,
         )
         await self._write(drafter_pb2.DraftRequest(start=start))
 
@@ -184,9 +189,10 @@ class GrpcDraftStream:
 
 
 class GrpcDrafter:
-    def __init__(self, channel: grpc.aio.Channel, target: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, target: str, vocab_size: int = 0) -> None:
         self._stub = drafter_pb2_grpc.DrafterServiceStub(channel)
         self._target = target
+        self._vocab_size = vocab_size  # the target's, sent with each session: the drafter drops ids outside it
         self._wants_features: bool | None = None  # learnt from DrafterInfo on the first open
 
     async def info(self) -> drafter_pb2.DrafterInfoResponse:
@@ -199,5 +205,5 @@ class GrpcDrafter:
             except grpc.aio.AioRpcError as exc:
                 raise DrafterFailed(f"drafter at {self._target}: {exc.code().name}: {exc.details()}") from exc
         stream = GrpcDraftStream(self._stub.Draft(), self._target, self._wants_features)
-        await stream.start(session_id, prompt_tokens, vocab_fingerprint)
+        await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size)
         return stream

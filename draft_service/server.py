@@ -86,7 +86,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         start = first.start
         try:
             session = self._drafter.open_session(
-                start.session_id, list(start.prompt_token_ids), start.vocab_fingerprint
+                start.session_id, list(start.prompt_token_ids), start.vocab_fingerprint, start.vocab_size
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

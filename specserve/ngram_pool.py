@@ -45,6 +45,12 @@ def encode_tokens(tokens: Sequence[int]) -> str:
     return ",".join(map(str, tokens))
 
 
+def in_vocab(tokens: Sequence[int], vocab_size: int) -> bool:
+    """Every id is in [0, ``vocab_size``) (``vocab_size`` 0: unknown, any id a wire int32 can carry)."""
+    limit = vocab_size if vocab_size > 0 else 2**31
+    return all(0 <= t < limit for t in tokens)
+
+
 def decode_tokens(text: str) -> tuple[int, ...]:
     """Inverse of encode_tokens; raises ValueError on anything else."""
     return tuple(int(part) for part in text.split(","))
@@ -65,6 +71,10 @@ class NgramPool(Protocol):
         """Write out recorded windows that a pool may hold back to batch them with its next lookup."""
         ...
 
+    def limit_vocab(self, vocab_size: int) -> None:
+        """From now on lookups skip continuations with ids outside [0, ``vocab_size``) (0: no limit)."""
+        ...
+
 
 class InMemoryNgramPool:
     """A pool in this process; at most ``max_keys`` keys, least recently used evicted."""
@@ -73,6 +83,7 @@ class InMemoryNgramPool:
         self.shape = shape
         self._max_keys = max_keys
         self._counts: OrderedDict[tuple[int, ...], dict[tuple[int, ...], int]] = OrderedDict()
+        self._vocab_size = 0
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -90,11 +101,15 @@ class InMemoryNgramPool:
     def flush(self) -> None:
         return None
 
+    def limit_vocab(self, vocab_size: int) -> None:
+        self._vocab_size = vocab_size
+
     def lookup(self, key: Sequence[int]) -> list[tuple[int, ...]]:
         counts = self._counts.get(tuple(key))
         if not counts:
             return []
-        return sorted(counts, key=lambda c: (counts[c], encode_tokens(c)), reverse=True)
+        ranked = sorted(counts, key=lambda c: (counts[c], encode_tokens(c)), reverse=True)
+        return [c for c in ranked if in_vocab(c, self._vocab_size)]
 
 
 class FallbackPool:
@@ -119,3 +134,7 @@ class FallbackPool:
 
     def flush(self) -> None:
         self._shared.flush()
+
+    def limit_vocab(self, vocab_size: int) -> None:
+        self._shared.limit_vocab(vocab_size)
+        self._local.limit_vocab(vocab_size)

@@ -9,6 +9,8 @@ so a drafting round costs one Redis round trip.
 Redis is an accelerator, never a dependency: every failure (down, slow,
 restarted, foreign data) degrades to "no continuations" and the pool stops
 asking for ``retry_after_s`` before trying again; redis-py reconnects itself.
+Nor is it trusted: a member that is not a continuation of the pool's shape
+with ids in the target's vocabulary (``vocab_size``) is skipped on lookup.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import redis
 
-from specserve.ngram_pool import PoolShape, decode_tokens, encode_tokens
+from specserve.ngram_pool import PoolShape, decode_tokens, encode_tokens, in_vocab
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,10 @@ class RedisNgramPool:
         ttl_s: int = 7 * 24 * 3600,
         retry_after_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        vocab_size: int = 0,
     ) -> None:
         self.shape = shape
+        self._vocab_size = vocab_size  # 0: unknown (only negative ids are skipped)
         self._client = client
         self._prefix = f"specserve:{namespace}:ng:{shape.key_len}:"
         self._ttl_s = ttl_s
@@ -60,6 +64,9 @@ class RedisNgramPool:
     @property
     def available(self) -> bool:
         return self._clock() >= self._down_until
+
+    def limit_vocab(self, vocab_size: int) -> None:
+        self._vocab_size = vocab_size
 
     def record(self, tokens: Sequence[int], start: int = 0) -> None:
         """Queue the windows; they are written with the next lookup or flush."""
@@ -96,7 +103,8 @@ class RedisNgramPool:
         return True
 
     def _decode(self, members: Any) -> list[tuple[int, ...]]:
-        """Continuations of the right length; anything else (foreign or corrupt data) is skipped."""
+        """Continuations of the right length with ids in the vocabulary; anything else (foreign or corrupt data,
+        ids another model's or nobody's) is skipped."""
         continuations: list[tuple[int, ...]] = []
         if not isinstance(members, list):
             return continuations
@@ -105,7 +113,7 @@ class RedisNgramPool:
                 continuation = decode_tokens(member.decode())
             except (AttributeError, UnicodeDecodeError, ValueError):
                 continue
-            if len(continuation) == self.shape.continuation_len:
+            if len(continuation) == self.shape.continuation_len and in_vocab(continuation, self._vocab_size):
                 continuations.append(continuation)
         return continuations
 

@@ -100,6 +100,40 @@ class TokenTree:
             node = self.parents[node]
         return path[::-1]
 
+    def within_vocab(self, vocab_size: int) -> TokenTree:
+        """This tree without nodes whose token lies outside [0, ``vocab_size``), nor their descendants.
+
+        A sampled node goes too when its parent's draft distribution names an
+        id outside the vocabulary (that distribution is dropped). Node
+        probabilities follow their nodes. ``vocab_size`` 0: unknown, the tree
+        as it is. Expects a well-formed tree otherwise (parents before children).
+        """
+        if vocab_size <= 0:
+            return self
+        bad_dists = {d.parent for d in self.distributions if any(not 0 <= t < vocab_size for t in d.token_ids)}
+        if not bad_dists and all(0 <= t < vocab_size for t in self.token_ids):
+            return self
+        index: dict[int, int] = {ROOT: ROOT}  # old node -> new node
+        keep: list[int] = []
+        for i, (token, parent) in enumerate(zip(self.token_ids, self.parents, strict=True)):
+            if not 0 <= token < vocab_size or parent not in index:
+                continue
+            if self.is_sampled(i) and parent in bad_dists:
+                continue
+            index[i] = len(keep)
+            keep.append(i)
+        return TokenTree(
+            tuple(self.token_ids[i] for i in keep),
+            tuple(index[self.parents[i]] for i in keep),
+            tuple(self.sampled[i] for i in keep) if self.sampled else (),
+            tuple(
+                DraftDistribution(index[d.parent], d.token_ids, d.probs)
+                for d in self.distributions
+                if d.parent in index and d.parent not in bad_dists
+            ),
+            tuple(self.node_probs[i] for i in keep) if self.node_probs else (),
+        )
+
     def validate(self, vocab_size: int, max_nodes: int, max_depth: int | None = None) -> None:
         """Raise InvalidTreeError naming the first problem found.
 
