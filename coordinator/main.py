@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.config import CoordinatorConfig, prompt_limits, round_policy
+from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
@@ -62,7 +63,25 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     parser.add_argument("--cache-dir", default=env("SPECSERVE_CACHE_DIR", ""))
     parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens_limit)
     parser.add_argument("--draft-max-nodes", type=int, default=defaults.draft_max_nodes)
-    parser.add_argument("--draft-timeout-ms", type=int, default=defaults.draft_timeout_ms)
+    parser.add_argument(
+        "--draft-timeout-ms",
+        type=int,
+        default=defaults.draft_timeout_ms,
+        help="most a draft round trip may take (the timeout follows the drafter's p99 latency below it)",
+    )
+    parser.add_argument(
+        "--draft-timeout-floor-ms",
+        type=int,
+        default=defaults.draft_timeout_floor_ms,
+        help="least draft timeout: 4x the drafter's p99 latency, clamped to [floor, --draft-timeout-ms]",
+    )
+    parser.add_argument(
+        "--drafter-backoff-ms",
+        type=int,
+        default=defaults.drafter_backoff_ms,
+        help="how long requests skip a drafter after it failed or timed out (doubles per failure in a row)",
+    )
+    parser.add_argument("--drafter-max-backoff-ms", type=int, default=defaults.drafter_max_backoff_ms)
     parser.add_argument(
         "--successors-top-k",
         type=int,
@@ -118,11 +137,12 @@ async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple
     return verifier, info
 
 
-async def connect_drafter(config: CoordinatorConfig, fingerprint: str) -> DrafterPort | None:
+async def connect_drafter(config: CoordinatorConfig, fingerprint: str, vocab_size: int) -> GrpcDrafter | None:
     """The drafter tier, or None when unset or serving another vocabulary (drafting is optional)."""
     if config.drafter is None:
         return None
-    drafter = GrpcDrafter(grpc.aio.insecure_channel(config.drafter, options=channel_options()), config.drafter)
+    channel = grpc.aio.insecure_channel(config.drafter, options=channel_options())
+    drafter = GrpcDrafter(channel, config.drafter, vocab_size)
     try:
         info = await drafter.info()
     except grpc.aio.AioRpcError as exc:
@@ -143,6 +163,24 @@ async def connect_drafter(config: CoordinatorConfig, fingerprint: str) -> Drafte
     return drafter
 
 
+def health_checked(
+    config: CoordinatorConfig, drafter: DrafterPort | None, metrics: CoordinatorMetrics
+) -> HealthCheckedDrafter | None:
+    """The drafter behind a circuit breaker and a latency-following timeout (see coordinator.drafter_health)."""
+    if drafter is None:
+        return None
+    return HealthCheckedDrafter(
+        drafter,
+        config.drafter or "in-process",
+        ceiling_s=config.draft_timeout_ms / 1000,
+        floor_s=config.draft_timeout_floor_ms / 1000,
+        backoff_s=config.drafter_backoff_ms / 1000,
+        max_backoff_s=config.drafter_max_backoff_ms / 1000,
+        on_failure=metrics.drafter_failed,
+        on_circuit=metrics.drafter_circuit.set,
+    )
+
+
 async def serve(config: CoordinatorConfig) -> None:
     server = grpc.aio.server()
     metrics = CoordinatorMetrics()
@@ -159,12 +197,12 @@ async def serve(config: CoordinatorConfig) -> None:
     tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
     fingerprint = vocab_fingerprint(tokenizer)
     verifier, info = await connect_verifier(config, fingerprint)
-    drafter = await connect_drafter(config, fingerprint)
+    drafter = health_checked(config, await connect_drafter(config, fingerprint, info.vocab_size), metrics)
     eos = eos_token_ids(tokenizer, load_generation_config(source))
     policy = round_policy(config, info)
 
     def new_generation(request: GenerationRequest) -> Generation:
-        return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy)
+        return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy, drafter_monitor=drafter)
 
     limits = prompt_limits(config, info)
     servicer.attach(GenerationBackend(tokenizer, limits, new_generation))

@@ -5,7 +5,7 @@ Owned by the instance (its own registry), not module globals.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from coordinator.rounds import GenerationStats
 
@@ -23,6 +23,17 @@ class CoordinatorMetrics:
         self.num_accepted_tokens = Counter("specserve_num_accepted_tokens", "Draft tokens accepted", registry=r)
         self.reprefills = Counter("specserve_reprefills", "Verifier sessions rebuilt after loss", registry=r)
         self.drafter_drops = Counter("specserve_drafter_drops", "Requests that lost their drafter", registry=r)
+        self.drafter_skips = Counter(
+            "specserve_drafter_skips", "Requests that did not use the drafter: its circuit was open", registry=r
+        )
+        self.drafter_failures = Counter(
+            "specserve_drafter_failures",
+            "Drafter failures: errors, timeouts, bad trees, failed probes (each opens its circuit)",
+            registry=r,
+        )
+        self.drafter_circuit = Gauge(
+            "specserve_drafter_circuit_open", "1 while requests skip the drafter after a failure", registry=r
+        )
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
@@ -36,3 +47,8 @@ class CoordinatorMetrics:
         self.reprefills.inc(stats.num_reprefills)
         if stats.drafter_error.startswith("drafter dropped"):
             self.drafter_drops.inc()
+        elif stats.drafter_error.startswith("drafter skipped"):
+            self.drafter_skips.inc()
+
+    def drafter_failed(self, reason: str) -> None:
+        self.drafter_failures.inc()

@@ -28,6 +28,10 @@ class DrafterFailed(SpecserveError):
     status = "UNAVAILABLE"
 
 
+class DrafterSkipped(DrafterFailed):
+    """The drafter failed recently and is skipped until a probe finds it healthy (the message says until when)."""
+
+
 @dataclass(frozen=True)
 class VerifierInfo:
     model_name: str
@@ -71,3 +75,11 @@ class DraftStream(Protocol):
 
 class DrafterPort(Protocol):
     async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream: ...
+
+
+class DrafterMonitor(Protocol):
+    """Hears of drafter faults that only the round loop sees (a health-checking DrafterPort implements it)."""
+
+    def misbehaved(self, session_id: str, reason: str) -> None:
+        """The drafter of ``session_id`` sent what it must not: a malformed tree, or one the verifier rejected."""
+        ...

@@ -1,0 +1,145 @@
+"""The health-checked drafter: latency-following timeouts, a circuit breaker, background probes."""
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from coordinator.drafter_health import DraftLatency, HealthCheckedDrafter
+from coordinator.ports import DrafterFailed, DrafterSkipped
+from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.token_tree import TokenTree
+
+
+def test_timeout_is_the_ceiling_until_measured_then_follows_the_p99_within_bounds() -> None:
+    latency = DraftLatency(ceiling_s=1.0, floor_s=0.05, factor=4.0, min_samples=8)
+    assert latency.timeout_s == 1.0
+    for _ in range(100):
+        latency.observe(0.02)
+    assert latency.timeout_s == pytest.approx(0.08)
+    latency.observe(0.1)
+    latency.observe(0.1)  # 2 of 102: above the p99's rank
+    assert latency.timeout_s == pytest.approx(0.4)
+    for _ in range(128):
+        latency.observe(0.001)
+    assert latency.timeout_s == 0.05  # the floor
+    for _ in range(10):
+        latency.observe(5.0)
+    assert latency.timeout_s == 1.0  # the ceiling
+
+
+class FakeStream:
+    wants_features = False
+
+    def __init__(self, drafter: "FakeDrafter") -> None:
+        self._drafter = drafter
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        self._drafter.proposals += 1
+        if self._drafter.mode == "stall":
+            await asyncio.sleep(3600)
+        if self._drafter.mode == "fail":
+            raise DrafterFailed("connection reset")
+        return DraftReply(TokenTree.chain([1]) if max_nodes else TokenTree())
+
+    async def close(self) -> None:
+        return None
+
+
+class FakeDrafter:
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.opens = 0
+        self.proposals = 0
+
+    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> FakeStream:
+        self.opens += 1
+        if self.mode == "fail":
+            raise DrafterFailed("connection refused")
+        return FakeStream(self)
+
+
+def wrapped(inner: FakeDrafter, **kwargs: float) -> HealthCheckedDrafter:
+    options = {"ceiling_s": 0.2, "floor_s": 0.01, "backoff_s": 0.3, "max_backoff_s": 1.0, **kwargs}
+    return HealthCheckedDrafter(inner, "fake", **options)  # type: ignore[arg-type]
+
+
+async def one_request(drafter: HealthCheckedDrafter, session: str) -> str:
+    """Open and propose once, as a request's first round does; returns what happened."""
+    try:
+        stream = await drafter.open(session, [1, 2], "fp")
+        await stream.propose(DraftFeedback(()), 4)
+        await stream.close()
+        return "ok"
+    except DrafterSkipped:
+        return "skipped"
+    except DrafterFailed as exc:
+        return f"failed: {exc}"
+
+
+def test_a_stalled_drafter_costs_one_timeout_then_is_skipped_until_a_probe_finds_it_healthy() -> None:
+    async def scenario() -> None:
+        inner = FakeDrafter()
+        drafter = wrapped(inner)
+        assert await one_request(drafter, "a") == "ok"
+        inner.mode = "stall"
+        started = time.perf_counter()
+        assert (await one_request(drafter, "b")).startswith("failed: no answer within 200 ms")
+        assert 0.19 < time.perf_counter() - started < 1.0
+        started = time.perf_counter()
+        assert [await one_request(drafter, s) for s in "cde"] == ["skipped"] * 3
+        assert time.perf_counter() - started < 0.05  # skipped requests never wait
+        assert drafter.circuit_open
+        await asyncio.sleep(0.6)  # probe after 0.3 s: stalled, so it times out; next one 0.6 s after it
+        assert drafter.circuit_open and drafter.failures_in_a_row == 2
+        inner.mode = "ok"
+        await asyncio.sleep(1.0)
+        assert not drafter.circuit_open
+        assert await one_request(drafter, "f") == "ok"
+        assert drafter.failures_in_a_row == 0  # a session with a tree and no failure resets the doubling
+        await drafter.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_streams_in_flight_give_up_when_another_session_trips_the_circuit() -> None:
+    async def scenario() -> None:
+        inner = FakeDrafter()
+        drafter = wrapped(inner, ceiling_s=0.3)
+        streams = [await drafter.open(s, [1], "fp") for s in "abcd"]
+        inner.mode = "stall"
+        started = time.perf_counter()
+        results = await asyncio.gather(*(s.propose(DraftFeedback(()), 4) for s in streams), return_exceptions=True)
+        elapsed = time.perf_counter() - started
+        assert all(isinstance(r, DrafterFailed) for r in results)
+        assert sum(isinstance(r, DrafterSkipped) for r in results) == 3  # one timed out; the others gave up with it
+        assert elapsed < 0.5  # one timeout in all, not one each in turn
+        await drafter.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_drafter_backs_off_doubling_and_misbehaviour_counts() -> None:
+    async def scenario() -> None:
+        inner = FakeDrafter()
+        drafter = wrapped(inner, backoff_s=0.1, max_backoff_s=0.4)
+        inner.mode = "fail"
+        assert (await one_request(drafter, "a")).startswith("failed: connection refused")
+        assert await one_request(drafter, "b") == "skipped"
+        assert inner.opens == 1
+        await asyncio.sleep(0.45)  # probes at 0.1 and 0.3 fail
+        assert drafter.failures_in_a_row >= 3
+        inner.mode = "ok"
+        await asyncio.sleep(0.5)
+        assert not drafter.circuit_open
+        stream = await drafter.open("c", [1], "fp")
+        drafter.misbehaved("c", "sent a bad tree: node 0 has token id 99999")
+        assert drafter.circuit_open
+        assert "sent a bad tree" in drafter.skip_reason()
+        assert await one_request(drafter, "d") == "skipped"
+        await stream.close()
+        assert drafter.failures_in_a_row > 0  # a misbehaving session does not reset the doubling
+        await drafter.aclose()
+
+    asyncio.run(scenario())
