@@ -29,7 +29,7 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, channel_options, mark_serving, serve_until_signal
+from specserve.rpc import add_health, channel_options, mark_serving, serve_until_signal, server_options
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -182,7 +182,7 @@ def health_checked(
 
 
 async def serve(config: CoordinatorConfig) -> None:
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=server_options())
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port)

@@ -62,6 +62,20 @@ async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> N
     await server.stop(grace=grace_s)
 
 
+KEEPALIVE_TIME_MS = 30_000
+"""How often a client channel pings a connection that has calls in flight, to notice a dead peer."""
+
+
+def server_options() -> list[tuple[str, Any]]:
+    """Options for every server: accept the keepalive pings that ``channel_options`` clients send.
+
+    By default a gRPC server refuses pings more often than every 5 minutes while no data flows, and after two
+    such pings closes the connection (GOAWAY "too_many_pings"), failing its calls: a Draft stream waiting out a
+    long prefill, or a Prefill queued on a busy verifier, died after 2 minutes of silence.
+    """
+    return [("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2)]
+
+
 def channel_options() -> list[tuple[str, Any]]:
     """Options for client channels: round-robin over all addresses of dns:/// targets.
 
@@ -72,5 +86,5 @@ def channel_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ]
