@@ -63,6 +63,7 @@ class LocalCluster:
     redis_url: str | None = None
     with_drafter: bool = True
     extra_verifier_args: list[str] = field(default_factory=list)
+    extra_drafter_args: list[str] = field(default_factory=list)
     extra_coordinator_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None  # None: children log to this process's stderr
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -92,7 +93,7 @@ class LocalCluster:
         args = ["--port", str(self.drafter_port)]
         if self.redis_url:
             args += ["--redis-url", self.redis_url]
-        self._spawn("drafter", "draft_service", args)
+        self._spawn("drafter", "draft_service", [*args, *self.extra_drafter_args])
 
     def start(self, timeout_s: float = 600.0) -> LocalCluster:
         self._spawn(

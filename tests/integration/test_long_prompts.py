@@ -1,0 +1,90 @@
+"""A prompt whose target features pass gRPC's 4 MiB message limit still drafts, and stays lossless."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from specserve.local_cluster import LocalCluster, free_port, wait_serving
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from tests.integration.conftest import FP32_VERIFIER, Target, spec_bench_prompts
+from tests.integration.test_end_to_end import generate
+
+pytestmark = pytest.mark.integration
+
+PROMPT_TOKENS = 6000
+HIDDEN_SIZE = 576  # SmolLM2-135M's: 1,152 float16 bytes of features per prompt token
+GRPC_DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def head_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A drafter that drafts from the draft head alone, so every draft token proves the features arrived.
+
+    The head's first proposal feeds it all of the prompt's features, over a second of CPU for 6,000 tokens on
+    2 cores: the coordinator's draft timeout is raised so that this test measures delivery, not that cost (and
+    its verifier timeout, so that a busy machine's slow 6,000-token prefill is not an error either).
+    """
+    logs = tmp_path_factory.mktemp("head-cluster-logs")
+    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs)
+    cluster.extra_verifier_args = list(FP32_VERIFIER)
+    cluster.extra_drafter_args = ["--sources", "draft_model"]
+    cluster.extra_coordinator_args = ["--draft-timeout-ms", "30000", "--verifier-timeout-s", "600"]
+    with cluster as c:
+        # The coordinator serves before the drafter has loaded: wait until requests draft.
+        wait_serving(c.drafter_address, 600)
+        deadline = time.monotonic() + 60
+        while generate(c.coordinator_address, "Say hi.", 2)[2].drafter_error and time.monotonic() < deadline:
+            time.sleep(1)
+        yield c
+
+
+def long_chat(target: Target, min_tokens: int) -> str:
+    """Spec-Bench requests, one after another, until the chat has ``min_tokens`` tokens, then one question."""
+    texts: list[str] = []
+    for record in spec_bench_prompts(per_category=20):
+        texts.append(record["turns"][0])
+        if len(target.chat_ids("\n\n".join(texts))) >= min_tokens:
+            return "\n\n".join(texts) + "\n\nIn one sentence: what do the requests above have in common?"
+    raise AssertionError(f"Spec-Bench has fewer than {min_tokens} tokens of prompts")
+
+
+def test_a_6000_token_prompt_drafts_from_the_head_and_is_token_identical_to_plain_greedy(
+    head_cluster: LocalCluster, target: Target
+) -> None:
+    text = long_chat(target, PROMPT_TOKENS)
+    prompt_ids = target.chat_ids(text)
+    assert (len(prompt_ids) - 1) * HIDDEN_SIZE * 2 > GRPC_DEFAULT_MAX_MESSAGE_BYTES  # one message could not carry it
+    tokens, streamed, stats = generate(head_cluster.coordinator_address, text, 16)
+    print(
+        f"{len(prompt_ids)} prompt tokens: {stats.summary()}; {stats.num_draft_tokens} draft tokens, "
+        f"{stats.num_accepted_tokens} accepted"
+    )
+    assert stats.drafter_error == ""
+    assert stats.num_draft_tokens > 0 and stats.num_rounds_without_drafter == 0
+    assert stats.num_prompt_tokens == len(prompt_ids)
+    assert tokens == target.greedy(prompt_ids, 16)
+    assert streamed == target.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_malformed_feature_chunks_are_invalid_arguments(head_cluster: LocalCluster) -> None:
+    bad = {
+        "carry 3 bytes": common_pb2.HiddenFeatures(num_positions=1, hidden_size=HIDDEN_SIZE, float16_data=b"abc"),
+        "must carry features": common_pb2.HiddenFeatures(),
+    }
+    with grpc.insecure_channel(head_cluster.drafter_address) as channel:
+        stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        fingerprint = stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=30).vocab_fingerprint
+        session = drafter_pb2.StartSession(
+            session_id="chunks", prompt_token_ids=[1, 2, 3], vocab_fingerprint=fingerprint
+        )
+        start = drafter_pb2.DraftRequest(start=session)
+        for message, features in bad.items():
+            chunk = drafter_pb2.DraftRequest(features=drafter_pb2.FeatureChunk(features=features))
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Draft(iter([start, chunk]), timeout=30))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in error.value.details()
