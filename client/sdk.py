@@ -43,6 +43,9 @@ class Stats:
     verify_s: float
     coordination_s: float
     drafter_error: str
+    num_drafter_trees: int = 0  # rounds whose tree came from the drafter
+    num_predraft_hits: int = 0  # of those, trees drafted ahead while the verifier worked
+    predraft_hidden_s: float = 0.0  # their drafting time, hidden behind verification
 
     @property
     def tau(self) -> float:
@@ -88,6 +91,9 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         verify_s=s.verify_ns / 1e9,
         coordination_s=s.coordination_ns / 1e9,
         drafter_error=s.drafter_error,
+        num_drafter_trees=s.num_drafter_trees,
+        num_predraft_hits=s.num_predraft_hits,
+        predraft_hidden_s=s.predraft_hidden_ns / 1e9,
     )
 
 

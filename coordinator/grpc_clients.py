@@ -11,7 +11,7 @@ import numpy as np
 from coordinator.ports import DrafterFailed, VerifierInfo
 from specserve import errors
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.draft_feedback import DraftFeedback
+from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -148,7 +148,7 @@ class GrpcDraftStream:
         )
         await self._write(drafter_pb2.DraftRequest(start=start))
 
-    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         successors = [
             drafter_pb2.TokenSuccessors(token_id=token, next_token_ids=following)
             for token, following in feedback.successors
@@ -167,8 +167,12 @@ class GrpcDraftStream:
             raise DrafterFailed(f"drafter at {self._target} failed: {exc.code().name}: {exc.details()}") from exc
         if response is grpc.aio.EOF:
             raise DrafterFailed(f"drafter at {self._target} closed the session stream")
-        tree = tree_from_proto(response.tree)
-        return tree, int(response.draft_ns)
+        return DraftReply(
+            tree_from_proto(response.tree),
+            int(response.draft_ns),
+            response.predrafted,
+            int(response.predraft_ns),
+        )
 
     async def _send_features_ahead(self, features: np.ndarray | None) -> np.ndarray | None:
         """Write all but the last slice of ``features`` as FeatureChunk requests; the last is the propose's.

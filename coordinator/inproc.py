@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from coordinator.ports import DrafterFailed, VerifierInfo
 from draft_service.drafter import Drafter, DraftSession
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.draft_feedback import DraftFeedback
+from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier
@@ -57,25 +57,40 @@ class InProcessVerifier:
 
 
 class _InProcessDraftStream:
-    def __init__(self, session: DraftSession) -> None:
+    def __init__(self, session: DraftSession, predraft: bool) -> None:
         self._session = session
+        self._predraft = predraft
         self.wants_features = session.wants_features
 
-    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
-        return self._session.propose(feedback, max_nodes)
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        reply = self._session.propose(feedback, max_nodes)
+        while self._session.work_ahead(predraft=self._predraft):  # no idle cores here: it is done at once
+            pass
+        return reply
 
     async def close(self) -> None:
         return None
 
 
 class InProcessDrafter:
-    def __init__(self, drafter: Drafter) -> None:
+    """The round loop's DrafterPort over a Drafter in this process.
+
+    ``predraft``: after each answer, draft ahead for the tree's likeliest
+    outcomes before returning (the drafter's ``predraft_outcomes`` of them).
+    In one process there is no idle core to hide that on, so this serves
+    tests of the pre-drafted path, not speed.
+    """
+
+    def __init__(self, drafter: Drafter, predraft: bool = False, vocab_size: int = 0) -> None:
         self._drafter = drafter
+        self._predraft = predraft
+        self._vocab_size = vocab_size  # the target's (0: unknown): the drafter drops draft tokens outside it
 
     async def open(
         self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str
     ) -> _InProcessDraftStream:
         try:
-            return _InProcessDraftStream(self._drafter.open_session(session_id, prompt_tokens, vocab_fingerprint))
+            session = self._drafter.open_session(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size)
+            return _InProcessDraftStream(session, self._predraft)
         except ValueError as exc:  # the drafter cannot serve this session (a draft head for another vocabulary)
             raise DrafterFailed(str(exc)) from exc

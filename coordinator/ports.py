@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.draft_feedback import DraftFeedback
+from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import SpecserveError
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -66,8 +66,8 @@ class DraftStream(Protocol):
     # The drafter drafts from the target's features: the round loop asks the verifier for them and forwards them.
     wants_features: bool
 
-    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
-        """Report the last round and get a tree (max_nodes 0: report only); returns (tree, ns)."""
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        """Report the last round and get a tree (max_nodes 0: report only)."""
         ...
 
     async def close(self) -> None: ...

@@ -6,6 +6,11 @@ token, and the new tokens are committed and streamed. Reporting the commit to
 the drafter (which records it in the n-gram pool) rides on the next round's
 proposal request.
 
+The commit is cut here and only here (``_commit``): at the request's length,
+after an EOS token, after the token that completes a stop string. Tokens the
+verifier produced past the cut are never committed, so they never reach the
+client, the drafter or the shared pool.
+
 Two failure paths keep a request alive and its output unchanged:
 - the drafter fails or is too slow: the rest of the request runs with empty
   trees (plain decoding by the verifier), and the stats say why;
@@ -27,11 +32,12 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.ports import DrafterFailed, DrafterPort, DraftStream, VerifierPort
+from coordinator.ports import DrafterFailed, DrafterMonitor, DrafterPort, DrafterSkipped, DraftStream, VerifierPort
 from coordinator.text import IncrementalDetokenizer, StopMatcher
+from coordinator.tree_checks import TreeLimits, tree_problem
 from specserve.acceptance import VerifyResult
-from specserve.draft_feedback import DraftFeedback
-from specserve.errors import FailedPrecondition, NotFound, Unavailable
+from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
@@ -66,6 +72,9 @@ class GenerationStats:
     num_rounds_without_drafter: int = 0
     num_reprefills: int = 0
     num_rounds_budget_off: int = 0  # rounds where the verifier's load budget left no room for drafts
+    num_drafter_trees: int = 0  # rounds whose tree the drafter was asked for and gave
+    num_predraft_hits: int = 0  # of those, trees the drafter had ready (drafted while the verifier worked)
+    predraft_hidden_ns: int = 0  # drafting time of those trees: hidden behind verification
     total_ns: int = 0
     draft_ns: int = 0
     verify_ns: int = 0
@@ -89,6 +98,8 @@ class RoundPolicy:
     max_session_tokens: int = 8192
     successors_top_k: int = 4  # target top tokens per scored position sent back to the drafter (0: off)
     max_reprefills_per_round: int = 4
+    # What the verifier accepts in a tree: each drafter tree is checked against it first (None: unchecked).
+    tree_limits: TreeLimits | None = None
 
 
 @dataclass
@@ -104,6 +115,8 @@ class Generation:
     policy: RoundPolicy = RoundPolicy()
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # Told when the drafter sends a bad tree, so later requests can skip it (the health-checked drafter).
+    drafter_monitor: DrafterMonitor | None = None
 
     def __post_init__(self) -> None:
         self._committed = list(self.request.prompt_ids)
@@ -112,12 +125,15 @@ class Generation:
         self._successors: list[tuple[int, tuple[int, ...]]] = []  # last round's target top tokens
         self._unreported_features: list[np.ndarray] = []  # target features the drafter has not had
         self._draft_budget: int | None = None  # the verifier's last word on how many nodes pay at its load
+        self._accepted_nodes: tuple[int, ...] = ()  # the verifier's accepted node indices in the drafter's tree
+        self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
+        self._stop = StopMatcher(self.request.stop)
+        self._num_new = 0  # tokens committed after the prompt (EOS included)
+        self._finished = False
         self.stats.num_prompt_tokens = len(self.request.prompt_ids)
 
     async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
         start = time.perf_counter_ns()
-        detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
-        stop = StopMatcher(self.request.stop)
         try:
             await self._open_drafter()
             prefill = await self.verifier.prefill(
@@ -125,59 +141,72 @@ class Generation:
             )
             self.stats.verify_ns += prefill.prefill_ns
             self._keep_features(prefill.features, len(self._committed) - 1)
-            generated = 0
-            while True:
-                new_tokens = await self._round(self.request.max_new_tokens - generated)
-                chunk_ids: list[int] = []
-                text = ""
-                for token in new_tokens:
-                    if token in self.eos_token_ids:
-                        self.stats.finish_reason = FinishReason.EOS
-                        break
-                    chunk_ids.append(token)
-                    text += stop.feed(detokenizer.push(token))
-                    if stop.stopped:
-                        self.stats.finish_reason = FinishReason.STOP
-                        break
-                generated += len(new_tokens)
-                self.stats.num_generated_tokens += len(chunk_ids)
-                finished = stop.stopped or self.stats.finish_reason is FinishReason.EOS
-                finished = finished or generated >= self.request.max_new_tokens
-                if finished and not stop.stopped:
-                    text += stop.feed(detokenizer.flush()) + stop.flush()
-                if text or chunk_ids:
-                    yield TextChunk(text, chunk_ids)
-                if finished:
-                    break
+            while not self._finished:
+                chunk = await self._round()
+                if chunk.text or chunk.token_ids:
+                    yield chunk
             await self._report_final()
         finally:
             await self._close()
             self.stats.total_ns = time.perf_counter_ns() - start
         yield self.stats
 
-    async def _round(self, remaining: int) -> list[int]:
-        """One propose -> verify -> commit; returns the committed tokens (at most ``remaining``)."""
+    def _commit(self, tokens: list[int]) -> TextChunk:
+        """Commit the verifier's new tokens up to the first cut; returns what the client sees of them.
+
+        Cuts: the request's length, an EOS token (committed, not shown), the
+        token that completes a stop string. Tokens past a cut are dropped.
+        """
+        kept = tokens[: self.request.max_new_tokens - self._num_new]
+        shown: list[int] = []
+        text = ""
+        for count, token in enumerate(kept, start=1):
+            if token in self.eos_token_ids:
+                self.stats.finish_reason = FinishReason.EOS
+                kept = kept[:count]
+                break
+            shown.append(token)
+            text += self._stop.feed(self._detokenizer.push(token))
+            if self._stop.stopped:
+                self.stats.finish_reason = FinishReason.STOP
+                kept = kept[:count]
+                break
+        self._committed.extend(kept)
+        self._unreported.extend(kept)
+        self._num_new += len(kept)
+        self.stats.num_generated_tokens += len(shown)
+        self._finished = self.stats.finish_reason is not FinishReason.LENGTH
+        self._finished = self._finished or self._num_new >= self.request.max_new_tokens
+        if self._finished and not self._stop.stopped:
+            text += self._stop.feed(self._detokenizer.flush()) + self._stop.flush()
+        return TextChunk(text, shown)
+
+    async def _round(self) -> TextChunk:
+        """One propose -> verify -> commit; returns the new text for the client."""
+        remaining = self.request.max_new_tokens - self._num_new
         room = self.policy.max_session_tokens - len(self._committed) - 1
         max_nodes = max(0, min(self.policy.draft_max_nodes, remaining - 1, room))
         if self._draft_budget is not None and self._draft_budget < max_nodes:
             max_nodes = self._draft_budget
             self.stats.num_rounds_budget_off += max_nodes == 0
-        tree = await self._propose(max_nodes)
+        tree, drafted = await self._propose(max_nodes)
         pending = self._committed[-1]
-        result = await self._verify(tree)
+        result, tree = await self._verify(tree)
+        drafted = drafted and bool(tree.token_ids)
         self._draft_budget = result.draft_budget_nodes
         if result.top_tokens and self._draft is not None:
             positions = (pending, *tree.token_ids)
             self._successors = [(t, tuple(top)) for t, top in zip(positions, result.top_tokens, strict=True)]
+        if drafted:  # the drafter learns which of its nodes were taken, in its own tree's indices
+            self._accepted_nodes = tuple(result.accepted_nodes)
         self.stats.num_rounds += 1
         self.stats.num_draft_tokens += len(tree)
         self.stats.num_accepted_tokens += len(result.accepted_tokens)
-        new_tokens = result.committed[:remaining]
-        self._committed.extend(new_tokens)
-        self._unreported.extend(new_tokens)
-        # Row i is the feature at the position before new token i: one row per new token.
-        self._keep_features(result.features, len(new_tokens))
-        return new_tokens
+        before = len(self._committed)
+        chunk = self._commit(result.committed)
+        # Row i is the feature at the position before new token i: one row per committed token.
+        self._keep_features(result.features, len(self._committed) - before)
+        return chunk
 
     async def _open_drafter(self) -> None:
         if self.drafter is None:
@@ -194,15 +223,17 @@ class Generation:
         finally:
             self.stats.draft_ns += time.perf_counter_ns() - started
 
-    async def _propose(self, max_nodes: int) -> TokenTree:
+    async def _propose(self, max_nodes: int) -> tuple[TokenTree, bool]:
+        """The round's tree, and whether it is the drafter's (an empty tree when there is none)."""
         if max_nodes == 0 and self._draft is not None:
             # Nothing to draft this round: the commit report waits for the next request (or the final one).
-            return TokenTree()
+            return TokenTree(), False
         tree = await self._ask_drafter(max_nodes) if self._draft is not None else None
         if tree is None:
             self.stats.num_rounds_without_drafter += 1
-            return TokenTree()
-        return tree
+            return TokenTree(), False
+        self.stats.num_drafter_trees += 1
+        return tree, True
 
     async def _ask_drafter(self, max_nodes: int) -> TokenTree | None:
         """Send the last round's report and get a tree; None (and the drafter dropped) on failure."""
@@ -210,13 +241,25 @@ class Generation:
         started = time.perf_counter_ns()
         try:
             proposal = self._draft.propose(self._feedback(), max_nodes)
-            tree, _ = await asyncio.wait_for(proposal, self.policy.draft_timeout_s)
-            return tree
+            reply = await asyncio.wait_for(proposal, self.policy.draft_timeout_s)
+            self._count_predraft(reply)
         except (DrafterFailed, TimeoutError) as exc:
             self._drop_drafter(exc)
             return None
         finally:
             self.stats.draft_ns += time.perf_counter_ns() - started
+        limits = self.policy.tree_limits
+        problem = tree_problem(reply.tree, limits, max_nodes) if limits is not None else None
+        if problem is not None:
+            # Sent on, it would make the verifier refuse the round: the round goes on with an empty tree.
+            self._drafter_misbehaved(f"sent a bad tree: {problem}")
+            return None
+        return reply.tree
+
+    def _count_predraft(self, reply: DraftReply) -> None:
+        if reply.predrafted:
+            self.stats.num_predraft_hits += 1
+            self.stats.predraft_hidden_ns += reply.predraft_ns
 
     @property
     def _wants_features(self) -> bool:
@@ -236,19 +279,29 @@ class Generation:
     def _feedback(self) -> DraftFeedback:
         """The last round's report for the drafter; taking it marks it as sent."""
         features = np.concatenate(self._unreported_features) if self._unreported_features else None
-        feedback = DraftFeedback(tuple(self._unreported), tuple(self._successors), features)
+        feedback = DraftFeedback(
+            tuple(self._unreported), tuple(self._successors), features, accepted_node_indices=self._accepted_nodes
+        )
         self._unreported, self._successors, self._unreported_features = [], [], []
+        self._accepted_nodes = ()
         return feedback
 
-    async def _verify(self, tree: TokenTree) -> VerifyResult:
-        top_k = self.policy.successors_top_k if self._draft is not None else 0
+    async def _verify(self, tree: TokenTree) -> tuple[VerifyResult, TokenTree]:
+        """The verifier's result, and the tree it verified (empty when it refused the drafter's)."""
         for _ in range(self.policy.max_reprefills_per_round):
+            top_k = self.policy.successors_top_k if self._draft is not None else 0
             try:
                 result = await self.verifier.verify(
                     self.session_id, len(self._committed), tree, top_k, self._wants_features
                 )
                 self.stats.verify_ns += result.verify_ns
-                return result
+                return result, tree
+            except InvalidArgument as exc:
+                if not tree.token_ids:
+                    raise
+                # The verifier refused the drafter's tree (past our checks): this round is plain decoding.
+                self._drafter_misbehaved(f"the verifier rejected its tree: {exc}")
+                tree = TokenTree()
             except (NotFound, FailedPrecondition):
                 # The verifier lost the session: rebuild it from what was committed, verify the same tree again.
                 self.stats.num_reprefills += 1
@@ -265,12 +318,19 @@ class Generation:
         if self._draft is not None and self._unreported:
             await self._ask_drafter(0)
 
+    def _drafter_misbehaved(self, reason: str) -> None:
+        """A drafter fault only the round loop sees: counted against the drafter, which is dropped."""
+        if self.drafter_monitor is not None:
+            self.drafter_monitor.misbehaved(self.session_id, reason)
+        self._drop_drafter(DrafterFailed(reason))
+
     def _drop_drafter(self, exc: BaseException) -> None:
         if isinstance(exc, TimeoutError):
             reason = f"no answer within {self.policy.draft_timeout_s * 1000:.0f} ms"
         else:
             reason = str(exc) or type(exc).__name__
-        self.stats.drafter_error = f"drafter dropped: {reason}"
+        # A skipped drafter was never asked: its message says why and until when.
+        self.stats.drafter_error = str(exc) if isinstance(exc, DrafterSkipped) else f"drafter dropped: {reason}"
         draft, self._draft = self._draft, None
         if draft is not None:
             asyncio.get_running_loop().create_task(draft.close())

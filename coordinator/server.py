@@ -38,6 +38,9 @@ def stats_to_proto(stats: GenerationStats) -> generation_pb2.GenerationStats:
         verify_ns=stats.verify_ns,
         coordination_ns=stats.coordination_ns,
         drafter_error=stats.drafter_error,
+        num_drafter_trees=stats.num_drafter_trees,
+        num_predraft_hits=stats.num_predraft_hits,
+        predraft_hidden_ns=stats.predraft_hidden_ns,
     )
 
 

@@ -11,7 +11,7 @@ from coordinator.ports import DrafterFailed, DraftStream
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, RoundPolicy, TextChunk
 from draft_service.drafter import Drafter
 from specserve.acceptance import VerifyResult
-from specserve.draft_feedback import DraftFeedback
+from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -76,7 +76,7 @@ class FailingAfter:
         self._rounds = rounds
         self.wants_features = inner.wants_features
 
-    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         if self._rounds == 0:
             raise DrafterFailed("drafter at 127.0.0.1:1 failed: UNAVAILABLE: connection reset")
         self._rounds -= 1
@@ -170,3 +170,55 @@ def test_exactly_max_new_tokens(max_new_tokens: int) -> None:
     tokens, _, stats = run(generation(GenerationRequest([1, 2, 1, 2, 1, 2], max_new_tokens)))
     assert len(tokens) == max_new_tokens
     assert stats.finish_reason is FinishReason.LENGTH
+
+
+class OracleStream:
+    """Drafts the true continuation (so the verifier accepts past any cut) and records every report."""
+
+    wants_features = False
+
+    def __init__(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
+        self._sequence = [*prompt, *continuation]
+        self._committed = len(prompt)
+        self.reported: list[int] = []
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        self.reported += feedback.new_tokens
+        self._committed += len(feedback.new_tokens)
+        return DraftReply(TokenTree.chain(self._sequence[self._committed : self._committed + max_nodes]))
+
+    async def close(self) -> None:
+        return None
+
+
+class OracleDrafter:
+    def __init__(self, stream: OracleStream) -> None:
+        self.stream = stream
+
+    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> OracleStream:
+        return self.stream
+
+
+@pytest.mark.parametrize("cut", ["eos", "stop", "length"])
+def test_tokens_past_the_cut_are_never_committed_nor_reported(cut: str) -> None:
+    prompt = [1, 2, 3]
+    reference = plain_greedy(MODEL, prompt, 30)
+    oracle = OracleStream(prompt, reference)
+    eos, stop, max_new = -1, (), 30
+    if cut == "eos":
+        eos = reference[9]
+        expected = reference[: reference.index(eos) + 1]  # the EOS token is committed (not streamed)
+    elif cut == "stop":
+        text = CharTokenizer().decode(reference)
+        stop = (text[9:11],)
+        expected = reference[: text.index(stop[0]) + 2]  # up to the token that completes the stop string
+    else:
+        max_new = 9
+        expected = reference[:9]
+    g = generation(GenerationRequest(prompt, max_new, stop=stop), draft=OracleDrafter(oracle), eos=eos)
+    g.policy = RoundPolicy(draft_max_nodes=16)  # whole-tree acceptance runs well past the cut
+    _, _, stats = run(g)
+    if cut != "length":  # (a tree never reaches past the length: the round loop sizes it to what is left)
+        assert stats.num_accepted_tokens + stats.num_rounds > len(expected)  # the verifier did return more
+    assert oracle.reported == expected
+    assert g._committed == prompt + expected
