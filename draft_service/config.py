@@ -30,3 +30,5 @@ class DrafterConfig:
     tree_branching: int = 4
     tree_beam: int = 4
     torch_threads: int = 0  # 0: torch's default
+    # Outcomes of each tree drafted ahead while the verifier checks it (pre-drafting); 0: off.
+    predraft_outcomes: int = 3

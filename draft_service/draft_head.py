@@ -121,6 +121,7 @@ class DraftHead(nn.Module):
         position_ids: torch.Tensor | None = None,  # [batch, n]
         past_key_values: Any = None,
         attention_mask: torch.Tensor | None = None,
+        last_logits_only: bool = False,  # logits of the last position only (feeding a context: [batch, 1, vocab])
     ) -> HeadOutput:
         embedded = self.embedding[next_tokens].to(features.dtype)
         hidden = self.fc(torch.cat([features, embedded], dim=-1))
@@ -132,7 +133,8 @@ class DraftHead(nn.Module):
             use_cache=past_key_values is not None,
         )
         predicted = out.last_hidden_state
-        return HeadOutput(predicted, predicted @ self.draft_lm_head.T, out.past_key_values)
+        scored = predicted[:, -1:] if last_logits_only else predicted
+        return HeadOutput(predicted, scored @ self.draft_lm_head.T, out.past_key_values)
 
     def save(self, path: Path, *, target_fingerprint: str, metadata: dict[str, Any] | None = None) -> None:
         """Weights in bfloat16 with the config, draft vocabulary and target fingerprint."""

@@ -1,12 +1,21 @@
-"""Per-session drafting: keep the committed tokens, learn from each round, propose merged trees."""
+"""Per-session drafting: keep the committed tokens, learn from each round, propose merged trees.
+
+Pre-drafting: while the verifier checks the tree a session proposed, the
+drafter drafts the next round for that tree's likeliest outcomes (an accepted
+path plus a guess at the verifier's bonus token, as in SSD/Saguaro and
+decoupled speculative decoding). When the report shows one of them happened,
+its tree is answered at once; otherwise the drafter drafts afresh. Either
+way the tree is a draft that the verifier checks, so output never changes.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from draft_service.draft_head import DraftHead
-from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
+from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.proposers import (
     PoolProposer,
     PromptLookupProposer,
@@ -14,13 +23,36 @@ from draft_service.proposers import (
     SuccessorTable,
     TokenRecyclingProposer,
 )
-from draft_service.tree_builder import EMPTY, AcceptanceStats, DraftTree, TreeBuilder, VerifyCost, learn_from_commit
-from specserve.draft_feedback import DraftFeedback
+from draft_service.tree_builder import (
+    EMPTY,
+    AcceptanceStats,
+    DraftTree,
+    TreeBuilder,
+    VerifyCost,
+    is_accepted_path,
+    learn_from_acceptance,
+    likely_outcomes,
+)
+from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.ngram_pool import NgramPool
-from specserve.token_tree import TokenTree
+from specserve.token_tree import ROOT, TokenTree
 
 NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name)
 ALL_SOURCES = (*NGRAM_SOURCES, HeadProposer.name)
+
+
+@dataclass(frozen=True)
+class _Predraft:
+    tree: DraftTree
+    draft_ns: int  # what drafting it cost, ahead of time
+
+
+def _cut(draft: DraftTree, max_nodes: int) -> DraftTree:
+    """The first ``max_nodes`` nodes (parents precede children, so any prefix is a tree)."""
+    if len(draft.tree) <= max_nodes:
+        return draft
+    tree = TokenTree(draft.tree.token_ids[:max_nodes], draft.tree.parents[:max_nodes])
+    return DraftTree(tree, draft.sources[:max_nodes], draft.scores[:max_nodes])
 
 
 class DraftSession:
@@ -33,46 +65,105 @@ class DraftSession:
         pool: NgramPool,
         proposers: Sequence[Proposer],
         builder: TreeBuilder,
-        successors: SuccessorTable,
-        features: FeatureLog | None = None,
+        predraft_outcomes: int = 0,
+        vocab_size: int = 0,
     ) -> None:
         self.session_id = session_id
+        self._vocab_size = vocab_size  # the target's: draft tokens outside it are dropped (0: unknown)
         self.tokens = list(prompt_tokens)
         self._num_prompt_tokens = len(self.tokens)
         self._pool = pool
         self._proposers = proposers
         self._builder = builder
-        self._successors = successors
         self._last: DraftTree = EMPTY
-        self._features = features  # the target's features, when a source drafts from them
+        self._max_nodes = 0  # the size asked for last: pre-drafted trees are drafted to it
+        self._predraft_outcomes = predraft_outcomes
+        self._pending_outcomes: list[tuple[int, ...]] = []  # outcomes of the last tree not pre-drafted yet
+        self._predrafts: dict[tuple[int, ...], _Predraft] = {}  # outcome (accepted tokens + bonus) -> tree
 
     @property
     def wants_features(self) -> bool:
-        return self._features is not None
+        return any(proposer.wants_features for proposer in self._proposers)
 
-    def propose(self, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
-        """Learn from the last round, then propose a tree of at most ``max_nodes``; returns (tree, ns)."""
+    def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        """Learn from the last round, then propose a tree of at most ``max_nodes``."""
         start = time.perf_counter_ns()
-        self._learn(feedback)
+        self._observe(feedback)
+        ready = self._predrafts.get(feedback.new_tokens) if feedback.new_tokens else None
+        self._predrafts.clear()
+        self._max_nodes = max(0, max_nodes)
         if max_nodes <= 0:
             self._pool.flush()
             self._last = EMPTY
-            return TokenTree(), time.perf_counter_ns() - start
-        proposals = [(proposer.name, proposer.propose(self.tokens, max_nodes)) for proposer in self._proposers]
-        self._last = self._builder.build(proposals, max_nodes)
-        return self._last.tree, time.perf_counter_ns() - start
+            self._pending_outcomes = []
+            return DraftReply(TokenTree(), time.perf_counter_ns() - start)
+        if ready is not None:
+            self._last = _cut(ready.tree, max_nodes)
+        else:
+            self._last = self._draft(self.tokens, max_nodes)
+        self._pending_outcomes = likely_outcomes(self._last, self._predraft_outcomes)
+        elapsed = time.perf_counter_ns() - start
+        if ready is not None:
+            return DraftReply(self._last.tree, elapsed, predrafted=True, predraft_ns=ready.draft_ns)
+        return DraftReply(self._last.tree, elapsed)
 
-    def _learn(self, feedback: DraftFeedback) -> None:
+    def work_ahead(self, predraft: bool = True) -> bool:
+        """One bounded step of work for the next round; False when there is none left.
+
+        First what the sources put off (a long prompt's features), then, with
+        ``predraft``, the next round's tree for the likeliest outcome of the
+        last tree not drafted yet. Call between the reply to ``propose`` and the
+        next ``propose``, step by step, so that a waiting request can interrupt.
+        """
+        if any(proposer.digest(self.tokens) for proposer in self._proposers):
+            return True
+        if not predraft or not self._pending_outcomes:
+            return False
+        start = time.perf_counter_ns()
+        accepted = self._pending_outcomes.pop(0)
+        context = [*self.tokens, *accepted]
+        bonus = self._guess_bonus(context, accepted)
+        if bonus is not None:
+            tree = self._draft([*context, bonus], self._max_nodes)
+            self._predrafts[(*accepted, bonus)] = _Predraft(tree, time.perf_counter_ns() - start)
+        return True
+
+    def _guess_bonus(self, context: list[int], accepted: tuple[int, ...]) -> int | None:
+        """The sources' likeliest next token after ``context`` that the last tree did not offer there.
+
+        The verifier's bonus token follows the accepted path; had it been one
+        of the tree's children there, that child would have been accepted.
+        """
+        node = ROOT
+        children = self._last.tree.children()
+        for token in accepted:
+            node = next(c for c in children[node] if self._last.tree.token_ids[c] == token)
+        offered = {self._last.tree.token_ids[c] for c in children[node]}
+        first = self._builder.first_tokens(self._proposals(context, len(offered) + 1))
+        return next((token for token in first if token not in offered), None)
+
+    def _draft(self, tokens: list[int], max_nodes: int) -> DraftTree:
+        return self._builder.build(self._proposals(tokens, max_nodes), max_nodes)
+
+    def _proposals(self, tokens: list[int], max_nodes: int) -> list[tuple[str, TokenTree]]:
+        return [
+            # A source may hold ids that are not the target's (a poisoned shared pool): they never leave.
+            (proposer.name, proposer.propose(tokens, max_nodes).within_vocab(self._vocab_size))
+            for proposer in self._proposers
+        ]
+
+    def _observe(self, feedback: DraftFeedback) -> None:
         if feedback.new_tokens:
-            learn_from_commit(self._builder.stats, self._last, feedback.new_tokens)
+            accepted = feedback.accepted_node_indices
+            # The verifier's indices refer to the tree it checked: learn only if that was our last tree.
+            if is_accepted_path(self._last.tree, accepted, feedback.new_tokens):
+                learn_from_acceptance(self._builder.stats, self._last, accepted)
             previous = len(self.tokens)
             self.tokens.extend(feedback.new_tokens)
             # Only generated output teaches the shared pool; a window's key may reach into the prompt.
             self._pool.record(self.tokens, start=max(previous, self._num_prompt_tokens))
-        for token, successors in feedback.successors:
-            self._successors.update(token, successors)
-        if self._features is not None and feedback.features is not None:
-            self._features.extend(feedback.features)
+        for proposer in self._proposers:
+            proposer.observe(feedback)
 
 
 class Drafter:
@@ -86,6 +177,7 @@ class Drafter:
         cost: VerifyCost | None = None,
         draft_head: DraftHead | None = None,
         tree_shape: TreeShape | None = None,
+        predraft_outcomes: int = 0,
     ) -> None:
         unknown = set(sources) - set(ALL_SOURCES)
         if unknown:
@@ -100,6 +192,9 @@ class Drafter:
         self._cost = cost or VerifyCost()
         self._stats: dict[str, AcceptanceStats] = {}
         self._successors: dict[str, SuccessorTable] = {}
+        # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
+        # where drafting has its own cores: in one process with the verifier it would take the verifier's.
+        self.predraft_outcomes = predraft_outcomes
 
     @property
     def wants_features(self) -> bool:
@@ -111,24 +206,30 @@ class Drafter:
         """The vocabulary the draft head needs; empty when only n-gram sources draft (any vocabulary)."""
         return self._head.target_fingerprint if self._head is not None else ""
 
-    def open_session(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftSession:
-        """A session for a target of ``vocab_fingerprint``; ValueError when the draft head cannot serve it."""
+    def open_session(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, vocab_size: int = 0
+    ) -> DraftSession:
+        """A session for a target of ``vocab_fingerprint``; ValueError when the draft head cannot serve it.
+
+        ``vocab_size``: the target's (0: unknown); draft tokens outside it are dropped.
+        """
         if self._head is not None and self._head.target_fingerprint not in ("", vocab_fingerprint):
             raise ValueError(
                 f"this drafter's draft head was trained for the vocabulary {self._head.target_fingerprint}, "
                 f"the session's target has {vocab_fingerprint}: start the drafter with a head for that target"
             )
         pool = self._pool_for(vocab_fingerprint)
+        if vocab_size > 0:
+            pool.limit_vocab(vocab_size)
         successors = self._successors.setdefault(vocab_fingerprint, SuccessorTable())
-        features = FeatureLog() if self._head is not None else None
         available: dict[str, Proposer] = {
             PromptLookupProposer.name: self._prompt_lookup,
             PoolProposer.name: PoolProposer(pool),
             TokenRecyclingProposer.name: TokenRecyclingProposer(successors),
         }
-        if self._head is not None and features is not None:
-            available[HeadProposer.name] = HeadProposer(self._head, features, self._tree_shape)
+        if self._head is not None:
+            available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape)
         shared = self._stats.setdefault(vocab_fingerprint, AcceptanceStats())
         builder = TreeBuilder(AcceptanceStats(parent=shared), self._cost)
         proposers = [available[name] for name in self.sources]
-        return DraftSession(session_id, prompt_tokens, pool, proposers, builder, successors, features)
+        return DraftSession(session_id, prompt_tokens, pool, proposers, builder, self.predraft_outcomes, vocab_size)

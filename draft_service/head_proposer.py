@@ -7,6 +7,12 @@ what the head predicts). Each proposal
 
 1. feeds the new (f_t, x_{t+1}) pairs, whose last output predicts the next
    token: the root's children;
+1b. when the context runs past the known features (pre-drafting for a
+   hypothetical outcome of the round being verified, or a report that came
+   without features), feeds the remaining tokens on the head's own predicted
+   features, one position at a time, as it does inside a tree. These
+   speculative entries stay in the cache while later proposals share their
+   prefix, and go as soon as the target's real features arrive;
 2. grows the tree level by level (EAGLE-2's dynamic trees): the ``beam`` nodes
    of the deepest level with the highest cumulative draft probability are
    expanded together, in one forward with a tree attention mask, into their
@@ -33,6 +39,7 @@ import torch
 from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
+from specserve.draft_feedback import DraftFeedback
 from specserve.token_tree import ROOT, TokenTree
 from specserve.tree_masks import additive_mask, ancestor_matrix
 
@@ -57,6 +64,14 @@ class FeatureLog:
         return rows[start - first :]
 
 
+SYNC_FEED_ROWS = 256
+"""Most new feature rows a proposal feeds the head itself; a longer backlog (a long prompt) is fed by
+``digest`` in steps of ``DIGEST_ROWS`` between rounds, and the head drafts nothing until it has caught up.
+Feeding 6,000 prompt positions at once takes the head over a second on 2 CPU cores: a request would wait
+that long for its first tree, or lose the drafter to the draft timeout."""
+DIGEST_ROWS = 512
+
+
 @dataclass(frozen=True)
 class TreeShape:
     depth: int = 4  # levels of the dynamic tree
@@ -78,47 +93,84 @@ class HeadProposer:
     """The draft head as a draft source for one session (one Proposer per session: it holds a cache)."""
 
     name = "draft_model"
+    wants_features = True
 
-    def __init__(self, head: DraftHead, features: FeatureLog, shape: TreeShape = TreeShape()) -> None:
+    def __init__(self, head: DraftHead, shape: TreeShape = TreeShape()) -> None:
         self._head = head
-        self._features = features
+        self.features = FeatureLog()  # the target's features at the committed positions, as reported
         self._shape = shape
         self._cache = DynamicCache()
-        self._fed = 0  # committed positions fed to the head
-        self._last_feature: torch.Tensor | None = None  # head output at the last fed position [hidden]
-        self._last_logits: torch.Tensor | None = None  # draft logits for the token after the last committed one
+        self._fed = 0  # committed positions fed to the head with the target's own features
+        # Head outputs (feature [hidden], draft logits) at the last position fed with a real feature, then at
+        # each speculative one: the last entry predicts the token after the context.
+        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._speculative: list[int] = []  # tokens fed on the head's own features, in cache order after _fed
+
+    def observe(self, feedback: DraftFeedback) -> None:
+        if feedback.features is not None:
+            self.features.extend(feedback.features)
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree:
-        known = self._features.count
-        if max_nodes <= 0 or known == 0 or known != len(tokens) - 1:
-            return TokenTree()  # no features yet, or they lag the tokens (a dropped report)
+        known = self.features.count
+        if max_nodes <= 0 or known == 0 or known > len(tokens) - 1 or known - self._fed > SYNC_FEED_ROWS:
+            # No features yet, more than tokens (a confused report), or a backlog that ``digest`` feeds.
+            return TokenTree()
         self._feed(tokens, known)
-        assert self._last_feature is not None and self._last_logits is not None
+        self._feed_speculative(tokens[known + 1 :])
         return self._grow(min(max_nodes, self._shape.max_nodes))
 
-    def _feed(self, tokens: Sequence[int], known: int) -> None:
-        if known == self._fed:
+    @torch.inference_mode()
+    def digest(self, tokens: Sequence[int]) -> bool:
+        """Feed the next ``DIGEST_ROWS`` of a long backlog of features; False when the backlog is short."""
+        known = self.features.count
+        if known - self._fed <= SYNC_FEED_ROWS or known > len(tokens) - 1:
+            return False
+        self._feed(tokens, min(known, self._fed + DIGEST_ROWS))
+        return True
+
+    def _feed(self, tokens: Sequence[int], upto: int) -> None:
+        """Feed the target's features of positions [_fed, upto) with the tokens that follow them."""
+        if upto == self._fed:
             return
-        features = torch.from_numpy(self._features.since(self._fed).astype(np.float32))[None]
-        next_tokens = torch.tensor([list(tokens[self._fed + 1 : known + 1])])
-        positions = torch.arange(self._fed, known)[None]
-        out = self._head(features, next_tokens, position_ids=positions, past_key_values=self._cache)
-        self._fed = known
-        self._last_feature = out.features[0, -1]
-        self._last_logits = out.logits[0, -1]
+        truncate_cache(self._cache, self._fed)  # speculative entries go: real features follow the committed ones
+        rows = self.features.since(self._fed)[: upto - self._fed]
+        features = torch.from_numpy(rows.astype(np.float32))[None]
+        next_tokens = torch.tensor([list(tokens[self._fed + 1 : upto + 1])])
+        positions = torch.arange(self._fed, upto)[None]
+        out = self._head(
+            features, next_tokens, position_ids=positions, past_key_values=self._cache, last_logits_only=True
+        )
+        self._fed = upto
+        self._outputs = [(out.features[0, -1], out.logits[0, -1])]
+        self._speculative = []
+
+    def _feed_speculative(self, tokens: Sequence[int]) -> None:
+        """Extend the context by ``tokens`` on the head's own features (reusing a shared speculative prefix)."""
+        shared = 0
+        while shared < min(len(tokens), len(self._speculative)) and tokens[shared] == self._speculative[shared]:
+            shared += 1
+        truncate_cache(self._cache, self._fed + shared)
+        del self._speculative[shared:], self._outputs[shared + 1 :]
+        for token in tokens[shared:]:
+            # The feature predicted at the previous position stands in for the target's (EAGLE's self-feeding).
+            feature = self._outputs[-1][0][None, None]
+            position = torch.tensor([[self._fed + len(self._speculative)]])
+            out = self._head(feature, torch.tensor([[token]]), position_ids=position, past_key_values=self._cache)
+            self._outputs.append((out.features[0, -1], out.logits[0, -1]))
+            self._speculative.append(token)
 
     def _grow(self, budget: int) -> TokenTree:
-        assert self._last_feature is not None and self._last_logits is not None
         # The best ``budget`` nodes are closed under parents (a path's probability only falls), so they lie
         # within ``budget`` levels and among each level's ``budget`` likeliest nodes: a small budget (the
         # verifier's, under load) grows a small tree and runs fewer head forwards, losing nothing.
         depth = min(self._shape.depth, budget)
         beam = min(self._shape.beam, budget)
+        context = self._fed + len(self._speculative)  # cache entries every tree node sees
         nodes: list[_Node] = []
-        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {ROOT: (self._last_feature, self._last_logits)}
+        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {ROOT: self._outputs[-1]}
         frontier = [ROOT]
-        speculative: list[int] = []  # node index of each speculative cache entry, in cache order
+        tree_entries: list[int] = []  # node index of each tree node's cache entry, in cache order
         for level in range(1, depth + 1):
             children: list[int] = []
             for parent in frontier:
@@ -126,8 +178,8 @@ class HeadProposer:
             if level == depth or not children:
                 break
             frontier = sorted(children, key=lambda i: -nodes[i].log_prob)[:beam]
-            self._forward_level(frontier, nodes, outputs, speculative)
-        truncate_cache(self._cache, self._fed)
+            self._forward_level(frontier, nodes, outputs, tree_entries, context)
+        truncate_cache(self._cache, context)
         return _best_subtree(nodes, budget)
 
     def _expand(
@@ -151,25 +203,26 @@ class HeadProposer:
         level: list[int],
         nodes: list[_Node],
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
-        speculative: list[int],
+        tree_entries: list[int],
+        context: int,
     ) -> None:
-        """Run the head on ``level``'s nodes at once; each sees the context and its own ancestors."""
+        """Run the head on ``level``'s nodes at once; each sees the ``context`` entries and its own ancestors."""
         features = torch.stack([outputs[nodes[i].parent][0] for i in level])[None]
         tokens = torch.tensor([[nodes[i].token for i in level]])
-        positions = torch.tensor([[self._fed + nodes[i].depth - 1 for i in level]])
-        cached = self._fed + len(speculative)
+        positions = torch.tensor([[context + nodes[i].depth - 1 for i in level]])
+        cached = context + len(tree_entries)
         allowed = torch.zeros(len(level), cached + len(level), dtype=torch.bool)
-        allowed[:, : self._fed] = True
-        if speculative:  # earlier levels' entries: each row sees its own ancestors among them
+        allowed[:, :context] = True
+        if tree_entries:  # earlier levels' entries: each row sees its own ancestors among them
             parents = torch.tensor([node.parent for node in nodes])
             ancestors = ancestor_matrix(parents, max(node.depth for node in nodes))
-            allowed[:, self._fed : cached] = ancestors[level][:, speculative]
+            allowed[:, context:cached] = ancestors[level][:, tree_entries]
         allowed[:, cached:] = torch.eye(len(level), dtype=torch.bool)
         mask = additive_mask(allowed, features.dtype)
         out = self._head(features, tokens, position_ids=positions, past_key_values=self._cache, attention_mask=mask)
         for row, node in enumerate(level):
             outputs[node] = (out.features[0, row], out.logits[0, row])
-        speculative.extend(level)
+        tree_entries.extend(level)
 
 
 def _best_subtree(nodes: list[_Node], budget: int) -> TokenTree:

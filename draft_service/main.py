@@ -69,6 +69,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
     parser.add_argument("--tree-beam", type=int, default=defaults.tree_beam)
     parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
+    parser.add_argument(
+        "--predraft-outcomes",
+        type=int,
+        default=int(env("SPECSERVE_PREDRAFT_OUTCOMES", str(defaults.predraft_outcomes))),
+        help="likeliest outcomes of each tree to draft the next round for while the verifier checks it (0: off)",
+    )
     args = parser.parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in fields(DrafterConfig)}
     values["redis_url"] = values["redis_url"] or None
@@ -85,7 +91,15 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
     pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys)
     lookup = PromptLookupProposer(config.lookup_min_ngram, config.lookup_max_ngram)
     tree = TreeShape(config.tree_depth, config.tree_branching, config.tree_beam)
-    return Drafter(pools, lookup, sources=config.sources, draft_head=head, tree_shape=tree), pools
+    drafter = Drafter(
+        pools,
+        lookup,
+        sources=config.sources,
+        draft_head=head,
+        tree_shape=tree,
+        predraft_outcomes=config.predraft_outcomes,
+    )
+    return drafter, pools
 
 
 def load_head(config: DrafterConfig) -> DraftHead:

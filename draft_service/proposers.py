@@ -2,7 +2,13 @@
 
 Each source sees the session's committed tokens (prompt and generated) and
 returns a tree of at most ``max_nodes`` nodes (an empty tree: nothing to
-offer). The tree builder merges the sources' trees.
+offer). The tree builder merges the sources' trees. After every round a
+source observes the verifier's report (``DraftFeedback``): what it learns
+from it (successor tables, the target's features) is its own state.
+
+``propose`` may be asked about a context that extends the committed tokens
+by a hypothetical outcome of the round being verified (pre-drafting): a
+source must not assume that every token it is shown was committed.
 """
 
 from __future__ import annotations
@@ -13,14 +19,41 @@ from typing import Protocol
 
 import numpy as np
 
+from specserve.draft_feedback import DraftFeedback
 from specserve.ngram_pool import NgramPool
 from specserve.token_tree import TokenTree
 
 
 class Proposer(Protocol):
     name: str
+    # The source drafts from the target's hidden features: the coordinator must forward them.
+    wants_features: bool
 
     def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree: ...
+
+    def observe(self, feedback: DraftFeedback) -> None:
+        """Learn from the verifier's report on the last round (called before the next ``propose``)."""
+        ...
+
+    def digest(self, tokens: Sequence[int]) -> bool:
+        """Do one bounded step of learning put off from ``observe`` (a long prompt's features); False if none.
+
+        The drafter calls it between rounds, while the verifier works, so a
+        big report never holds up a proposal.
+        """
+        ...
+
+
+class _Stateless:
+    """For sources that learn nothing from the verifier's reports."""
+
+    wants_features = False
+
+    def observe(self, feedback: DraftFeedback) -> None:
+        return None
+
+    def digest(self, tokens: Sequence[int]) -> bool:
+        return False
 
 
 def suffix_matches(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> tuple[np.ndarray, int]:
@@ -48,7 +81,7 @@ def _budgeted(paths: list[list[int]], max_nodes: int) -> TokenTree:
     return TokenTree(tree.token_ids[:max_nodes], tree.parents[:max_nodes])
 
 
-class PromptLookupProposer:
+class PromptLookupProposer(_Stateless):
     """Prompt lookup decoding: continuations of earlier matches of the context's suffix.
 
     Up to ``max_candidates`` distinct continuations, most recent match first,
@@ -78,8 +111,12 @@ class PromptLookupProposer:
         return _budgeted(paths, max_nodes)
 
 
-class PoolProposer:
-    """Continuations of the context's last tokens in an n-gram pool, most frequent first."""
+class PoolProposer(_Stateless):
+    """Continuations of the context's last tokens in an n-gram pool, most frequent first.
+
+    The pool learns from every session's commits (the draft session records
+    them, whether or not it reads the pool), not from this source.
+    """
 
     name = "ngram_pool"
 
@@ -127,6 +164,7 @@ class TokenRecyclingProposer:
     """
 
     name = "token_recycling"
+    wants_features = False
 
     def __init__(self, table: SuccessorTable, widths: Sequence[int] = (3, 2, 1, 1, 1, 1)) -> None:
         self._table = table
@@ -149,3 +187,10 @@ class TokenRecyclingProposer:
                     parents.append(parent)
             frontier = next_frontier
         return TokenTree(tuple(token_ids), tuple(parents))
+
+    def observe(self, feedback: DraftFeedback) -> None:
+        for token, successors in feedback.successors:
+            self._table.update(token, successors)
+
+    def digest(self, tokens: Sequence[int]) -> bool:
+        return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 
@@ -11,11 +12,12 @@ import numpy as np
 
 from draft_service.drafter import Drafter, DraftSession
 from specserve import errors
-from specserve.draft_feedback import DraftFeedback
+from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.rpc import status_code
-from specserve.token_tree import TokenTree
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 from specserve.wire import features_from_proto, tree_to_proto
+
+_log = logging.getLogger(__name__)
 
 MAX_FEATURE_BYTES_AHEAD = 128 << 20
 """Most FeatureChunk bytes one stream may send ahead of a propose (beyond it: RESOURCE_EXHAUSTED).
@@ -70,10 +72,30 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._drafter = drafter
         self._num_active_sessions = 0
         self._drafting = threading.Lock()
+        self._num_waiting = 0  # proposals waiting for the drafting lock: pre-drafting yields to them
+        self._waiting_lock = threading.Lock()
 
-    def _propose(self, session: DraftSession, feedback: DraftFeedback, max_nodes: int) -> tuple[TokenTree, int]:
+    def _propose(self, session: DraftSession, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        with self._waiting_lock:
+            self._num_waiting += 1
         with self._drafting:
+            with self._waiting_lock:
+                self._num_waiting -= 1
             return session.propose(feedback, max_nodes)
+
+    def _work_ahead(self, session: DraftSession, stop: threading.Event) -> None:
+        """Work for ``session``'s next round (digest a long prompt, pre-draft) step by step until told to stop.
+
+        Between steps the lock is let go, and no step starts while any
+        session's proposal waits: working ahead only ever uses idle time.
+        """
+        try:
+            while not stop.is_set() and not self._num_waiting:
+                with self._drafting:
+                    if stop.is_set() or self._num_waiting or not session.work_ahead():
+                        return
+        except Exception:  # drafting ahead is an optimisation: a failure costs the hit, never the session
+            _log.exception("working ahead failed for session %s; it drafts on demand", session.session_id)
 
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
@@ -92,6 +114,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self._num_active_sessions += 1
         ahead = FeaturesAhead()
+        work: asyncio.Future[None] | None = None  # working ahead (pre-drafting) while the coordinator verifies
+        stop_ahead = threading.Event()
         try:
             async for request in request_iterator:
                 if request.WhichOneof("action") == "features":
@@ -118,12 +142,23 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     features,
                     tuple(propose.accepted_node_indices),
                 )
+                if work is not None:  # the report is here: finish the step in hand, then answer
+                    stop_ahead.set()
+                    await work
                 # Off the event loop, so a draft model's forward does not stall the other sessions' streams;
                 # one at a time, because sessions share pools, successor tables and statistics.
-                tree, draft_ns = await asyncio.to_thread(self._propose, session, feedback, propose.max_nodes)
-                yield drafter_pb2.DraftResponse(tree=tree_to_proto(tree), draft_ns=draft_ns)
+                reply = await asyncio.to_thread(self._propose, session, feedback, propose.max_nodes)
+                yield drafter_pb2.DraftResponse(
+                    tree=tree_to_proto(reply.tree),
+                    draft_ns=reply.draft_ns,
+                    predrafted=reply.predrafted,
+                    predraft_ns=reply.predraft_ns,
+                )
+                stop_ahead = threading.Event()
+                work = asyncio.ensure_future(asyncio.to_thread(self._work_ahead, session, stop_ahead))
         finally:
-            # The stream is the session: when it ends, the state goes.
+            # The stream is the session: when it ends, the state goes (a pre-draft in hand stops after its outcome).
+            stop_ahead.set()
             self._num_active_sessions -= 1
 
     async def DrafterInfo(

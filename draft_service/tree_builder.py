@@ -135,17 +135,26 @@ class TreeBuilder:
         self.cost = cost
 
     def build(self, proposals: Sequence[tuple[str, TokenTree]], max_nodes: int) -> DraftTree:
-        nodes = self._merge(proposals)
+        nodes = self._scored(proposals)
         if not nodes or max_nodes <= 0:
             return EMPTY
-        for node in nodes:  # parents come before children
-            parent_score = 1.0 if node.parent == ROOT else nodes[node.parent].score
-            estimates = (self.stats.estimate(label, node.depth, q) for label, q in node.sources.items())
-            node.score = parent_score * max(estimates)
         # Scores shrink along every path, so a best-first prefix is closed under "parent of".
         ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth, i))[:max_nodes]
         keep = ranked[: self._best_size([nodes[i].score for i in ranked])]
         return self._emit(nodes, keep)
+
+    def first_tokens(self, proposals: Sequence[tuple[str, TokenTree]]) -> list[int]:
+        """The tokens the sources propose right after the context, likeliest first (no size cut)."""
+        nodes = [node for node in self._scored(proposals) if node.parent == ROOT]
+        return [node.token for node in sorted(nodes, key=lambda node: -node.score)]
+
+    def _scored(self, proposals: Sequence[tuple[str, TokenTree]]) -> list[_TrieNode]:
+        nodes = self._merge(proposals)
+        for node in nodes:  # parents come before children
+            parent_score = 1.0 if node.parent == ROOT else nodes[node.parent].score
+            estimates = (self.stats.estimate(label, node.depth, q) for label, q in node.sources.items())
+            node.score = parent_score * max(estimates)
+        return nodes
 
     def _best_size(self, ranked_scores: list[float]) -> int:
         best_size, best_rate, expected = 0, 1.0 / self.cost(0), 1.0
@@ -191,24 +200,59 @@ class TreeBuilder:
         )
 
 
-def learn_from_commit(stats: AcceptanceStats, last: DraftTree, committed: Sequence[int]) -> int:
-    """Credit each node of the last tree whose parent was accepted; returns the accepted path length.
+def is_accepted_path(tree: TokenTree, accepted: Sequence[int], committed: Sequence[int]) -> bool:
+    """Whether ``accepted`` (node indices) is a root-to-node path of ``tree`` spelling ``committed``'s start."""
+    if len(accepted) > len(committed):
+        return False
+    parent = ROOT
+    for node, token in zip(accepted, committed, strict=False):
+        if not 0 <= node < len(tree) or tree.parents[node] != parent or tree.token_ids[node] != token:
+            return False
+        parent = node
+    return True
 
-    The verifier accepts the path whose tokens the committed tokens spell
-    (siblings have distinct tokens after merging, so that path is unique).
+
+def learn_from_acceptance(stats: AcceptanceStats, last: DraftTree, accepted: Sequence[int]) -> None:
+    """Credit each node of the last tree whose parent was accepted: accepted if the verifier took it.
+
+    ``accepted`` are the verifier's own node indices, root to leaf (checked
+    with ``is_accepted_path`` by the caller).
     """
-    tree = last.tree
-    children = tree.children()
-    depths = tree.depths()
-    node, accepted = ROOT, 0
-    while True:
-        reached = children[node]
-        nxt = None
-        if accepted < len(committed):
-            nxt = next((c for c in reached if tree.token_ids[c] == committed[accepted]), None)
-        for child in reached:
+    children = last.tree.children()
+    depths = last.tree.depths()
+    path = [ROOT, *accepted]
+    for step, node in enumerate(path):
+        taken = path[step + 1] if step + 1 < len(path) else None
+        for child in children[node]:
             for source in last.sources[child]:
-                stats.update(source, depths[child], child == nxt)
-        if nxt is None:
-            return accepted
-        node, accepted = nxt, accepted + 1
+                stats.update(source, depths[child], child == taken)
+
+
+def likely_outcomes(last: DraftTree, count: int) -> list[tuple[int, ...]]:
+    """The accepted paths (as tokens) of ``last`` that the verifier most likely returns, likeliest first.
+
+    The path to node n is the whole acceptance when n is accepted and none of
+    its children is: probability ~ score(n) - the sum of its children's
+    scores (scores estimate path acceptance). The draft's own most probable
+    path, accepted whole, always comes first. An empty tree has one outcome:
+    nothing accepted.
+    """
+    tree, scores = last.tree, last.scores
+    children = tree.children()
+
+    def score(node: int) -> float:
+        return 1.0 if node == ROOT else scores[node]
+
+    best = ROOT
+    while children[best]:
+        best = max(children[best], key=score)
+    alone = {node: score(node) - sum(score(c) for c in children[node]) for node in children}
+    ranked = [best, *sorted((n for n in alone if n != best), key=lambda n: (-alone[n], n))][:count]
+    paths = []
+    for node in ranked:
+        path: list[int] = []
+        while node != ROOT:
+            path.append(tree.token_ids[node])
+            node = tree.parents[node]
+        paths.append(tuple(reversed(path)))
+    return paths

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specserve.token_tree import TokenTree
+
 
 @dataclass(frozen=True)
 class DraftFeedback:
@@ -18,3 +20,14 @@ class DraftFeedback:
     features: np.ndarray | None = None
     # Indices into the previous tree of the nodes the verifier accepted, root to leaf (empty: none, or no tree).
     accepted_node_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    """A drafter's answer to one proposal request."""
+
+    tree: TokenTree
+    draft_ns: int = 0  # time the drafter spent on this request
+    # The tree was drafted ahead, while the verifier checked the last round, for the outcome that happened.
+    predrafted: bool = False
+    predraft_ns: int = 0  # drafting time of a predrafted tree: time hidden behind verification

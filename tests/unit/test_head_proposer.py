@@ -77,19 +77,19 @@ def test_features_round_trip_on_the_wire_and_malformed_ones_are_refused() -> Non
         features_from_proto(common_pb2.HiddenFeatures(num_positions=3, hidden_size=8, float16_data=b"0" * 10))
 
 
-def feed(proposer: HeadProposer, log: FeatureLog, tokens: list[int]) -> None:
+def feed(proposer: HeadProposer, tokens: list[int]) -> None:
     """Give the proposer the target's features of all positions but the last, as the coordinator would."""
     with torch.inference_mode():
         hidden = TARGET(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
-    log.extend(hidden[log.count : len(tokens) - 1].numpy().astype(np.float16))
+    known = proposer.features.count
+    proposer.observe(DraftFeedback(features=hidden[known : len(tokens) - 1].numpy().astype(np.float16)))
 
 
 def test_dynamic_trees_are_valid_ranked_and_carry_node_probabilities(head: DraftHead) -> None:
-    log = FeatureLog()
-    proposer = HeadProposer(head, log, TreeShape(depth=3, branching=3, beam=2, max_nodes=8))
+    proposer = HeadProposer(head, TreeShape(depth=3, branching=3, beam=2, max_nodes=8))
     tokens = [5, 6, 7, 8, 9, 10]
     assert len(proposer.propose(tokens, 8)) == 0  # no features yet
-    feed(proposer, log, tokens)
+    feed(proposer, tokens)
     tree = proposer.propose(tokens, 8)
     tree.validate(VOCAB, max_nodes=8)
     assert 0 < len(tree) <= 8 and not tree.sampled
@@ -106,12 +106,11 @@ def test_dynamic_trees_are_valid_ranked_and_carry_node_probabilities(head: Draft
 
 def test_level_forward_with_tree_mask_equals_sequential_drafting(head: DraftHead) -> None:
     """A depth-2 node's q, from the batched level forward, equals feeding its path one step at a time."""
-    log = FeatureLog()
-    proposer = HeadProposer(head, log, TreeShape(depth=2, branching=3, beam=3, max_nodes=12))
+    proposer = HeadProposer(head, TreeShape(depth=2, branching=3, beam=3, max_nodes=12))
     tokens = [11, 12, 13, 14, 15, 16, 17]
-    feed(proposer, log, tokens)
+    feed(proposer, tokens)
     tree = proposer.propose(tokens, 12)
-    features = torch.from_numpy(np.concatenate([log.since(0)]).astype(np.float32))[None]
+    features = torch.from_numpy(np.concatenate([proposer.features.since(0)]).astype(np.float32))[None]
     draft_index = {token: i for i, token in enumerate(head.draft_vocab.tolist())}
     depth_two = [n for n, p in enumerate(tree.parents) if p != ROOT]
     assert len({tree.parents[n] for n in depth_two}) > 1  # several parents expanded in one forward
@@ -129,6 +128,68 @@ def test_level_forward_with_tree_mask_equals_sequential_drafting(head: DraftHead
             assert float(q[draft_index[tree.token_ids[node]]]) == pytest.approx(tree.node_probs[node], rel=1e-3)
 
 
+def test_a_context_past_the_known_features_is_fed_on_the_heads_own_features(head: DraftHead) -> None:
+    """Pre-drafting: tokens without target features are fed with the head's predicted ones, then dropped."""
+    shape = TreeShape(depth=2, branching=3, beam=2, max_nodes=6)
+    proposer = HeadProposer(head, shape)
+    tokens = [21, 22, 23, 24, 25, 26]
+    feed(proposer, tokens)
+    plain = proposer.propose(tokens, 6)
+    ahead = proposer.propose([*tokens, 7, 9], 6)  # an outcome of the round under verification
+    # The same tree, grown by hand: feed the committed pairs, then (predicted feature, token) one at a time.
+    with torch.inference_mode():
+        cache = DynamicCache()
+        features = torch.from_numpy(proposer.features.since(0).astype(np.float32))[None]
+        out = head(features, torch.tensor([tokens[1:]]), past_key_values=cache)
+        for position, token in enumerate((7, 9), start=len(tokens) - 1):
+            out = head(
+                out.features[:, -1:],
+                torch.tensor([[token]]),
+                position_ids=torch.tensor([[position]]),
+                past_key_values=cache,
+            )
+        q = torch.softmax(out.logits[0, -1], dim=-1)
+    first = [i for i, parent in enumerate(ahead.parents) if parent == ROOT]
+    draft_index = {token: i for i, token in enumerate(head.draft_vocab.tolist())}
+    for node in first:
+        assert float(q[draft_index[ahead.token_ids[node]]]) == pytest.approx(ahead.node_probs[node], rel=1e-3)
+    assert proposer.propose([*tokens, 7, 9], 6) == ahead  # the speculative prefix is reused, not refed wrongly
+    assert proposer.propose(tokens, 6) == plain  # the committed context is untouched
+    # When the target's real features come, the speculative entries go: the same as a fresh proposer.
+    committed = [*tokens, 7, 9]
+    feed(proposer, committed)
+    fresh = HeadProposer(head, shape)
+    feed(fresh, committed)
+    tree, expected = proposer.propose(committed, 6), fresh.propose(committed, 6)
+    assert tree.token_ids == expected.token_ids and tree.parents == expected.parents
+    assert tree.node_probs == pytest.approx(expected.node_probs, rel=1e-4)  # (float rounding of other shapes)
+
+
+def test_a_long_backlog_is_digested_in_steps_and_drafts_as_if_fed_at_once(
+    head: DraftHead, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import draft_service.head_proposer as module
+
+    monkeypatch.setattr(module, "SYNC_FEED_ROWS", 8)
+    monkeypatch.setattr(module, "DIGEST_ROWS", 5)
+    shape = TreeShape(depth=2, branching=3, beam=2, max_nodes=6)
+    tokens = [(7 * i) % (VOCAB - 1) + 1 for i in range(30)]
+    proposer = HeadProposer(head, shape)
+    feed(proposer, tokens)  # 29 rows at once: more than a proposal feeds itself
+    assert len(proposer.propose(tokens, 6)) == 0  # nothing yet: no proposal waits for the backlog
+    steps = 0
+    while proposer.digest(tokens):
+        steps += 1
+    assert steps == 5  # 29 rows, 5 per step, until at most 8 are left for the proposal
+    tree = proposer.propose(tokens, 6)
+    monkeypatch.setattr(module, "SYNC_FEED_ROWS", 64)
+    at_once = HeadProposer(head, shape)
+    feed(at_once, tokens)
+    expected = at_once.propose(tokens, 6)
+    assert tree.token_ids == expected.token_ids and tree.parents == expected.parents
+    assert tree.node_probs == pytest.approx(expected.node_probs, rel=1e-4)
+
+
 def test_the_builder_calibrates_nodes_that_carry_q() -> None:
     assert credit_label("draft_model", 0.73) == "draft_model@q7"
     assert credit_label("draft_model", 1.0) == "draft_model@q9"
@@ -142,14 +203,20 @@ def test_the_builder_calibrates_nodes_that_carry_q() -> None:
     assert costly.build([("draft_model", tree)], 4).tree.token_ids == (4,)
 
 
-def generate(head: DraftHead, request: GenerationRequest, fingerprint: str = "fp") -> tuple[list[int], GenerationStats]:
+def generate(
+    head: DraftHead,
+    request: GenerationRequest,
+    fingerprint: str = "fp",
+    predraft_outcomes: int = 0,
+    sources: tuple[str, ...] = ("draft_model",),
+) -> tuple[list[int], GenerationStats]:
     head.target_fingerprint = fingerprint
     pool = InMemoryNgramPool()
-    drafter = Drafter(lambda _: pool, sources=("draft_model",), cost=FREE, draft_head=head)
+    drafter = Drafter(lambda _: pool, sources=sources, cost=FREE, draft_head=head, predraft_outcomes=predraft_outcomes)
     generation = Generation(
         request,
         InProcessVerifier(Verifier(TARGET, "fp")),
-        InProcessDrafter(drafter),
+        InProcessDrafter(drafter, predraft=predraft_outcomes > 0),
         CharTokenizer(),
         frozenset({-1}),
         "fp",
@@ -178,6 +245,30 @@ def test_generation_with_the_draft_head_is_plain_decoding(head: DraftHead, sampl
     assert stats.num_rounds < 40
 
 
+ALL_THREE = ("prompt_lookup", "token_recycling", "draft_model")
+
+
+@pytest.mark.parametrize(
+    ("sampling", "sources"),
+    [
+        (SamplingParams(), ("draft_model",)),
+        (SamplingParams(), ALL_THREE),
+        # The tiny head rarely guesses a sampled bonus token: with every source a few hits still happen.
+        (SamplingParams(temperature=0.8, top_k=20, seed=7), ALL_THREE),
+    ],
+)
+def test_predrafted_and_fresh_trees_both_keep_plain_decoding(
+    head: DraftHead, sampling: SamplingParams, sources: tuple[str, ...]
+) -> None:
+    prompt = [2, 7, 1, 8, 2, 8]
+    tokens, stats = generate(head, GenerationRequest(prompt, 48, sampling), predraft_outcomes=3, sources=sources)
+    assert tokens == plain_decode(TARGET, prompt, 48, sampling)
+    assert not stats.drafter_error
+    # Both paths ran: trees drafted ahead for the outcome that happened, and trees drafted afresh after a miss.
+    assert 0 < stats.num_predraft_hits < stats.num_drafter_trees
+    assert stats.predraft_hidden_ns > 0
+
+
 def test_a_head_for_another_vocabulary_is_refused_per_session(head: DraftHead) -> None:
     tokens, stats = generate(head, GenerationRequest([1, 2, 3], 8), fingerprint="other")
     assert tokens == plain_decode(TARGET, [1, 2, 3], 8, SamplingParams())
@@ -192,8 +283,10 @@ def test_the_session_collects_forwarded_features(head: DraftHead) -> None:
     session.propose(DraftFeedback((4,), (), np.zeros((3, 64), dtype=np.float16)), 0)
     session.propose(DraftFeedback((5, 6), (), np.ones((2, 64), dtype=np.float16)), 0)
     assert session.wants_features and session.tokens == [1, 2, 3, 4, 5, 6]
-    log = session._features
-    assert log is not None and log.count == 5 == len(session.tokens) - 1
+    (proposer,) = session._proposers
+    assert isinstance(proposer, HeadProposer)
+    log = proposer.features
+    assert log.count == 5 == len(session.tokens) - 1
     assert log.since(3).tolist() == [[1.0] * 64] * 2
     assert not Drafter(lambda _: InMemoryNgramPool()).wants_features
 

@@ -70,5 +70,5 @@ def test_draft_session_records_only_generated_output_and_falls_back_to_the_pool(
     assert pool.lookup([3, 4]) == [(5, 6)]
     assert pool.lookup([1, 2]) == []
     second = drafter.open_session("b", [9, 8, 4, 5], "fp")
-    tree, _ = second.propose(DraftFeedback(), max_nodes=4)
+    tree = second.propose(DraftFeedback(), max_nodes=4).tree
     assert tree.token_ids[:2] == (6, 7)

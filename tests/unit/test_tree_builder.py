@@ -4,7 +4,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draft_service.proposers import SuccessorTable, TokenRecyclingProposer
-from draft_service.tree_builder import AcceptanceStats, DraftTree, TreeBuilder, VerifyCost, learn_from_commit
+from draft_service.tree_builder import (
+    AcceptanceStats,
+    DraftTree,
+    TreeBuilder,
+    VerifyCost,
+    is_accepted_path,
+    learn_from_acceptance,
+    likely_outcomes,
+)
 from specserve.token_tree import TokenTree
 
 FREE = VerifyCost({0: 1.0, 64: 1.0})  # verification costs nothing extra: keep every node
@@ -62,8 +70,10 @@ def test_learning_credits_reached_nodes_only() -> None:
     stats = AcceptanceStats(prior=0.5, prior_weight=1.0)
     tree = TokenTree.from_paths([[1, 2, 3], [4]])
     last = DraftTree(tree, tuple(frozenset({"s"}) for _ in tree.token_ids), tuple(0.5 for _ in tree.token_ids))
-    # Committed 1, 2 then the bonus 9: nodes 1 and 2 accepted, 4 rejected at depth 1, 3 rejected at depth 3.
-    assert learn_from_commit(stats, last, [1, 2, 9]) == 2
+    # Committed 1, 2 then the bonus 9: nodes 0 and 1 accepted, 4 rejected at depth 1, 3 rejected at depth 3.
+    assert tree.token_ids == (1, 2, 3, 4)
+    assert is_accepted_path(tree, [0, 1], [1, 2, 9])
+    learn_from_acceptance(stats, last, [0, 1])
     assert stats.estimate("s", 1) == (1 + 0.5) / (2 + 1)
     assert stats.estimate("s", 2) == (1 + 0.5) / (1 + 1)
     assert stats.estimate("s", 3) == (0 + 0.5) / (1 + 1)
@@ -119,3 +129,23 @@ def test_built_trees_are_valid_within_budget_and_only_hold_proposed_paths(
         seen.add(path)
         parent = tree.parents[node]
         assert parent == -1 or built.scores[parent] >= built.scores[node]
+
+
+def test_accepted_paths_are_checked_against_the_tree_and_the_committed_tokens() -> None:
+    tree = TokenTree.from_paths([[1, 2, 3], [4]])
+    assert is_accepted_path(tree, [], [7])
+    assert is_accepted_path(tree, [3], [4, 8])
+    assert not is_accepted_path(tree, [1], [2, 9])  # node 1 is not a child of the root
+    assert not is_accepted_path(tree, [0, 1], [1, 5, 9])  # node 1 is token 2, not 5
+    assert not is_accepted_path(tree, [0, 9], [1, 2, 9])  # no node 9
+    assert not is_accepted_path(tree, [0, 1], [1])  # more nodes than committed tokens
+
+
+def test_likely_outcomes_put_the_drafts_best_path_first_then_by_probability() -> None:
+    # Root children 1 (0.6) and 4 (0.3); 1 -> 2 (0.5) -> 3 (0.1).
+    tree = TokenTree.from_paths([[1, 2, 3], [4]])
+    last = DraftTree(tree, tuple(frozenset({"s"}) for _ in tree.token_ids), (0.6, 0.5, 0.1, 0.3))
+    # Alone: root 1 - 0.9 = 0.1, node 1: 0.6 - 0.5 = 0.1, node 2: 0.5 - 0.1 = 0.4, node 3: 0.1, node 4: 0.3.
+    assert likely_outcomes(last, 3) == [(1, 2, 3), (1, 2), (4,)]
+    assert likely_outcomes(DraftTree(TokenTree(), (), ()), 3) == [()]
+    assert likely_outcomes(last, 0) == []
