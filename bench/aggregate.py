@@ -39,6 +39,8 @@ class Summary:
     coordination_ms_per_round: float | None
     identical: int  # prompts whose output equals the baseline's token for token
     compared: int  # prompts compared with the baseline
+    predraft_hit_rate: float | None = None  # drafter trees that were drafted ahead / all drafter trees
+    hidden_draft_ms_per_round: float | None = None  # drafting time hidden behind verification, per round
 
 
 def groups_of(categories: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -96,7 +98,15 @@ def summarize(mode: str, group: str, records: Sequence[Record], baseline: dict[t
         coordination_ms_per_round=_per_round_ms(_sum_or_none([r.coordination_s for r in records]), rounds),
         identical=sum(1 for r in records if r.identical),
         compared=sum(1 for r in records if r.identical is not None),
+        predraft_hit_rate=_ratio(
+            _sum_or_none([r.predraft_hits for r in records]), _sum_or_none([r.drafter_trees for r in records])
+        ),
+        hidden_draft_ms_per_round=_per_round_ms(_sum_or_none([r.predraft_hidden_s for r in records]), rounds),
     )
+
+
+def _ratio(part: float | None, whole: float | None) -> float | None:
+    return None if part is None or not whole else part / whole
 
 
 def summarize_all(records: Sequence[Record], modes: Sequence[str]) -> list[Summary]:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 
@@ -38,6 +39,14 @@ def choose_pool(redis_url: str) -> PoolBackend:
     except (redis.RedisError, ValueError) as exc:
         return PoolBackend(None, f"in-memory (Redis at {redis_url} unreachable: {exc})")
     return PoolBackend(redis_url, f"redis {redis_url}")
+
+
+def other_database(pool: PoolBackend, mode: str) -> PoolBackend:
+    """The same Redis server, database 13 (the benchmark's own is 15, the smoke tests' 14), for a second mode."""
+    if pool.redis_url is None:
+        return pool
+    url = urlsplit(pool.redis_url)._replace(path="/13").geturl()
+    return PoolBackend(url, f"redis {url} (`{mode}`'s own)")
 
 
 def clear_pool(redis_url: str, fingerprint: str) -> int:
@@ -70,11 +79,14 @@ def start_cluster(
     timeout_s: float = 600.0,
     verifier_args: Sequence[str] = (),
     coordinator_args: Sequence[str] = (),
+    drafter_args: Sequence[str] = (),
+    cpus: dict[str, frozenset[int]] | None = None,
 ) -> LocalCluster:
     """Verifier, drafter and coordinator on free loopback ports; the verifier uses the harness's thread count.
 
     ``verifier_args`` go at the end of the verifier's command line (after ``--torch-threads``, so they win);
-    ``coordinator_args`` at the end of the coordinator's (``--drafter ''`` runs without drafting).
+    ``coordinator_args`` at the end of the coordinator's (``--drafter ''`` runs without drafting), and
+    ``drafter_args`` at the end of the drafter's. ``cpus`` pins services to CPUs (``bench.pinning``).
 
     LocalCluster.start() waits for the coordinator only, and the coordinator
     waits (for many minutes) for a verifier that may have died at start-up;
@@ -88,7 +100,9 @@ def start_cluster(
         redis_url=pool.redis_url,
         extra_verifier_args=["--torch-threads", str(torch_threads), *verifier_args],
         extra_coordinator_args=list(coordinator_args),
+        extra_drafter_args=list(drafter_args),
         log_dir=log_dir,
+        cpus=dict(cpus or {}),
     )
     failure: list[BaseException] = []
 

@@ -42,7 +42,9 @@ COMPARED_MODES = ("hf-pld", "inproc", "distributed")
 # Draft sources alone or combined, in process: `inproc:prompt_lookup`, `inproc:draft_model`,
 # `inproc:prompt_lookup+ngram_pool+token_recycling` (any `+`-joined set of sources) and so on.
 SOURCE_MODES = (*(f"inproc:{source}" for source in ALL_SOURCES), "inproc:" + "+".join(NGRAM_SOURCES))
-MODES = (BASELINE, FP32_BASELINE, *COMPARED_MODES, *SOURCE_MODES)
+# The distributed mode with the drafter's pre-drafting off: what drafting ahead adds, measured side by side.
+NO_PREDRAFT = "distributed-no-predraft"
+MODES = (BASELINE, FP32_BASELINE, *COMPARED_MODES, NO_PREDRAFT, *SOURCE_MODES)
 
 
 def default_modes(dtype: str) -> tuple[str, ...]:
@@ -83,6 +85,9 @@ class Outcome:
     draft_ns: int | None = None  # None: this mode does not split its time
     verify_ns: int | None = None
     note: str = ""  # e.g. why a drafter was dropped
+    drafter_trees: int | None = None  # rounds whose tree came from the drafter; None: not observable
+    predraft_hits: int | None = None  # of those, trees the drafter had drafted ahead
+    predraft_hidden_ns: int | None = None  # the drafting time of those trees (hidden behind verification)
 
 
 class Mode(Protocol):
@@ -173,6 +178,9 @@ def _outcome_from_stats(tokens: list[int], wall_ns: int, stats: GenerationStats)
         draft_ns=stats.draft_ns,
         verify_ns=stats.verify_ns,
         note=stats.drafter_error,
+        drafter_trees=stats.num_drafter_trees,
+        predraft_hits=stats.num_predraft_hits,
+        predraft_hidden_ns=stats.predraft_hidden_ns,
     )
 
 
@@ -244,10 +252,12 @@ class DistributedMode:
     ``dtype`` is what the verifier was started with (``--dtype``); the harness does not load this target.
     """
 
-    name = "distributed"
     learns = True
 
-    def __init__(self, address: str, dtype: str, reset_pool: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, address: str, dtype: str, reset_pool: Callable[[], None] | None = None, name: str = "distributed"
+    ) -> None:
+        self.name = name
         self.dtype = dtype
         self._client = SpecserveClient(address, timeout_s=600.0)
         self._reset_pool = reset_pool
@@ -281,6 +291,9 @@ class DistributedMode:
             draft_ns=round(stats.draft_s * 1e9),
             verify_ns=round(stats.verify_s * 1e9),
             note=stats.drafter_error,
+            drafter_trees=stats.num_drafter_trees,
+            predraft_hits=stats.num_predraft_hits,
+            predraft_hidden_ns=round(stats.predraft_hidden_s * 1e9),
         )
 
     def reset(self) -> None:

@@ -32,6 +32,9 @@ class Record:
     logit_gap: float | None  # the target's top-1 minus top-2 logit there, on the baseline's prefix
     note: str
     token_ids: list[int]
+    drafter_trees: int | None = None  # rounds whose tree came from the drafter
+    predraft_hits: int | None = None  # of those, trees drafted ahead while the verifier worked
+    predraft_hidden_s: float | None = None  # drafting time of those trees, hidden behind verification
 
 
 @dataclass(frozen=True)
@@ -102,4 +105,7 @@ def make_record(
         logit_gap=None if divergence is None else gap_at(divergence.position),
         note=outcome.note,
         token_ids=list(outcome.tokens),
+        drafter_trees=outcome.drafter_trees,
+        predraft_hits=outcome.predraft_hits,
+        predraft_hidden_s=None if outcome.predraft_hidden_ns is None else outcome.predraft_hidden_ns / 1e9,
     )

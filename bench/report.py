@@ -41,6 +41,15 @@ def _pct(value: float | None) -> str:
     return NA if value is None else f"{100 * value:.1f}%"
 
 
+def _pinning(settings: dict[str, Any]) -> str:
+    pinning = settings.get("pinning")
+    if not pinning:
+        return ""
+    return (
+        f"CPU pinning (separate hardware on one machine): {pinning}; `baseline` and `inproc` on the verifier's CPUs. "
+    )
+
+
 def _load(machine: dict[str, Any]) -> str:
     """The 1-minute load average at start and end of the run (not known: n/a)."""
     start, end = machine.get("load_average_at_start"), machine.get("load_average_at_end")
@@ -134,6 +143,8 @@ def details(summaries: Sequence[Summary], modes: Sequence[str], group: str) -> l
         "Draft ms/round",
         "Verify ms/round",
         "Coord. ms/round",
+        "Pre-draft hits",
+        "Hidden draft ms/round",
         "Identical",
     ]
     rows = []
@@ -154,6 +165,8 @@ def details(summaries: Sequence[Summary], modes: Sequence[str], group: str) -> l
                 _f(s.draft_ms_per_round),
                 _f(s.verify_ms_per_round, 1),
                 _f(s.coordination_ms_per_round),
+                _pct(s.predraft_hit_rate),
+                _f(s.hidden_draft_ms_per_round),
                 f"{s.identical}/{s.compared}" if s.compared else NA,
             ]
         )
@@ -226,6 +239,7 @@ def markdown(
         f"{machine['cpus_available']} CPUs available, torch {machine['torch_version']} with "
         f"{machine['torch_threads']} threads, load average {_load(machine)}. "
         f"n-gram pool of `distributed`: {settings['distributed_pool']}. {pools}"
+        f"{_pinning(settings)}"
         f"Run {meta['started_at']}, commit {machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}.",
         "",
         dtype_line(settings),

@@ -46,7 +46,15 @@ from specserve.sampling import SamplingParams
 
 from . import machine
 from .aggregate import summarize_all
-from .cluster import DEFAULT_REDIS_URL, ClusterStartError, PoolBackend, choose_pool, clear_pool, start_cluster
+from .cluster import (
+    DEFAULT_REDIS_URL,
+    ClusterStartError,
+    PoolBackend,
+    choose_pool,
+    clear_pool,
+    other_database,
+    start_cluster,
+)
 from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
 from .decoding import Fp32Head, hf_generate, plain_decode, top2_gap
 from .modes import (
@@ -54,6 +62,7 @@ from .modes import (
     FLOAT32,
     FP32_BASELINE,
     MODES,
+    NO_PREDRAFT,
     BaselineMode,
     DistributedMode,
     HfPromptLookupMode,
@@ -65,6 +74,7 @@ from .modes import (
     mode_sources,
     model_dtype,
 )
+from .pinning import PinnedMode, Pinning, pin_this_process
 from .records import Record, first_divergence, make_record
 from .report import leaderboard, markdown, plot
 
@@ -129,6 +139,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=len(os.sched_getaffinity(0)),
         help="torch threads here and in the distributed verifier (default: the CPUs available)",
     )
+    parser.add_argument(
+        "--pin-verifier-cpus",
+        metavar="CPUS",
+        help="separate hardware on one machine: the verifier (and baseline, inproc) on these CPUs, e.g. 0; the "
+        "drafter and coordinator on the others (torch threads follow the CPU counts)",
+    )
     parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     parser.add_argument(
         "--redis-url",
@@ -166,6 +182,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--prompts-per-category, --max-new-tokens and --torch-threads must be at least 1")
     if args.warm_pool < 0:
         parser.error("--warm-pool must be at least 0")
+    args.pinning = None
+    if args.pin_verifier_cpus:
+        try:
+            args.pinning = Pinning.split(args.pin_verifier_cpus)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.torch_threads = len(args.pinning.verifier)
     return args
 
 
@@ -244,9 +267,29 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs"
             dtype_args = ["--dtype", target.dtype]
-            cluster = start_cluster(target.name, pool, args.torch_threads, log_dir, verifier_args=dtype_args)
+            pinning: Pinning | None = args.pinning
+            cpus: dict[str, frozenset[int]] = {}
+            drafter_args: list[str] = ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
+            if pinning is not None:
+                cpus = {"verifier": pinning.verifier, "drafter": pinning.others, "coordinator": pinning.others}
+                drafter_args += ["--torch-threads", str(len(pinning.others))]
+            # Each distributed mode learns into a pool of its own: one must not draft from the other's outputs.
+            own_pool = pool if name == "distributed" else other_database(pool, name)
+            cluster = start_cluster(
+                target.name,
+                own_pool,
+                args.torch_threads,
+                log_dir,
+                verifier_args=dtype_args,
+                drafter_args=drafter_args,
+                cpus=cpus,
+            )
             stack.callback(cluster.stop)
-            mode = DistributedMode(cluster.coordinator_address, target.dtype, _pool_reset(pool, target, args.keep_pool))
+            reset = _pool_reset(own_pool, target, args.keep_pool)
+            mode = DistributedMode(cluster.coordinator_address, target.dtype, reset, name=name)
+        if args.pinning is not None:  # in-process modes on the verifier's CPUs, the client on the others
+            in_process = not isinstance(mode, DistributedMode)
+            mode = PinnedMode(mode, args.pinning.verifier if in_process else args.pinning.others)
         stack.callback(mode.close)
         modes.append(mode)
     return modes
@@ -361,6 +404,8 @@ def write_outputs(out_dir: Path, records: list[Record], modes: Sequence[str], me
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_libraries()
+    if args.pinning is not None:
+        pin_this_process(args.pinning.verifier)
     torch.set_num_threads(args.torch_threads)
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -380,7 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = check_baseline(fp32, target, prompts[0])
     if not checks["baseline_matches_hf_generate"]:
         print(f"warning: the baseline loop differs from transformers' generate: {checks}", file=sys.stderr)
-    pool = choose_pool(args.redis_url) if "distributed" in args.modes else PoolBackend(None, "not used")
+    distributed = any(mode.startswith("distributed") for mode in args.modes)
+    pool = choose_pool(args.redis_url) if distributed else PoolBackend(None, "not used")
     policy = CoordinatorConfig()
     meta: dict[str, Any] = {
         "started_at": started_at,
@@ -406,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warm_pool_prompts": len(warm_questions),
             "warm_pool_question_ids": [q.question_id for q in warm_questions],
             "eos_token_ids": sorted(target.eos_ids),
+            "pinning": None if args.pinning is None else args.pinning.describe(),
         },
         "machine": machine.describe(),
         "checks": checks,

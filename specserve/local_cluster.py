@@ -66,6 +66,8 @@ class LocalCluster:
     extra_drafter_args: list[str] = field(default_factory=list)
     extra_coordinator_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None  # None: children log to this process's stderr
+    # CPUs per service ("verifier", "drafter", "coordinator"): a benchmark's stand-in for separate machines.
+    cpus: dict[str, frozenset[int]] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
@@ -85,7 +87,14 @@ class LocalCluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = (self.log_dir / f"{name}.log").open("ab")
-        process = subprocess.Popen([sys.executable, "-m", module, *args], stderr=stderr, env=os.environ.copy())
+        cpus = self.cpus.get(name)
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stderr=stderr,
+            env=os.environ.copy(),
+            # Set in the child before exec, so every thread it ever starts inherits it.
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+        )
         self.processes[name] = process
         return process
 

@@ -229,3 +229,33 @@ def test_bf16_run_has_an_fp32_baseline_row_compared_with_nothing(bf16_out_dir: P
     assert f"`{FP32_BASELINE}` ran in another dtype and is compared with nothing" in report
     fp32_row = next(line for line in report.splitlines() if line.startswith(f"| `{FP32_BASELINE}` | 1 |"))
     assert fp32_row.endswith("| n/a |")
+
+
+@pytest.fixture(scope="module")
+def pinned_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Separate hardware on one machine: the verifier (and baseline) on CPU 0, drafter and coordinator on the rest."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("pinning needs two CPUs")
+    out = tmp_path_factory.mktemp("bench-pinned")
+    argv = ["--dtype", "float32", "--modes", "baseline,distributed", "--categories", "writing"]
+    argv += ["--prompts-per-category", "1", "--max-new-tokens", "24", "--redis-url", SMOKE_REDIS_URL]
+    code = run.main([*argv, "--pin-verifier-cpus", "0", "--no-progress", "--out-dir", str(out)])
+    assert code == 0, "the harness stopped early; see its stderr"
+    return out
+
+
+def test_a_pinned_run_records_its_pinning_and_predrafting(pinned_out_dir: Path) -> None:
+    result = json.loads((pinned_out_dir / "spec_bench.json").read_text())
+    settings = result["meta"]["settings"]
+    assert settings["pinning"].startswith("verifier on CPUs 0, drafter and coordinator on CPUs 1")
+    assert result["meta"]["machine"]["torch_threads"] == 1  # the harness's in-process modes: the verifier's CPUs
+    (distributed,) = records_of(result, "distributed")
+    assert distributed["identical"] is True  # float32: pinning changes where, never what
+    assert distributed["drafter_trees"] > 0
+    assert 0 <= distributed["predraft_hits"] <= distributed["drafter_trees"]
+    assert (distributed["predraft_hidden_s"] > 0) == (distributed["predraft_hits"] > 0)
+    report = (pinned_out_dir / "spec_bench.md").read_text()
+    assert "CPU pinning (separate hardware on one machine): verifier on CPUs 0" in report
+    assert "Pre-draft hits" in report
