@@ -24,15 +24,16 @@ GRPC_DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 def head_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A drafter that drafts from the draft head alone, so every draft token proves the features arrived.
 
-    The head's first proposal feeds it all of the prompt's features, over a second of CPU for 6,000 tokens on
-    2 cores: the coordinator's draft timeout is raised so that this test measures delivery, not that cost (and
-    its verifier timeout, so that a busy machine's slow 6,000-token prefill is not an error either).
+    The coordinator keeps its default draft timeout: feeding the head 6,000 prompt positions takes over a
+    second of CPU on 2 cores, which the drafter does between rounds (``HeadProposer.digest``), never while a
+    proposal waits. Only the verifier timeout is raised, so that a busy machine's slow 6,000-token prefill is
+    not an error.
     """
     logs = tmp_path_factory.mktemp("head-cluster-logs")
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs)
     cluster.extra_verifier_args = list(FP32_VERIFIER)
     cluster.extra_drafter_args = ["--sources", "draft_model"]
-    cluster.extra_coordinator_args = ["--draft-timeout-ms", "30000", "--verifier-timeout-s", "600"]
+    cluster.extra_coordinator_args = ["--verifier-timeout-s", "600"]
     with cluster as c:
         # The coordinator serves before the drafter has loaded: wait until requests draft.
         wait_serving(c.drafter_address, 600)
@@ -58,7 +59,8 @@ def test_a_6000_token_prompt_drafts_from_the_head_and_is_token_identical_to_plai
     text = long_chat(target, PROMPT_TOKENS)
     prompt_ids = target.chat_ids(text)
     assert (len(prompt_ids) - 1) * HIDDEN_SIZE * 2 > GRPC_DEFAULT_MAX_MESSAGE_BYTES  # one message could not carry it
-    tokens, streamed, stats = generate(head_cluster.coordinator_address, text, 16)
+    # The head digests the prompt in steps between the first rounds, then drafts.
+    tokens, streamed, stats = generate(head_cluster.coordinator_address, text, 40)
     print(
         f"{len(prompt_ids)} prompt tokens: {stats.summary()}; {stats.num_draft_tokens} draft tokens, "
         f"{stats.num_accepted_tokens} accepted"
@@ -66,7 +68,7 @@ def test_a_6000_token_prompt_drafts_from_the_head_and_is_token_identical_to_plai
     assert stats.drafter_error == ""
     assert stats.num_draft_tokens > 0 and stats.num_rounds_without_drafter == 0
     assert stats.num_prompt_tokens == len(prompt_ids)
-    assert tokens == target.greedy(prompt_ids, 16)
+    assert tokens == target.greedy(prompt_ids, 40)
     assert streamed == target.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
