@@ -15,6 +15,13 @@ Verify calls (accepted tokens over tokens tried, exponentially weighted):
 alpha (1 - alpha^k) / (1 - alpha).
 Trees accept at least as much as a chain of the same depth, so the estimate
 errs towards smaller trees.
+
+alpha is learnt for the whole engine and for each session (``SessionAcceptance``,
+starting from the engine's): drafts pay on some requests (a summary copies
+its document, n-gram drafts land) and not on others, so each session's
+budget follows its own acceptance. A session whose drafts stopped paying
+drifts back towards the engine's rate while it drafts nothing, and so tries
+again now and then.
 """
 
 from __future__ import annotations
@@ -116,7 +123,7 @@ class DraftBudget:
         self.max_nodes = max_nodes
         self._accepted = prior_accepted
         self._tried = prior_tried
-        self._cache: dict[int, int] = {}
+        self._cache: dict[tuple[int, float], int] = {}
 
     @property
     def alpha(self) -> float:
@@ -133,22 +140,48 @@ class DraftBudget:
         if round(self.alpha, 2) != before:
             self._cache.clear()
 
-    def expected_accepted(self, nodes: int) -> float:
-        a = self.alpha
+    def expected_accepted(self, nodes: int, alpha: float | None = None) -> float:
+        a = self.alpha if alpha is None else min(0.98, alpha)
         return a * (1 - a**nodes) / (1 - a)
 
-    def nodes_for(self, sessions: int) -> int:
-        """The k in [0, max_nodes] that maximises tokens committed per second with ``sessions`` sharing steps."""
+    def nodes_for(self, sessions: int, alpha: float | None = None) -> int:
+        """The k in [0, max_nodes] that maximises tokens committed per second with ``sessions`` sharing steps.
+
+        ``alpha``: the session's own acceptance rate (default: the engine's).
+        """
         sessions = max(1, sessions)
-        if sessions not in self._cache:
+        key = (sessions, round(self.alpha if alpha is None else alpha, 2))
+        if key not in self._cache:
             best_k, best_rate = 0, 0.0
             for k in range(self.max_nodes + 1):
                 cost = self.curve.step_s(sessions, sessions * (1 + k))
-                rate = sessions * (1 + self.expected_accepted(k)) / cost
+                rate = sessions * (1 + self.expected_accepted(k, key[1])) / cost
                 if rate > best_rate * 1.0001:  # ties go to the smaller tree
                     best_k, best_rate = k, rate
-            self._cache[sessions] = best_k
-        return self._cache[sessions]
+            self._cache[key] = best_k
+        return self._cache[key]
+
+
+class SessionAcceptance:
+    """One session's acceptance rate: its own recent trees, on a prior worth ``prior_tries`` at the engine's."""
+
+    DECAY = 0.9  # a request's drafts change character within tens of rounds
+    PRIOR_TRIES = 2.0
+
+    def __init__(self) -> None:
+        self._accepted = 0.0
+        self._tried = 0.0
+
+    def alpha(self, engine_alpha: float) -> float:
+        return (self._accepted + self.PRIOR_TRIES * engine_alpha) / (self._tried + self.PRIOR_TRIES)
+
+    def observe(self, tree_depth: int, num_accepted: int) -> None:
+        """One verified round: a tree (depth > 0) teaches the rate; an empty one lets it drift to the prior."""
+        self._accepted *= self.DECAY
+        self._tried *= self.DECAY
+        if tree_depth > 0:
+            self._accepted += num_accepted
+            self._tried += num_accepted + (1 if num_accepted < tree_depth else 0)
 
 
 class ThroughputGuard:

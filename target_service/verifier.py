@@ -52,7 +52,14 @@ from specserve.sampling import SamplingParams, target_probs
 from specserve.token_tree import InvalidTreeError, TokenTree
 from specserve.tree_masks import ancestor_matrix
 from target_service.config import VerifierConfig
-from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
+from target_service.draft_budget import (
+    CostCurve,
+    DraftBudget,
+    SessionAcceptance,
+    ThroughputGuard,
+    flat_curve,
+    measure_curve,
+)
 from target_service.kv_arena import KVArena, Region
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
@@ -70,6 +77,7 @@ class _Session:
     region: Region
     sampling: SamplingParams
     seed: int  # keys the sampling draws by position (keyed_noise)
+    acceptance: SessionAcceptance = field(default_factory=SessionAcceptance)  # sizes its draft budget
 
 
 @dataclass(frozen=True)
@@ -466,7 +474,8 @@ class Verifier:
         self._num_steps += 1
         sessions = len(work.verifies)
         self._recent_sessions = max(float(sessions), 0.5 * self._recent_sessions + 0.5 * sessions)
-        budget = self._budget.nodes_for(round(self._recent_sessions)) if self._guard.arm_now else 0
+        load = round(self._recent_sessions)
+        budget = self._budget.nodes_for(load) if self._guard.arm_now else 0  # the engine-wide figure, for the log
         self._activity.add(len(plan.segments), int(input_ids.numel()), time.perf_counter_ns() - started, budget)
         score_at = 0
         feature_at = 0
@@ -477,7 +486,9 @@ class Verifier:
             score_at += n
             hidden = out.features[feature_at : feature_at + n] if call.return_features else None
             feature_at += n if call.return_features else 0
-            committed += self._finish_verify(call, session, logits, hidden, budget, sessions)
+            own = session.acceptance.alpha(self._budget.alpha)
+            session_budget = self._budget.nodes_for(load, own) if self._guard.arm_now else 0
+            committed += self._finish_verify(call, session, logits, hidden, session_budget, sessions)
         for prefill, tokens in work.prefills:
             if prefill.return_features:
                 prefill.features.append(out.features[feature_at : feature_at + tokens])
@@ -729,6 +740,7 @@ class Verifier:
         accepted = [tree.token_ids[node] for node in acceptance.path]
         session.committed.extend([*accepted, acceptance.bonus_token])
         self._budget.observe(max(tree.depths(), default=0), len(accepted))
+        session.acceptance.observe(max(tree.depths(), default=0), len(accepted))
         top_tokens = logits.topk(min(call.top_k, self.vocab_size), dim=-1).indices.tolist() if call.top_k > 0 else []
         rows = [0, *(node + 1 for node in acceptance.path)]
         now = time.perf_counter_ns()

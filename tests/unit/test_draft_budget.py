@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
+import pytest
+
+from target_service.draft_budget import (
+    CostCurve,
+    DraftBudget,
+    SessionAcceptance,
+    ThroughputGuard,
+    flat_curve,
+    measure_curve,
+)
 
 # Shaped like the fp32 curve measured on a 2-core Xeon (c(n)/c(1)).
 CPU_FP32 = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.15, 1.55, 1.84, 2.09, 2.45, 3.55, 6.5), 0.02)
@@ -38,6 +47,23 @@ def test_acceptance_is_learnt_and_moves_the_budget() -> None:
     for _ in range(2000):
         budget.observe(tree_depth=8, num_accepted=0)  # nothing accepted
     assert budget.alpha < 0.1 and budget.nodes_for(4) == 0
+
+
+def test_each_session_drafts_by_its_own_acceptance_and_retries_after_a_while() -> None:
+    budget = DraftBudget(CPU_FP32, max_nodes=64)
+    engine = budget.alpha
+    copying, guessing = SessionAcceptance(), SessionAcceptance()
+    assert copying.alpha(engine) == engine  # a new session starts from the engine's rate
+    for _ in range(20):
+        copying.observe(tree_depth=8, num_accepted=8)  # a summary copying its document: drafts land
+        guessing.observe(tree_depth=8, num_accepted=0)
+    assert (
+        budget.nodes_for(1, copying.alpha(engine)) > budget.nodes_for(1) > budget.nodes_for(1, guessing.alpha(engine))
+    )
+    assert budget.nodes_for(1, guessing.alpha(engine)) == 0
+    for _ in range(60):  # rounds without drafts: the rate drifts back to the engine's, and drafting is tried again
+        guessing.observe(tree_depth=0, num_accepted=0)
+    assert guessing.alpha(engine) == pytest.approx(engine, abs=0.01)
 
 
 def test_measure_curve_times_each_size_and_the_per_session_cost() -> None:
