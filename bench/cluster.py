@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-from specserve.local_cluster import LocalCluster, free_port
+from specserve.local_cluster import LocalCluster, free_port, wait_serving
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/15"
 
@@ -126,4 +126,11 @@ def start_cluster(
         time.sleep(0.5)
     if failure:
         raise ClusterStartError(f"the cluster did not start: {failure[0]} (logs in {log_dir})") from failure[0]
+    # The coordinator serves before the drafter has loaded its draft head (many seconds of CPU): measuring
+    # must not start while that load competes with the verifier, nor with requests that decode without drafts.
+    try:
+        wait_serving(cluster.drafter_address, timeout_s, *cluster.processes.values())
+    except (RuntimeError, TimeoutError) as exc:
+        cluster.stop()
+        raise ClusterStartError(f"the drafter did not start: {exc} (logs in {log_dir})") from exc
     return cluster

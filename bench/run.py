@@ -265,7 +265,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             head = draft_head(target, fp32) if HeadProposer.name in sources else None
             mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids, sources, head)
         else:
-            log_dir = args.out_dir / "tmp" / "cluster-logs"
+            log_dir = args.out_dir / "tmp" / "cluster-logs" / name
             dtype_args = ["--dtype", target.dtype]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
@@ -457,6 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine.describe(),
         "checks": checks,
     }
+    if args.pinning is not None:  # the harness sees only the verifier's CPUs now: count the machine's
+        meta["machine"]["cpus_available"] = len(args.pinning.verifier | args.pinning.others)
     records: list[Record] = []
     error = ""
     with ExitStack() as stack:
