@@ -201,12 +201,14 @@ class InProcessMode:
         eos_ids: frozenset[int],
         sources: tuple[str, ...] = DrafterConfig().sources,
         head: DraftHead | None = None,
+        throughput_guard: bool = VerifierConfig().throughput_guard,
     ) -> None:
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
         self._head = head
-        self._verifier = Verifier.from_config(model, fingerprint, VerifierConfig())
+        config = VerifierConfig(throughput_guard=throughput_guard)
+        self._verifier = Verifier.from_config(model, fingerprint, config)
         self.dtype = self._verifier.dtype  # the model's: the harness loaded it in the run's dtype
         info = verifier_info(self._verifier)
         self._policy = round_policy(CoordinatorConfig(), info)

@@ -42,12 +42,16 @@ def _pct(value: float | None) -> str:
 
 
 def _pinning(settings: dict[str, Any]) -> str:
-    pinning = settings.get("pinning")
-    if not pinning:
-        return ""
-    return (
-        f"CPU pinning (separate hardware on one machine): {pinning}; `baseline` and `inproc` on the verifier's CPUs. "
-    )
+    """What the run set about where and how the verifier works: CPU pinning, the throughput guard."""
+    text = ""
+    if settings.get("pinning"):
+        text = (
+            f"CPU pinning (separate hardware on one machine): {settings['pinning']}; `baseline` and `inproc` on "
+            "the verifier's CPUs. "
+        )
+    if settings.get("throughput_guard") is False:
+        text += "Throughput guard off: verifiers size trees by their cost model alone (`--no-throughput-guard`). "
+    return text
 
 
 def _load(machine: dict[str, Any]) -> str:

@@ -145,6 +145,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="separate hardware on one machine: the verifier (and baseline, inproc) on these CPUs, e.g. 0; the "
         "drafter and coordinator on the others (torch threads follow the CPU counts)",
     )
+    parser.add_argument(
+        "--no-throughput-guard",
+        dest="throughput_guard",
+        action="store_false",
+        help="verifiers (inproc, distributed) size trees by their cost model alone, never switching drafting off "
+        "on measured throughput: compares the drafting itself",
+    )
     parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     parser.add_argument(
         "--redis-url",
@@ -263,10 +270,12 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
         elif name == "inproc" or name.startswith("inproc:"):
             sources = mode_sources(name) or DrafterConfig().sources
             head = draft_head(target, fp32) if HeadProposer.name in sources else None
-            mode = InProcessMode(target.model, target.tokenizer, target.fingerprint, target.eos_ids, sources, head)
+            mode = InProcessMode(
+                target.model, target.tokenizer, target.fingerprint, target.eos_ids, sources, head, args.throughput_guard
+            )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
-            dtype_args = ["--dtype", target.dtype]
+            dtype_args = ["--dtype", target.dtype, *([] if args.throughput_guard else ["--no-throughput-guard"])]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
             drafter_args: list[str] = ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
@@ -453,6 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warm_pool_question_ids": [q.question_id for q in warm_questions],
             "eos_token_ids": sorted(target.eos_ids),
             "pinning": None if args.pinning is None else args.pinning.describe(),
+            "throughput_guard": args.throughput_guard,
         },
         "machine": machine.describe(),
         "checks": checks,
