@@ -45,7 +45,7 @@ integration: proto
 	$(PY) -m pytest -q tests/integration
 
 test: lint helm-tools
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # Distil the target into the drafter's draft head (resumable; at most about an hour on 2 CPU cores).
 #   make train-draft TRAIN_DRAFT_ARGS="--prompts 64 --max-minutes 2 --out /tmp/head.pt"   (a quick try)

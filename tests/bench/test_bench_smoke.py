@@ -240,7 +240,7 @@ def pinned_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         pytest.skip("pinning needs two CPUs")
     out = tmp_path_factory.mktemp("bench-pinned")
     argv = ["--dtype", "float32", "--modes", "baseline,distributed", "--categories", "writing"]
-    argv += ["--prompts-per-category", "1", "--max-new-tokens", "24", "--redis-url", SMOKE_REDIS_URL]
+    argv += ["--prompts-per-category", "1", "--max-new-tokens", "16", "--redis-url", SMOKE_REDIS_URL]
     code = run.main([*argv, "--pin-verifier-cpus", "0", "--no-progress", "--out-dir", str(out)])
     assert code == 0, "the harness stopped early; see its stderr"
     return out

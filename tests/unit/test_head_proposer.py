@@ -253,8 +253,9 @@ ALL_THREE = ("prompt_lookup", "token_recycling", "draft_model")
     [
         (SamplingParams(), ("draft_model",)),
         (SamplingParams(), ALL_THREE),
-        # The tiny head rarely guesses a sampled bonus token: with every source a few hits still happen.
-        (SamplingParams(temperature=0.8, top_k=20, seed=7), ALL_THREE),
+        # The tiny head rarely guesses a bonus token sampled from a flat distribution: a peaked one (low
+        # temperature, top-k 3) gives the pre-drafted path a few hits (4 of 23 trees when written).
+        (SamplingParams(temperature=0.3, top_k=3, seed=11), ALL_THREE),
     ],
 )
 def test_predrafted_and_fresh_trees_both_keep_plain_decoding(
