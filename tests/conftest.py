@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from coordinator.rounds import Generation, GenerationStats, TextChunk
 from specserve.keyed_noise import PositionNoise
 from specserve.sampling import SamplingParams, target_probs
 
@@ -67,3 +69,20 @@ class CharTokenizer:
 
     def decode(self, ids: list[int], **_: object) -> str:
         return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def run_generation(generation: Generation) -> tuple[list[int], str, GenerationStats]:
+    """Run the round loop to its end: the streamed tokens, the streamed text, the final stats."""
+
+    async def collect() -> tuple[list[int], str, GenerationStats]:
+        tokens: list[int] = []
+        text = ""
+        async for event in generation.stream():
+            if isinstance(event, TextChunk):
+                tokens += event.token_ids
+                text += event.text
+            else:
+                return tokens, text, event
+        raise AssertionError("no stats at the end of the stream")
+
+    return asyncio.run(collect())

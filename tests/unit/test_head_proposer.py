@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
 
 from coordinator.inproc import InProcessDrafter, InProcessVerifier
-from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy, TextChunk
+from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from draft_service.draft_head import DraftHead
 from draft_service.drafter import Drafter
 from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
@@ -24,7 +22,7 @@ from specserve.token_tree import ROOT, TokenTree
 from specserve.v1 import common_pb2
 from specserve.wire import features_from_proto, features_to_proto
 from target_service.verifier import Verifier
-from tests.conftest import CharTokenizer, plain_decode, tiny_llama
+from tests.conftest import CharTokenizer, plain_decode, run_generation, tiny_llama
 
 VOCAB = 48
 TARGET = tiny_llama(vocab_size=VOCAB, seed=3, context=256)
@@ -222,17 +220,8 @@ def generate(
         "fp",
         RoundPolicy(draft_max_nodes=8),
     )
-
-    async def collect() -> tuple[list[int], GenerationStats]:
-        tokens: list[int] = []
-        async for event in generation.stream():
-            if isinstance(event, TextChunk):
-                tokens += event.token_ids
-            else:
-                return tokens, event
-        raise AssertionError("no stats")
-
-    return asyncio.run(collect())
+    tokens, _, stats = run_generation(generation)
+    return tokens, stats
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=7)])

@@ -1,6 +1,5 @@
 """The round loop in one process (tiny random model): lossless whatever the drafter does."""
 
-import asyncio
 import random
 from collections.abc import Sequence
 
@@ -8,7 +7,7 @@ import pytest
 
 from coordinator.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.ports import DrafterFailed, DraftStream
-from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, RoundPolicy, TextChunk
+from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
 from draft_service.drafter import Drafter
 from specserve.acceptance import VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
@@ -16,7 +15,7 @@ from specserve.ngram_pool import InMemoryNgramPool
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier
-from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
+from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
 
 VOCAB = 16  # small, so the random model repeats itself and lookups hit
 MODEL = tiny_llama(vocab_size=VOCAB)
@@ -27,19 +26,7 @@ def drafter() -> InProcessDrafter:
     return InProcessDrafter(Drafter(lambda fingerprint: pool))
 
 
-def run(generation: Generation) -> tuple[list[int], str, GenerationStats]:
-    async def collect() -> tuple[list[int], str, GenerationStats]:
-        tokens: list[int] = []
-        text = ""
-        async for event in generation.stream():
-            if isinstance(event, TextChunk):
-                tokens += event.token_ids
-                text += event.text
-            else:
-                return tokens, text, event
-        raise AssertionError("no stats at the end of the stream")
-
-    return asyncio.run(collect())
+run = run_generation
 
 
 def generation(request: GenerationRequest, verifier: object = None, draft: object = None, eos: int = -1) -> Generation:

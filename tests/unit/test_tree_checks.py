@@ -1,18 +1,16 @@
 """Drafter trees are checked against the verifier's limits before a Verify; bad ones never reach it."""
 
-import asyncio
-
 import pytest
 
 from coordinator.inproc import InProcessVerifier
-from coordinator.rounds import Generation, GenerationRequest, RoundPolicy, TextChunk
+from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from coordinator.tree_checks import TreeLimits, tree_problem
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import InvalidArgument
 from specserve.ngram_pool import InMemoryNgramPool, PoolShape
 from specserve.token_tree import DraftDistribution, TokenTree
 from target_service.verifier import Verifier
-from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
+from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
 
 LIMITS = TreeLimits(vocab_size=100, max_nodes=8, max_depth=4, supports_branching=True)
 VOCAB = 16
@@ -97,17 +95,9 @@ class BadTreeDrafter:
         self.faults.append(reason)
 
 
-def run(generation: Generation) -> tuple[list[int], object]:
-    async def collect() -> tuple[list[int], object]:
-        tokens: list[int] = []
-        async for event in generation.stream():
-            if isinstance(event, TextChunk):
-                tokens += event.token_ids
-            else:
-                return tokens, event
-        raise AssertionError("no stats")
-
-    return asyncio.run(collect())
+def run(generation: Generation) -> tuple[list[int], GenerationStats]:
+    tokens, _, stats = run_generation(generation)
+    return tokens, stats
 
 
 def generation(drafter: BadTreeDrafter, limits: TreeLimits | None, verifier: object = None) -> Generation:
@@ -127,9 +117,9 @@ def test_a_bad_tree_is_a_drafter_failure_and_the_round_goes_on_without_it() -> N
     drafter = BadTreeDrafter(TokenTree.chain([3, VOCAB + 5]))
     tokens, stats = run(generation(drafter, TreeLimits(VOCAB, 32, 32)))
     assert tokens == plain_greedy(MODEL, [1, 2, 3], 12)
-    assert "sent a bad tree" in stats.drafter_error and "outside the vocabulary" in stats.drafter_error  # type: ignore[attr-defined]
+    assert "sent a bad tree" in stats.drafter_error and "outside the vocabulary" in stats.drafter_error
     assert len(drafter.faults) == 1 and drafter.stream.closed
-    assert stats.num_draft_tokens == 0  # type: ignore[attr-defined]
+    assert stats.num_draft_tokens == 0
 
 
 class RejectingVerifier(InProcessVerifier):
@@ -152,7 +142,7 @@ def test_a_tree_the_verifier_rejects_is_retried_empty_and_counted_against_the_dr
     tokens, stats = run(generation(drafter, None, verifier))
     assert tokens == plain_greedy(MODEL, [1, 2, 3], 12)
     assert verifier.refused == 1 and len(drafter.faults) == 1
-    assert "the verifier rejected its tree" in stats.drafter_error  # type: ignore[attr-defined]
+    assert "the verifier rejected its tree" in stats.drafter_error
 
 
 def test_invalid_argument_for_an_empty_tree_still_fails_the_request() -> None:
