@@ -31,3 +31,15 @@ class ResourceExhausted(SpecserveError):
 
 class Unavailable(SpecserveError):
     status = "UNAVAILABLE"
+
+
+class Unauthenticated(SpecserveError):
+    status = "UNAUTHENTICATED"
+
+
+class PermissionDenied(SpecserveError):
+    status = "PERMISSION_DENIED"
+
+
+class DeadlineExceeded(SpecserveError):
+    status = "DEADLINE_EXCEEDED"
