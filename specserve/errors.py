@@ -8,9 +8,16 @@ from __future__ import annotations
 
 
 class SpecserveError(Exception):
-    """Base class; ``status`` names a grpc.StatusCode member."""
+    """Base class; ``status`` names a grpc.StatusCode member.
+
+    ``metadata`` goes to the client as trailing metadata with the status (``retry-after-ms`` on an overload).
+    """
 
     status = "INTERNAL"
+
+    def __init__(self, message: str = "", metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(message)
+        self.metadata = metadata
 
 
 class InvalidArgument(SpecserveError):
