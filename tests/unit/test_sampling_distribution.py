@@ -15,6 +15,7 @@ must give p.
 from __future__ import annotations
 
 import itertools
+import random
 
 import numpy as np
 import pytest
@@ -51,22 +52,46 @@ P = probs_table(TARGET, SAMPLING, depth=3)
 Q = probs_table(DRAFT, SamplingParams(temperature=1.0, top_k=4), depth=2)  # sparse: 4 tokens
 
 
+# q as the drafter sends it (support, probabilities) and as float32 weights for drawing: built once, not per trial.
+Q_SPARSE = {
+    context: (tuple(support), tuple(float(q[t]) for t in support))
+    for context, q in Q.items()
+    for support in [torch.nonzero(q).flatten().tolist()]
+}
+
+
 def exact_joint() -> np.ndarray:
     return np.array([[float(P[()][a] * P[(a,)][b]) for b in range(VOCAB)] for a in range(VOCAB)])
 
 
-def deterministic_tree(rng: torch.Generator) -> TokenTree:
+def deterministic_tree(rng: random.Random) -> TokenTree:
     """Three root branches with two children each; tokens fixed per trial but arbitrary."""
-    roots = torch.randperm(VOCAB, generator=rng)[:3].tolist()
+    roots = rng.sample(range(VOCAB), 3)
     tokens, parents = list(roots), [-1, -1, -1]
     for i in range(3):
-        for token in torch.randperm(VOCAB, generator=rng)[:2].tolist():
+        for token in rng.sample(range(VOCAB), 2):
             tokens.append(token)
             parents.append(i)
     return TokenTree(tuple(tokens), tuple(parents))
 
 
-def sampled_tree(rng: torch.Generator) -> TokenTree:
+def draw_without_replacement(
+    support: tuple[int, ...], probs: tuple[float, ...], k: int, rng: random.Random
+) -> list[int]:
+    """k tokens drawn one after another from q, each in proportion to the mass not yet drawn (as a drafter samples)."""
+    left = dict(zip(support, probs, strict=True))
+    picks = []
+    for _ in range(k):
+        u = rng.random() * sum(left.values())
+        tokens = list(left)
+        cumulative = itertools.accumulate(left.values())
+        pick = next((token for token, mass in zip(tokens, cumulative, strict=True) if u < mass), tokens[-1])
+        picks.append(pick)
+        del left[pick]
+    return picks
+
+
+def sampled_tree(rng: random.Random) -> TokenTree:
     """Root children sampled from q without replacement, then two sampled children each, plus one n-gram node."""
     tokens: list[int] = []
     parents: list[int] = []
@@ -74,10 +99,9 @@ def sampled_tree(rng: torch.Generator) -> TokenTree:
     dists: list[DraftDistribution] = []
 
     def draw(parent: int, context: tuple[int, ...], k: int) -> list[int]:
-        q = Q[context]
-        support = torch.nonzero(q).flatten().tolist()
-        dists.append(DraftDistribution(parent, tuple(support), tuple(float(q[t]) for t in support)))
-        picks = torch.multinomial(q.float(), k, replacement=False, generator=rng).tolist()
+        support, probs = Q_SPARSE[context]
+        dists.append(DraftDistribution(parent, support, probs))
+        picks = draw_without_replacement(support, probs, k, rng)
         nodes = []
         for token in picks:
             nodes.append(len(tokens))
@@ -89,22 +113,23 @@ def sampled_tree(rng: torch.Generator) -> TokenTree:
     for node in draw(-1, (), 3):
         draw(node, (tokens[node],), 2)
     # A deterministic sibling among sampled ones (the merged-sources case).
-    tokens.append(int(torch.randint(VOCAB, (), generator=rng)))
+    tokens.append(rng.randrange(VOCAB))
     parents.append(-1)
     sampled.append(False)
     return TokenTree(tuple(tokens), tuple(parents), tuple(sampled), tuple(dists))
 
 
 def rows_for(tree: TokenTree) -> torch.Tensor:
-    rows = [P[()]]
-    for node in range(len(tree)):
-        rows.append(P[tuple(tree.token_ids[i] for i in tree.path_to(node))])
-    return torch.stack(rows)
+    """p at the root and after each node's path: the rows the verifier's forward would give."""
+    contexts: list[tuple[int, ...]] = [()]
+    for node, parent in enumerate(tree.parents):
+        contexts.append((*contexts[parent + 1], tree.token_ids[node]))
+    return torch.stack([P[context] for context in contexts])
 
 
 def empirical_joint(make_tree: object, seed: int) -> tuple[np.ndarray, int]:
     """Each trial is a request of its own seed; the draft trees come from an unrelated generator."""
-    rng = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
     counts = np.zeros((VOCAB, VOCAB))
     tokens = 0
     for trial in range(TRIALS):
@@ -137,13 +162,13 @@ def test_speculative_sampling_matches_the_target_distribution(make_tree: object,
 
 def test_a_wrong_acceptance_rule_is_detected() -> None:
     """The check has teeth: always accepting the first draft token is far from p."""
-    rng = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
     counts = np.zeros((VOCAB, VOCAB))
     n = 20_000
     for _ in range(n):
         tree = deterministic_tree(rng)
         x1 = tree.token_ids[0]
-        x2 = int(torch.multinomial(P[(x1,)], 1, generator=rng))
+        x2 = rng.choices(range(VOCAB), weights=P[(x1,)].tolist())[0]
         counts[x1, x2] += 1
     tv = 0.5 * np.abs(counts / n - exact_joint()).sum()
     assert tv > 0.05
@@ -153,6 +178,6 @@ def test_tree_rows_of_the_verifier_match_the_probability_table() -> None:
     """The rows used above are the verifier's own tree-forward rows."""
     verifier = Verifier(TARGET, "fp")
     verifier.prefill("s", PROMPT, SAMPLING)
-    tree = deterministic_tree(torch.Generator().manual_seed(5))
+    tree = deterministic_tree(random.Random(5))
     rows = target_probs(verifier.score("s", tree), SAMPLING).double()
     torch.testing.assert_close(rows, rows_for(tree), rtol=1e-4, atol=1e-5)
