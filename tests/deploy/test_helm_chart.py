@@ -61,7 +61,7 @@ EXTERNAL_NAMES: dict[str, set[str]] = {
         "prod-specserve-api-keys",
         "prod-specserve-internal-token",
     },
-    "variants": {"specserve-runtime", "draft-models", "hf-token", "specserve-redis-url"},
+    "variants": {"specserve-runtime", "draft-models", "hf-token", "specserve-redis-url", "llm-tls"},
 }
 
 Obj = dict[str, Any]
@@ -1005,6 +1005,12 @@ def test_notes_walk_to_a_first_generation(helm: str, tmp_path: Path, value_set: 
     assert 'specserve generate --target localhost:50051 "Write a haiku about the sea"' in notes
     assert ("image.registry is still the placeholder" in notes) == (value_set == "default")
     assert ("custom metrics API" in notes) == (value_set == "production")
+    assert "python -m specserve.auth new-key --tenant <tenant> --name <name>" in notes
+    assert ("It lists no key yet" in notes) == (value_set == "default")
+    assert ("kubectl -n specserve create secret generic prod-specserve-api-keys" in notes) == (
+        value_set == "production"
+    )
+    assert ("trust the ca.crt of Secret specserve-coordinator-tls" in notes) == (value_set == "production")
 
 
 def undocumented_values(values_yaml: str) -> list[str]:
