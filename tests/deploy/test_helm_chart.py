@@ -820,6 +820,20 @@ def test_admission_limits_and_drafter_bounds(helm: str, rendered: dict[str, list
     assert "max-memory-mib" not in flag_values(container_of(unbounded, "drafter")["args"])
 
 
+def test_large_and_fractional_numbers_reach_the_flags_intact(helm: str, tmp_path: Path) -> None:
+    # Numbers from a values file reach templates as floats; %v would print 1e+07.
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        "coordinator:\n  admission: {maxQueuedStreams: 10000000, queueTimeoutSeconds: 2.5}\n"
+        "  limits: {maxPromptBytes: 4194304}\ndrafter:\n  streamIdleTimeoutSeconds: 0.5\n"
+    )
+    objs = render(helm, values_files=[values])
+    coordinator = flag_values(container_of(objs, "coordinator")["args"])
+    assert (coordinator["max-queued-streams"], coordinator["queue-timeout-s"]) == ("10000000", "2.5")
+    assert coordinator["max-prompt-bytes"] == "4194304"
+    assert flag_values(container_of(objs, "drafter")["args"])["stream-idle-timeout-s"] == "0.5"
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [

@@ -40,6 +40,11 @@ All tier defines take (dict "root" $ "tier" "<tier>").
 {{- if and $tls.enabled $tls.certManager.enabled (not (index $tls .tier).existingSecret) (not $tls.existingSecret) }}true{{ end }}
 {{- end }}
 
+{{/* A number as a flag value: integers in full (YAML numbers reach templates as floats, which %v prints as 1e+07), others as they are. */}}
+{{- define "specserve.flagNumber" -}}
+{{- if eq (float64 .) (floor (float64 .)) }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- end }}
+
 {{/* MiB in a Kubernetes memory quantity ("4Gi", "512M", "1073741824"), rounded down. */}}
 {{- define "specserve.mebibytes" -}}
 {{- $quantity := toString . }}
