@@ -841,30 +841,48 @@ def test_large_and_fractional_numbers_reach_the_flags_intact(helm: str, tmp_path
         ("coordinator.replicas=3", "replicas"),  # a typo of replicaCount
         ("verifier.model.source=pvc", "verifier.model.path is required"),
         ("metrics.port=50052", "must differ"),
-        ("coordinator.admission.maxConcurrentStreams=0", "maxConcurrentStreams"),
-        ("coordinator.admission.maxQueuedStreams=-1", "maxQueuedStreams"),
-        ("coordinator.admission.queueTimeoutSeconds=0", "queueTimeoutSeconds"),
-        ("coordinator.admission.tenantMaxConcurrentStreams=-2", "tenantMaxConcurrentStreams"),
-        ("coordinator.limits.maxPromptBytes=-1", "maxPromptBytes"),
-        ("drafter.maxMemoryMiB=-512", "maxMemoryMiB"),
-        ("drafter.streamIdleTimeoutSeconds=-1", "streamIdleTimeoutSeconds"),
-        ("verifier.shutdownGraceSeconds=0", "shutdownGraceSeconds"),
         ("verifier.shutdownGraceSeconds=56", "must stay below terminationGracePeriodSeconds"),
         ("drafter.preStopSleepSeconds=25", "leaves no drain time"),
-        ("auth.apiKeys.keys[0].name=ci", "sha256"),
-        ("auth.apiKeys.keys[0].name=ci,auth.apiKeys.keys[0].tenant=t,auth.apiKeys.keys[0].sha256=abc", "sha256"),
         ("auth.apiKeys.enabled=false", "set insecure=true"),
         ("auth.internalToken.enabled=false", "set insecure=true"),
         ("auth.apiKeys.existingSecret=keys,auth.apiKeys.tenants.acme.share_ngram_pool=true", "existingSecret"),
         ("tls.enabled=true", "tls.enabled needs a certificate for the"),
         ("tls.enabled=true,tls.certManager.enabled=true", "issuerRef.name is required"),
-        ("insecure=yes", "insecure"),
     ],
 )
 def test_bad_values_are_refused(helm: str, setting: str, message: str) -> None:
     result = run_helm(helm, "template", RELEASE, str(CHART), "--set", setting)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+# One render: the schema reports every violation at once.
+SCHEMA_VIOLATIONS = {
+    "coordinator.admission.maxConcurrentStreams=0": "coordinator.admission.maxConcurrentStreams",
+    "coordinator.admission.maxQueuedStreams=-1": "coordinator.admission.maxQueuedStreams",
+    "coordinator.admission.queueTimeoutSeconds=0": "coordinator.admission.queueTimeoutSeconds",
+    "coordinator.admission.tenantMaxConcurrentStreams=-2": "coordinator.admission.tenantMaxConcurrentStreams",
+    "coordinator.limits.maxPromptBytes=-1": "coordinator.limits.maxPromptBytes",
+    "drafter.maxMemoryMiB=-512": "drafter.maxMemoryMiB",
+    "drafter.streamIdleTimeoutSeconds=-1": "drafter.streamIdleTimeoutSeconds",
+    "verifier.shutdownGraceSeconds=0": "verifier.shutdownGraceSeconds",
+    "shutdownMarginSeconds=-1": "shutdownMarginSeconds",
+    "auth.apiKeys.keys[0].name=ci": "auth.apiKeys.keys.0: sha256 is required",
+    "auth.apiKeys.keys[1].name=ci,auth.apiKeys.keys[1].tenant=t,auth.apiKeys.keys[1].sha256=abc": (
+        "auth.apiKeys.keys.1.sha256"
+    ),
+    "auth.apiKeys.tenants.acme.max_concurrent_streams=-1": "auth.apiKeys.tenants.acme.max_concurrent_streams",
+    "tls.certManager.privateKey.algorithm=DSA": "tls.certManager.privateKey.algorithm",
+    "tls.coordinator.requireClientCert=yes": "tls.coordinator.requireClientCert",
+    "insecure=yes": "insecure",
+}
+
+
+def test_schema_rejects_bad_security_and_limit_values(helm: str) -> None:
+    result = run_helm(helm, "template", RELEASE, str(CHART), *value_args(set_values=SCHEMA_VIOLATIONS))
+    assert result.returncode != 0
+    missing = [path for path in SCHEMA_VIOLATIONS.values() if path not in result.stderr]
+    assert not missing, result.stderr
 
 
 # ---------------------------------------------- the checks catch breakage --
