@@ -705,6 +705,8 @@ def test_default_release_authenticates_every_call(rendered: dict[str, list[Obj]]
         assert not any(f.startswith("tls") or f.startswith("internal-tls") for f in flags[tier]), "TLS is opt-in"
         assert "grpc" in container_of(objs, tier)["readinessProbe"]  # plaintext: the native probe
     assert "api-keys-file" not in flags["drafter"] and "api-keys-file" not in flags["verifier"]
+    volumes = pod_template(named(objs, "Deployment", "specserve-coordinator"))["spec"]["volumes"]
+    assert {v["secret"]["defaultMode"] for v in volumes if "secret" in v} == {0o440}  # the pod's fsGroup only
 
 
 def test_api_keys_and_tenants_from_values_fill_the_chart_secret(helm: str) -> None:

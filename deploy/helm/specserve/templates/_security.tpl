@@ -115,25 +115,30 @@ are taken off.
 {{- end }}
 {{- end }}
 
+{{/* Secret files readable by the pod's group (fsGroup owns them), or by everyone in a pod without fsGroup. */}}
+{{- define "specserve.secretFileMode" -}}
+{{- ternary "0440" "0444" (hasKey .Values.podSecurityContext "fsGroup") }}
+{{- end }}
+
 {{- define "specserve.securityVolumes" -}}
 {{- $root := .root }}
 {{- if $root.Values.auth.internalToken.enabled }}
 - name: internal-token
   secret:
     secretName: {{ include "specserve.internalTokenSecretName" $root }}
-    defaultMode: 0440
+    defaultMode: {{ include "specserve.secretFileMode" $root }}
 {{- end }}
 {{- if and (eq .tier "coordinator") $root.Values.auth.apiKeys.enabled }}
 - name: api-keys
   secret:
     secretName: {{ include "specserve.apiKeysSecretName" $root }}
-    defaultMode: 0440
+    defaultMode: {{ include "specserve.secretFileMode" $root }}
 {{- end }}
 {{- if $root.Values.tls.enabled }}
 - name: tls
   secret:
     secretName: {{ include "specserve.tlsSecretName" . }}
-    defaultMode: 0440
+    defaultMode: {{ include "specserve.secretFileMode" $root }}
 {{- end }}
 {{- end }}
 
