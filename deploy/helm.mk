@@ -40,7 +40,7 @@ helm-template: helm-tools
 		--kube-version $(HELM_KUBE_VERSION) -f $(CHART_PRODUCTION_VALUES) > $(HELM_RENDER_DIR)/production.yaml
 	@echo "rendered into $(HELM_RENDER_DIR)/{default,production}.yaml"
 
-# CRD kinds (ServiceMonitor, ScaledObject) have no bundled schema: kubernetes-validate
+# CRD kinds (ServiceMonitor, ScaledObject, Certificate) have no bundled schema: kubernetes-validate
 # warns about them and passes; tests/deploy checks their structure.
 helm-validate: helm-template
 	@for version in $(K8S_VALIDATE_VERSIONS); do \

@@ -6,7 +6,9 @@ variants, every rendered object is validated against the Kubernetes OpenAPI
 schemas in strict mode (kubernetes-validate), and the objects are checked for
 the mistakes a schema cannot see: autoscalers aimed at missing Deployments,
 selectors that match no pod, ports that are not declared, CPU autoscaling
-without CPU requests, tiers no NetworkPolicy covers, root containers.
+without CPU requests, tiers no NetworkPolicy covers, root containers, and the
+trust boundaries of issue #12 (API keys, internal token, TLS and mTLS flags,
+drain deadlines inside the termination grace period).
 
 Each check is a function from rendered objects to a list of problems, and the
 last tests break a copy of the chart on purpose to prove the checks fail.
@@ -37,7 +39,11 @@ NAMESPACE = "specserve"
 KUBE_VERSIONS = ("1.33.0", "1.37.0")
 RENDER_KUBE_VERSION = KUBE_VERSIONS[0]
 # Operator CRDs have no schema in kubernetes-validate; their structure is checked below.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("cert-manager.io/v1", "Certificate"),
+}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 
 VALUE_SETS: dict[str, list[Path]] = {
@@ -48,11 +54,19 @@ VALUE_SETS: dict[str, list[Path]] = {
 # Objects the values refer to but the chart does not create (made by the platform team).
 EXTERNAL_NAMES: dict[str, set[str]] = {
     "default": set(),
-    "production": {"registry-credentials", "specserve-models", "specserve-redis-auth"},
-    "variants": {"specserve-runtime", "draft-models", "hf-token", "specserve-redis-url"},
+    "production": {
+        "registry-credentials",
+        "specserve-models",
+        "specserve-redis-auth",
+        "prod-specserve-api-keys",
+        "prod-specserve-internal-token",
+    },
+    "variants": {"specserve-runtime", "draft-models", "hf-token", "specserve-redis-url", "llm-tls"},
 }
 
 Obj = dict[str, Any]
+TIERS = ("coordinator", "drafter", "verifier")
+SECRETS_DIR = "/etc/specserve"
 
 
 # --------------------------------------------------------------------- helm --
@@ -166,6 +180,17 @@ def declared_ports(containers: Iterable[Obj]) -> set[int | str]:
             if "name" in port:
                 ports.add(port["name"])
     return ports
+
+
+def container_of(objs: Sequence[Obj], tier: str, release: str = RELEASE) -> Obj:
+    """The server container of a tier's Deployment."""
+    container: Obj = pod_template(named(objs, "Deployment", f"{release}-{tier}"))["spec"]["containers"][0]
+    return container
+
+
+def flag_values(args: Sequence[str]) -> dict[str, str]:
+    """`--name=value` arguments as {name: value}; bare flags map to ""."""
+    return {a[2:].partition("=")[0]: a.partition("=")[2] for a in args if a.startswith("--")}
 
 
 def probe_port(probe: Obj) -> int | str | None:
@@ -325,6 +350,8 @@ def check_references(objs: Sequence[Obj], external: set[str]) -> list[str]:
     """Secrets, ConfigMaps, ServiceAccounts, PVCs and governing Services that pods
     use are rendered by the chart, or are known to be created outside it."""
     rendered = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    # cert-manager writes the Secret a Certificate names.
+    rendered |= {("Secret", c["spec"]["secretName"]) for c in of_kind(objs, "Certificate")}
 
     def missing(kind: str, name: str) -> bool:
         return (kind, name) not in rendered and name not in external
@@ -354,6 +381,89 @@ def check_references(objs: Sequence[Obj], external: set[str]) -> list[str]:
     return problems
 
 
+def check_secret_mounts(objs: Sequence[Obj]) -> list[str]:
+    """Secrets reach the servers as directory volumes, never through subPath:
+    the kubelet swaps updated files only into directory mounts, and the
+    coordinator reloads its API key file when it changes."""
+    problems = []
+    for workload in of_kind(objs, "Deployment"):
+        spec = pod_template(workload)["spec"]
+        secret_volumes = {v["name"] for v in spec.get("volumes") or [] if "secret" in v}
+        for container in all_containers(spec):
+            for mount in container.get("volumeMounts") or []:
+                if mount["name"] in secret_volumes and mount.get("subPath"):
+                    problems.append(f"{ref(workload)} mounts Secret volume {mount['name']} with subPath")
+    return problems
+
+
+def check_secret_flags_point_into_mounts(objs: Sequence[Obj]) -> list[str]:
+    """Every file flag of a server (API keys, token, certificates) names a file
+    under one of its Secret volume mounts."""
+    file_flags = {
+        "api-keys-file",
+        "internal-token-file",
+        "tls-cert",
+        "tls-key",
+        "tls-client-ca",
+        "internal-tls-ca",
+        "internal-tls-cert",
+        "internal-tls-key",
+    }
+    problems = []
+    for workload in of_kind(objs, "Deployment"):
+        spec = pod_template(workload)["spec"]
+        secret_volumes = {v["name"] for v in spec.get("volumes") or [] if "secret" in v}
+        container = spec["containers"][0]
+        mounts = [m["mountPath"] for m in container.get("volumeMounts") or [] if m["name"] in secret_volumes]
+        for flag, path in flag_values(container.get("args") or []).items():
+            if flag in file_flags and not any(path.startswith(f"{m}/") for m in mounts):
+                problems.append(f"{ref(workload)} --{flag}={path} is not in a mounted Secret")
+    return problems
+
+
+def check_drain_fits_grace(objs: Sequence[Obj]) -> list[str]:
+    """preStop sleep + --shutdown-grace-s < terminationGracePeriodSeconds: the
+    kubelet counts the preStop hook against the same budget before SIGKILL."""
+    problems = []
+    for workload in of_kind(objs, "Deployment"):
+        spec = pod_template(workload)["spec"]
+        container = spec["containers"][0]
+        grace = flag_values(container.get("args") or []).get("shutdown-grace-s")
+        if grace is None:
+            problems.append(f"{ref(workload)} passes no --shutdown-grace-s")
+            continue
+        pre_stop = (((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get("seconds", 0)
+        budget = spec.get("terminationGracePeriodSeconds", 30)
+        if not (float(grace) > 0 and float(grace) + pre_stop < budget):
+            problems.append(f"{ref(workload)} drains {grace} s after a {pre_stop} s preStop in a {budget} s grace")
+    return problems
+
+
+def check_certificates(objs: Sequence[Obj]) -> list[str]:
+    """cert-manager Certificates (no schema offline): an issuer, both TLS usages,
+    the Service's cluster DNS name, and a Secret some Deployment mounts."""
+    problems = []
+    mounted = {
+        v["secret"]["secretName"]
+        for d in of_kind(objs, "Deployment")
+        for v in pod_template(d)["spec"].get("volumes") or []
+        if "secret" in v
+    }
+    for cert in of_kind(objs, "Certificate"):
+        spec = cert["spec"]
+        tier = cert["metadata"]["labels"]["app.kubernetes.io/component"]
+        host = f"{RELEASE}-{tier}.{NAMESPACE}.svc.cluster.local"
+        if not spec.get("issuerRef", {}).get("name"):
+            problems.append(f"{ref(cert)} has no issuer")
+        if not {"server auth", "client auth"} <= set(spec.get("usages") or []):
+            problems.append(f"{ref(cert)} lacks the server auth or client auth usage")
+        if host not in (spec.get("dnsNames") or []):
+            problems.append(f"{ref(cert)} does not name {host}")
+        if spec.get("secretName") not in mounted:
+            problems.append(f"{ref(cert)} writes Secret {spec.get('secretName')}, which no Deployment mounts")
+    return problems
+
+
 CHECKS: dict[str, Callable[[Sequence[Obj]], list[str]]] = {
     "autoscaler targets": check_autoscaler_targets,
     "selectors": check_selectors,
@@ -362,6 +472,10 @@ CHECKS: dict[str, Callable[[Sequence[Obj]], list[str]]] = {
     "network policy coverage": check_network_policy_coverage,
     "headless services": check_headless,
     "security": check_security,
+    "secret mounts": check_secret_mounts,
+    "secret flags": check_secret_flags_point_into_mounts,
+    "drain fits grace": check_drain_fits_grace,
+    "certificates": check_certificates,
 }
 
 
@@ -467,32 +581,56 @@ def test_coordinator_dials_the_headless_services(rendered: dict[str, list[Obj]])
 
 
 def ingress_sources(policy: Obj, port: int) -> list[dict[str, str]] | None:
-    """matchLabels of the pods allowed in on `port`; None when any source is allowed."""
+    """matchLabels of the pods allowed in on `port` ({} for every pod of a
+    selected namespace); None when any source is allowed."""
     sources: list[dict[str, str]] = []
     for rule in policy["spec"].get("ingress") or []:
         if not any(p["port"] == port for p in rule.get("ports") or []):
             continue
         if "from" not in rule:
             return None
-        sources += [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+        sources += [(peer.get("podSelector") or {}).get("matchLabels") or {} for peer in rule["from"]]
     return sources
 
 
-def test_only_the_coordinator_reaches_drafters_and_verifier_and_only_clients_reach_redis(
-    rendered: dict[str, list[Obj]],
-) -> None:
-    objs = rendered["default"]
-    policy = {
+def policies_by_tier(objs: Sequence[Obj]) -> dict[str, Obj]:
+    return {
         p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
         for p in of_kind(objs, "NetworkPolicy")
     }
+
+
+@pytest.mark.parametrize("value_set", ["default", "production"])
+def test_only_the_coordinator_reaches_drafters_and_verifier_and_only_clients_reach_redis(
+    rendered: dict[str, list[Obj]], value_set: str
+) -> None:
+    policy = policies_by_tier(rendered[value_set])
     component = "app.kubernetes.io/component"
     for tier, port in (("drafter", 50052), ("verifier", 50053)):
         sources = ingress_sources(policy[tier], port)
         assert sources is not None and [s[component] for s in sources] == ["coordinator"], tier
+        rules = policy[tier]["spec"]["ingress"]
+        assert {p["port"] for r in rules for p in r["ports"]} == {port, 9090}, "nothing else is open"
     redis_sources = ingress_sources(policy["redis"], 6379)
     assert redis_sources is not None and sorted(s[component] for s in redis_sources) == ["coordinator", "drafter"]
-    assert ingress_sources(policy["coordinator"], 50051) is None  # public, unless networkPolicy.coordinatorFrom
+
+
+def test_coordinator_sources_default_to_the_namespace_and_are_configurable(
+    helm: str, rendered: dict[str, list[Obj]]
+) -> None:
+    default = policies_by_tier(rendered["default"])["coordinator"]
+    assert ingress_sources(default, 50051) == [{}]  # every pod of the release's namespace, no other namespace
+    assert all("namespaceSelector" not in peer for r in default["spec"]["ingress"] for peer in r.get("from") or [])
+    production = policies_by_tier(rendered["production"])
+    peers = [peer for r in production["coordinator"]["spec"]["ingress"] for peer in r.get("from") or []]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}} in peers
+    for tier in TIERS:  # Prometheus only, on the metrics port
+        rules = [r for r in production[tier]["spec"]["ingress"] if r["ports"][0]["port"] == 9090]
+        assert rules[0]["from"] == [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        ], tier
+    open_to_all = policies_by_tier(render(helm, set_values=["networkPolicy.coordinatorFrom=null"]))["coordinator"]
+    assert ingress_sources(open_to_all, 50051) is None
 
 
 def test_redis_password_reaches_clients_only_through_the_secret(rendered: dict[str, list[Obj]]) -> None:
@@ -538,6 +676,166 @@ def test_variants_render_keda_rbac_and_init_container(rendered: dict[str, list[O
     assert "@sha256:" in drafter["containers"][0]["image"]
 
 
+# ------------------------------------------------------- trust boundaries --
+
+
+def secret_mount_dir(objs: Sequence[Obj], tier: str, path: str) -> tuple[str, str]:
+    """(Secret name, mount path) of the Secret volume holding the file `path` in a tier's pod."""
+    spec = pod_template(named(objs, "Deployment", f"{RELEASE}-{tier}"))["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    for mount in spec["containers"][0]["volumeMounts"]:
+        if mount["name"] in secrets and path.startswith(mount["mountPath"] + "/"):
+            assert "subPath" not in mount, "a subPath mount never sees Secret updates"
+            return secrets[mount["name"]], mount["mountPath"]
+    raise AssertionError(f"{path} is in no Secret mount of the {tier}")
+
+
+def test_default_release_authenticates_every_call(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["default"]
+    flags = {tier: flag_values(container_of(objs, tier)["args"]) for tier in TIERS}
+    keys_file = flags["coordinator"]["api-keys-file"]
+    assert secret_mount_dir(objs, "coordinator", keys_file) == ("specserve-api-keys", f"{SECRETS_DIR}/api-keys")
+    key_file = yaml.safe_load(named(objs, "Secret", "specserve-api-keys")["stringData"][keys_file.rsplit("/", 1)[1]])
+    assert key_file == {"tenants": {}, "keys": []}, "nobody gets in until an operator adds a key"
+    token = named(objs, "Secret", "specserve-internal-token")
+    assert token["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for tier in TIERS:
+        assert "insecure" not in flags[tier], tier
+        assert secret_mount_dir(objs, tier, flags[tier]["internal-token-file"])[0] == "specserve-internal-token"
+        assert not any(f.startswith("tls") or f.startswith("internal-tls") for f in flags[tier]), "TLS is opt-in"
+        assert "grpc" in container_of(objs, tier)["readinessProbe"]  # plaintext: the native probe
+    assert "api-keys-file" not in flags["drafter"] and "api-keys-file" not in flags["verifier"]
+    volumes = pod_template(named(objs, "Deployment", "specserve-coordinator"))["spec"]["volumes"]
+    assert {v["secret"]["defaultMode"] for v in volumes if "secret" in v} == {0o440}  # the pod's fsGroup only
+
+
+def test_api_keys_and_tenants_from_values_fill_the_chart_secret(helm: str) -> None:
+    digest = "ab" * 32
+    objs = render(
+        helm,
+        set_values=[
+            "auth.apiKeys.tenants.acme.max_concurrent_streams=8",
+            f"auth.apiKeys.keys[0].name=acme-ci,auth.apiKeys.keys[0].tenant=acme,auth.apiKeys.keys[0].sha256={digest}",
+        ],
+    )
+    key_file = yaml.safe_load(named(objs, "Secret", "specserve-api-keys")["stringData"]["api-keys.yaml"])
+    assert key_file == {
+        "tenants": {"acme": {"max_concurrent_streams": 8}},
+        "keys": [{"name": "acme-ci", "tenant": "acme", "sha256": digest}],
+    }
+
+
+def test_production_serves_tls_everywhere_with_mtls_inside(rendered: dict[str, list[Obj]]) -> None:
+    objs = rendered["production"]
+    flags = {tier: flag_values(container_of(objs, tier)["args"]) for tier in TIERS}
+    certificates = {c["metadata"]["labels"]["app.kubernetes.io/component"]: c for c in of_kind(objs, "Certificate")}
+    assert set(certificates) == set(TIERS)
+    assert "specserve.internal.example.com" in certificates["coordinator"]["spec"]["dnsNames"]
+    for tier in TIERS:
+        tls_secret, tls_dir = secret_mount_dir(objs, tier, flags[tier]["tls-cert"])
+        assert tls_secret == certificates[tier]["spec"]["secretName"]
+        assert flags[tier]["tls-key"] == f"{tls_dir}/tls.key"
+        assert "insecure" not in flags[tier]
+        assert secret_mount_dir(objs, tier, flags[tier]["internal-token-file"])[0] == "prod-specserve-internal-token"
+        probe = container_of(objs, tier)["readinessProbe"]
+        assert "grpc" not in probe, "the kubelet's native gRPC probe cannot speak TLS"
+        command = probe["exec"]["command"]
+        assert command[:3] == ["python", "-m", "specserve.health_probe"]
+        assert f"--server-name={RELEASE}-{tier}.{NAMESPACE}.svc.cluster.local" in command
+        assert f"--tls-cert={tls_dir}/tls.crt" in command  # mTLS ports demand a client certificate
+        service = named(objs, "Service", f"{RELEASE}-{tier}")
+        assert service["spec"]["ports"][0]["appProtocol"] == "https"
+    for tier in ("drafter", "verifier"):
+        assert flags[tier]["tls-client-ca"].endswith("/ca.crt"), "internal tiers require client certificates"
+    coordinator = flags["coordinator"]
+    assert "tls-client-ca" not in coordinator  # public clients authenticate with API keys
+    assert coordinator["internal-tls-ca"].endswith("/ca.crt")
+    assert coordinator["internal-tls-cert"] == coordinator["tls-cert"]
+    assert coordinator["internal-tls-key"] == coordinator["tls-key"]
+    keys_secret, _ = secret_mount_dir(objs, "coordinator", coordinator["api-keys-file"])
+    assert keys_secret == "prod-specserve-api-keys"
+    assert not of_kind(objs, "Secret"), "production names existing Secrets; the chart creates none"
+
+
+def test_tls_from_an_existing_secret_per_tier(helm: str) -> None:
+    objs = render(
+        helm,
+        set_values=[
+            "tls.enabled=true",
+            "tls.existingSecret=shared-tls",
+            "tls.verifier.existingSecret=verifier-tls",
+            "tls.internalMTLS=false",
+            "tls.coordinator.requireClientCert=true",
+        ],
+    )
+    assert not of_kind(objs, "Certificate")
+    flags = {tier: flag_values(container_of(objs, tier)["args"]) for tier in TIERS}
+    assert secret_mount_dir(objs, "verifier", flags["verifier"]["tls-cert"])[0] == "verifier-tls"
+    assert secret_mount_dir(objs, "drafter", flags["drafter"]["tls-cert"])[0] == "shared-tls"
+    assert "tls-client-ca" not in flags["verifier"] and "tls-client-ca" not in flags["drafter"]
+    assert "internal-tls-cert" not in flags["coordinator"] and "internal-tls-ca" in flags["coordinator"]
+    assert "tls-client-ca" in flags["coordinator"]
+
+
+@pytest.mark.parametrize(("value_set", "expected"), [("default", (50, 20, 50)), ("production", (110, 20, 50))])
+def test_drain_deadline_leaves_a_margin_inside_the_grace_period(
+    rendered: dict[str, list[Obj]], value_set: str, expected: tuple[int, ...]
+) -> None:
+    objs = rendered[value_set]
+    for tier, grace in zip(TIERS, expected, strict=True):
+        spec = pod_template(named(objs, "Deployment", f"{RELEASE}-{tier}"))["spec"]
+        assert flag_values(spec["containers"][0]["args"])["shutdown-grace-s"] == str(grace), tier
+        assert (
+            grace + spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"] + 5
+            == (spec["terminationGracePeriodSeconds"])
+        )
+
+
+def test_insecure_only_when_asked(helm: str) -> None:
+    objs = render(helm, set_values=["insecure=true", "auth.apiKeys.enabled=false", "auth.internalToken.enabled=false"])
+    for tier in TIERS:
+        assert "--insecure" in container_of(objs, tier)["args"], tier
+        assert "internal-token-file" not in flag_values(container_of(objs, tier)["args"])
+    assert not of_kind([o for o in objs if o["metadata"]["name"] != "specserve-redis"], "Secret")
+
+
+def test_admission_limits_and_drafter_bounds(helm: str, rendered: dict[str, list[Obj]]) -> None:
+    default = flag_values(container_of(rendered["default"], "coordinator")["args"])
+    assert (default["max-concurrent-streams"], default["max-queued-streams"], default["queue-timeout-s"]) == (
+        "32",
+        "64",
+        "30",
+    )
+    assert "tenant-max-concurrent-streams" not in default and "max-prompt-bytes" not in default  # server defaults
+    production = flag_values(container_of(rendered["production"], "coordinator")["args"])
+    assert production["tenant-max-concurrent-streams"] == "16"
+    assert production["max-prompt-bytes"] == "262144"
+    drafter = {name: flag_values(container_of(rendered[name], "drafter")["args"]) for name in ("default", "production")}
+    assert drafter["default"]["max-memory-mib"] == "2048"  # half of the 4Gi limit
+    assert drafter["production"]["max-memory-mib"] == "3072"  # half of 6Gi
+    assert drafter["default"]["stream-idle-timeout-s"] == "120"
+    explicit = render(helm, set_values=["drafter.maxMemoryMiB=700", "drafter.resources.limits.memory=1500M"])
+    assert flag_values(container_of(explicit, "drafter")["args"])["max-memory-mib"] == "700"
+    derived = render(helm, set_values=["drafter.resources.limits.memory=1500M"])
+    assert flag_values(container_of(derived, "drafter")["args"])["max-memory-mib"] == "715"  # 1500e6 B / 2 in MiB
+    unbounded = render(helm, set_values=["drafter.resources.limits=null"])
+    assert "max-memory-mib" not in flag_values(container_of(unbounded, "drafter")["args"])
+
+
+def test_large_and_fractional_numbers_reach_the_flags_intact(helm: str, tmp_path: Path) -> None:
+    # Numbers from a values file reach templates as floats; %v would print 1e+07.
+    values = tmp_path / "values.yaml"
+    values.write_text(
+        "coordinator:\n  admission: {maxQueuedStreams: 10000000, queueTimeoutSeconds: 2.5}\n"
+        "  limits: {maxPromptBytes: 4194304}\ndrafter:\n  streamIdleTimeoutSeconds: 0.5\n"
+    )
+    objs = render(helm, values_files=[values])
+    coordinator = flag_values(container_of(objs, "coordinator")["args"])
+    assert (coordinator["max-queued-streams"], coordinator["queue-timeout-s"]) == ("10000000", "2.5")
+    assert coordinator["max-prompt-bytes"] == "4194304"
+    assert flag_values(container_of(objs, "drafter")["args"])["stream-idle-timeout-s"] == "0.5"
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [
@@ -545,12 +843,48 @@ def test_variants_render_keda_rbac_and_init_container(rendered: dict[str, list[O
         ("coordinator.replicas=3", "replicas"),  # a typo of replicaCount
         ("verifier.model.source=pvc", "verifier.model.path is required"),
         ("metrics.port=50052", "must differ"),
+        ("verifier.shutdownGraceSeconds=56", "must stay below terminationGracePeriodSeconds"),
+        ("drafter.preStopSleepSeconds=25", "leaves no drain time"),
+        ("auth.apiKeys.enabled=false", "set insecure=true"),
+        ("auth.internalToken.enabled=false", "set insecure=true"),
+        ("auth.apiKeys.existingSecret=keys,auth.apiKeys.tenants.acme.share_ngram_pool=true", "existingSecret"),
+        ("tls.enabled=true", "tls.enabled needs a certificate for the"),
+        ("tls.enabled=true,tls.certManager.enabled=true", "issuerRef.name is required"),
     ],
 )
 def test_bad_values_are_refused(helm: str, setting: str, message: str) -> None:
     result = run_helm(helm, "template", RELEASE, str(CHART), "--set", setting)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+# One render: the schema reports every violation at once.
+SCHEMA_VIOLATIONS = {
+    "coordinator.admission.maxConcurrentStreams=0": "coordinator.admission.maxConcurrentStreams",
+    "coordinator.admission.maxQueuedStreams=-1": "coordinator.admission.maxQueuedStreams",
+    "coordinator.admission.queueTimeoutSeconds=0": "coordinator.admission.queueTimeoutSeconds",
+    "coordinator.admission.tenantMaxConcurrentStreams=-2": "coordinator.admission.tenantMaxConcurrentStreams",
+    "coordinator.limits.maxPromptBytes=-1": "coordinator.limits.maxPromptBytes",
+    "drafter.maxMemoryMiB=-512": "drafter.maxMemoryMiB",
+    "drafter.streamIdleTimeoutSeconds=-1": "drafter.streamIdleTimeoutSeconds",
+    "verifier.shutdownGraceSeconds=0": "verifier.shutdownGraceSeconds",
+    "shutdownMarginSeconds=-1": "shutdownMarginSeconds",
+    "auth.apiKeys.keys[0].name=ci": "auth.apiKeys.keys.0: sha256 is required",
+    "auth.apiKeys.keys[1].name=ci,auth.apiKeys.keys[1].tenant=t,auth.apiKeys.keys[1].sha256=abc": (
+        "auth.apiKeys.keys.1.sha256"
+    ),
+    "auth.apiKeys.tenants.acme.max_concurrent_streams=-1": "auth.apiKeys.tenants.acme.max_concurrent_streams",
+    "tls.certManager.privateKey.algorithm=DSA": "tls.certManager.privateKey.algorithm",
+    "tls.coordinator.requireClientCert=yes": "tls.coordinator.requireClientCert",
+    "insecure=yes": "insecure",
+}
+
+
+def test_schema_rejects_bad_security_and_limit_values(helm: str) -> None:
+    result = run_helm(helm, "template", RELEASE, str(CHART), *value_args(set_values=SCHEMA_VIOLATIONS))
+    assert result.returncode != 0
+    missing = [path for path in SCHEMA_VIOLATIONS.values() if path not in result.stderr]
+    assert not missing, result.stderr
 
 
 # ---------------------------------------------- the checks catch breakage --
@@ -583,11 +917,32 @@ BREAKAGES = {
         "selects no pod",
     ),
     "probe on an undeclared port": (
-        "_workload.tpl",
-        "          readinessProbe:\n            grpc:\n              port: {{ $values.port }}",
-        "          readinessProbe:\n            grpc:\n              port: {{ add $values.port 100 }}",
+        "_security.tpl",
+        "grpc:\n  port: {{ $values.port }}",
+        "grpc:\n  port: {{ add $values.port 100 }}",
         check_ports,
         "readinessProbe port",
+    ),
+    "a secret mounted with subPath": (
+        "_security.tpl",
+        "  mountPath: {{ $dir }}/api-keys\n",
+        "  mountPath: {{ $dir }}/api-keys/api-keys.yaml\n  subPath: api-keys.yaml\n",
+        check_secret_mounts,
+        "with subPath",
+    ),
+    "a key file outside the mounted secret": (
+        "_security.tpl",
+        "- --api-keys-file={{ $dir }}/api-keys/",
+        "- --api-keys-file=/etc/api-keys/",
+        check_secret_flags_point_into_mounts,
+        "--api-keys-file=/etc/api-keys/api-keys.yaml is not in a mounted Secret",
+    ),
+    "a drain longer than the grace period": (
+        "_security.tpl",
+        '- --shutdown-grace-s={{ include "specserve.shutdownGrace" . }}',
+        "- --shutdown-grace-s={{ .root.Values.coordinator.terminationGracePeriodSeconds }}",
+        check_drain_fits_grace,
+        "drains 60 s after a 5 s preStop in a 60 s grace",
     ),
     "service targets an undeclared port": (
         "_workload.tpl",
@@ -684,6 +1039,12 @@ def test_notes_walk_to_a_first_generation(helm: str, tmp_path: Path, value_set: 
     assert 'specserve generate --target localhost:50051 "Write a haiku about the sea"' in notes
     assert ("image.registry is still the placeholder" in notes) == (value_set == "default")
     assert ("custom metrics API" in notes) == (value_set == "production")
+    assert "python -m specserve.auth new-key --tenant <tenant> --name <name>" in notes
+    assert ("It lists no key yet" in notes) == (value_set == "default")
+    assert ("kubectl -n specserve create secret generic prod-specserve-api-keys" in notes) == (
+        value_set == "production"
+    )
+    assert ("trust the ca.crt of Secret specserve-coordinator-tls" in notes) == (value_set == "production")
 
 
 def undocumented_values(values_yaml: str) -> list[str]:

@@ -1,6 +1,7 @@
 {{/*
 The coordinator, drafter and verifier run the same kind of pod: one Python
-server with a gRPC port (standard health service, probed natively), a metrics
+server with a gRPC port (standard health service, probed natively or, with TLS,
+by an exec probe), its Secrets (_security.tpl), a metrics
 port, a writable /tmp on a read-only root filesystem, and a model volume. These
 defines build those pieces; the per-tier templates add each tier's arguments.
 
@@ -184,6 +185,7 @@ spec:
             - --host=0.0.0.0
             - --port={{ $values.port }}
             - --metrics-port={{ $root.Values.metrics.port }}
+            {{- include "specserve.securityArgs" . | trim | nindent 12 }}
             {{- range .args }}
             - {{ . | quote }}
             {{- end }}
@@ -218,19 +220,17 @@ spec:
             {{- with $values.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
-          # Native gRPC probes on the grpc.health.v1 service: NOT_SERVING until
-          # the model (or tokenizer) is loaded, so the startup probe covers the load.
+          # Probes ask the grpc.health.v1 service (natively, or with an exec
+          # probe once the port speaks TLS): NOT_SERVING until the model (or
+          # tokenizer) is loaded, so the startup probe covers the load.
           startupProbe:
-            grpc:
-              port: {{ $values.port }}
+            {{- include "specserve.probeHandler" . | trim | nindent 12 }}
             {{- toYaml $values.probes.startup | nindent 12 }}
           readinessProbe:
-            grpc:
-              port: {{ $values.port }}
+            {{- include "specserve.probeHandler" . | trim | nindent 12 }}
             {{- toYaml $values.probes.readiness | nindent 12 }}
           livenessProbe:
-            grpc:
-              port: {{ $values.port }}
+            {{- include "specserve.probeHandler" . | trim | nindent 12 }}
             {{- toYaml $values.probes.liveness | nindent 12 }}
           {{- if $values.preStopSleepSeconds }}
           lifecycle:
@@ -248,11 +248,17 @@ spec:
             {{- with include "specserve.modelMount" . }}
             {{- . | trim | nindent 12 }}
             {{- end }}
+            {{- with include "specserve.securityMounts" . }}
+            {{- . | trim | nindent 12 }}
+            {{- end }}
       volumes:
         - name: scratch
           emptyDir:
             sizeLimit: {{ $root.Values.scratchSizeLimit }}
         {{- with include "specserve.modelVolume" . }}
+        {{- . | trim | nindent 8 }}
+        {{- end }}
+        {{- with include "specserve.securityVolumes" . }}
         {{- . | trim | nindent 8 }}
         {{- end }}
       {{- with $values.nodeSelector }}
@@ -306,7 +312,8 @@ spec:
       port: {{ $values.port }}
       targetPort: grpc
       protocol: TCP
-      appProtocol: kubernetes.io/h2c
+      # HTTP/2 in the clear, or over TLS once tls.enabled.
+      appProtocol: {{ ternary "https" "kubernetes.io/h2c" $root.Values.tls.enabled }}
     - name: metrics
       port: {{ $root.Values.metrics.port }}
       targetPort: metrics
