@@ -132,7 +132,7 @@ def interceptors(config: DrafterConfig) -> list[grpc.aio.ServerInterceptor]:
         config.security.check_internal_exposure("drafter", config.host)
         token = config.security.internal_token()
     except (ExposureError, ValueError) as exc:
-        raise SystemExit(f"drafter: {exc}") from exc
+        raise SystemExit(str(exc)) from exc
     return [AioInternalTokenInterceptor(token)] if token is not None else []
 
 

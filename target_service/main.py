@@ -160,7 +160,7 @@ def interceptors(config: VerifierConfig) -> list[grpc.ServerInterceptor]:
         config.security.check_internal_exposure("verifier", config.host)
         token = config.security.internal_token()
     except (ExposureError, ValueError) as exc:
-        raise SystemExit(f"verifier: {exc}") from exc
+        raise SystemExit(str(exc)) from exc
     return [InternalTokenInterceptor(token)] if token is not None else []
 
 
