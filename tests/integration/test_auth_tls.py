@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from client import GenerationParams, SpecserveClient, Stats, TextChunk
+from client import GenerationParams, SpecserveClient, Stats, TextChunk, cli
 from specserve.auth.keys import key_entry, new_key
 from specserve.local_cluster import LocalCluster, free_port
 from specserve.tenancy import TENANT_METADATA_KEY
@@ -107,6 +107,7 @@ class Secured:
     cluster: LocalCluster
     pki: Pki
     keys_file: Path
+    token_file: Path
     redis: redis.Redis
 
 
@@ -146,7 +147,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
         cluster.coordinator_credentials = grpc.ssl_channel_credentials(pki.bytes(pki.ca))
         client = redis.Redis.from_url(redis_server.url)
         with cluster:
-            yield Secured(cluster, pki, keys_file, client)
+            yield Secured(cluster, pki, keys_file, token_file, client)
         client.close()
 
 
@@ -290,7 +291,9 @@ def pool_counts(client: redis.Redis) -> dict[str, dict[str, float]]:
     return counts
 
 
-def test_tenants_teach_only_their_own_pools_and_purge_removes_one(secured: Secured) -> None:
+def test_tenants_teach_only_their_own_pools_and_purge_removes_one(
+    secured: Secured, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Same text from two tenants: each request writes its own namespace only, and PurgePool forgets alpha's.
 
     (That a namespace's lookups never see another's is unit-tested, test_auth.py: with the n-gram pool as the
@@ -315,3 +318,10 @@ def test_tenants_teach_only_their_own_pools_and_purge_removes_one(secured: Secur
     assert purged.redis_keys == len(alpha["tenant:alpha"])
     assert purged.memory_pools == 1 and purged.memory_keys > 0
     assert pool_counts(secured.redis) == {"tenant:beta": both["tenant:beta"]}
+
+    pki = secured.pki
+    purge_beta = ["admin", "purge-pool", "--drafter", secured.cluster.drafter_address, "--tenant", "beta"]
+    purge_beta += ["--internal-token-file", str(secured.token_file), "--tls-ca", str(pki.ca)]
+    assert cli.main([*purge_beta, "--tls-cert", str(pki.client_cert), "--tls-key", str(pki.client_key)]) == 0
+    assert f"{len(both['tenant:beta'])} Redis keys" in capsys.readouterr().out
+    assert pool_counts(secured.redis) == {}
