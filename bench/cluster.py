@@ -50,12 +50,13 @@ def other_database(pool: PoolBackend, mode: str) -> PoolBackend:
 
 
 def clear_pool(redis_url: str, fingerprint: str) -> int:
-    """Delete the n-gram keys of one vocabulary (``specserve:{fingerprint}:*``); returns how many."""
+    """Delete the n-gram keys of one vocabulary, in every tenant's pool (``specserve:{namespace}:{fingerprint}:ng:*``,
+    see draft_service.pools); returns how many."""
     client = redis.Redis.from_url(redis_url, socket_timeout=10)
     try:
         deleted = 0
         batch: list[bytes] = []
-        for key in client.scan_iter(match=f"specserve:{fingerprint}:*", count=1000):
+        for key in client.scan_iter(match=f"specserve:*:{fingerprint}:ng:*", count=1000):
             batch.append(key)
             if len(batch) >= 1000:
                 deleted += int(client.delete(*batch))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -121,16 +122,40 @@ def _event(response: generation_pb2.GenerateResponse) -> TextChunk | Stats:
     return TextChunk(response.delta.text, list(response.delta.token_ids))
 
 
+def channel_credentials(tls: bool = False, tls_ca: str | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials checking the server against ``tls_ca`` (a PEM file) or the system's roots; None: plaintext."""
+    if not tls and tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes() if tls_ca else None)
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 class SpecserveClient:
     """Blocking client. Iterating a generate call yields TextChunks, then one Stats.
 
-    Errors surface as grpc.RpcError with the server's status and message.
+    ``api_key``: sent as ``authorization: Bearer <key>``; ``tls=True`` (system roots) or ``tls_ca`` (a PEM
+    file of roots) connects over TLS. Errors surface as grpc.RpcError with the server's status and message.
     """
 
-    def __init__(self, target: str = "localhost:50051", timeout_s: float | None = 300.0) -> None:
-        self._channel = grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        timeout_s: float | None = 300.0,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+    ) -> None:
+        credentials = channel_credentials(tls, tls_ca)
+        self._channel = (
+            grpc.insecure_channel(target) if credentials is None else grpc.secure_channel(target, credentials)
+        )
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self._timeout_s = timeout_s
+        self._metadata = auth_metadata(api_key)
 
     def __enter__(self) -> SpecserveClient:
         return self
@@ -152,17 +177,29 @@ class SpecserveClient:
         return self._stream(build_request(None, messages, params))
 
     def _stream(self, request: generation_pb2.GenerateRequest) -> Iterator[TextChunk | Stats]:
-        for response in self._stub.Generate(request, timeout=self._timeout_s):
+        for response in self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata):
             yield _event(response)
 
 
 class AsyncSpecserveClient:
-    """asyncio client with the same methods as SpecserveClient, as async iterators."""
+    """asyncio client with the same methods (and credentials) as SpecserveClient, as async iterators."""
 
-    def __init__(self, target: str = "localhost:50051", timeout_s: float | None = 300.0) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        timeout_s: float | None = 300.0,
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        tls_ca: str | None = None,
+    ) -> None:
+        credentials = channel_credentials(tls, tls_ca)
+        self._channel = (
+            grpc.aio.insecure_channel(target) if credentials is None else grpc.aio.secure_channel(target, credentials)
+        )
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
         self._timeout_s = timeout_s
+        self._metadata = auth_metadata(api_key)
 
     async def __aenter__(self) -> AsyncSpecserveClient:
         return self
@@ -182,5 +219,5 @@ class AsyncSpecserveClient:
         return self._stream(build_request(None, messages, params))
 
     async def _stream(self, request: generation_pb2.GenerateRequest) -> AsyncIterator[TextChunk | Stats]:
-        async for response in self._stub.Generate(request, timeout=self._timeout_s):
+        async for response in self._stub.Generate(request, timeout=self._timeout_s, metadata=self._metadata):
             yield _event(response)

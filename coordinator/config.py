@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coordinator.ports import VerifierInfo
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import RoundPolicy
 from coordinator.tree_checks import TreeLimits
+from specserve.auth.config import ServerSecurity
+from specserve.auth.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,19 @@ class CoordinatorConfig:
     verifier_timeout_s: float = 120.0
     startup_timeout_s: float = 900.0  # how long to wait for the verifier to load its model
     metrics_port: int = 0
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS; internal token it sends
+    api_keys_file: str | None = None  # None: no authentication (loopback only, or --insecure)
+    api_keys_reload_s: float = 5.0  # how often the key file is checked for changes
+    internal_tls_ca: str | None = None  # TLS towards the verifier and drafters (any of the three turns it on)
+    internal_tls_cert: str | None = None  # the coordinator's client certificate for workers that require mTLS
+    internal_tls_key: str | None = None
+
+
+def internal_tls(config: CoordinatorConfig) -> ClientTLS | None:
+    """TLS (and mTLS) towards the verifier and drafters, or None for plaintext."""
+    if not (config.internal_tls_ca or config.internal_tls_cert or config.internal_tls_key):
+        return None
+    return ClientTLS(config.internal_tls_ca, config.internal_tls_cert, config.internal_tls_key)
 
 
 def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPolicy:

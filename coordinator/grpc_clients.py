@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -11,8 +11,10 @@ import numpy as np
 from coordinator.ports import DrafterFailed, VerifierInfo
 from specserve import errors
 from specserve.acceptance import PrefillResult, VerifyResult
+from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.sampling import SamplingParams
+from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
@@ -41,10 +43,19 @@ _DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
 
 
 class GrpcVerifier:
-    def __init__(self, channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
+    """``metadata()``: sent with every call (the internal token and the tenant of the request being served)."""
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        target: str,
+        timeout_s: float,
+        metadata: Callable[[], Metadata] = ANONYMOUS_METADATA,
+    ) -> None:
         self._stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         self._target = target
         self._timeout_s = timeout_s
+        self._metadata = metadata
 
     def _translate(self, exc: grpc.aio.AioRpcError) -> errors.SpecserveError:
         error = _DOMAIN_ERRORS.get(exc.code())
@@ -54,7 +65,7 @@ class GrpcVerifier:
 
     async def info(self) -> VerifierInfo:
         try:
-            r = await self._stub.Info(verifier_pb2.InfoRequest(), timeout=self._timeout_s)
+            r = await self._stub.Info(verifier_pb2.InfoRequest(), timeout=self._timeout_s, metadata=self._metadata())
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         return VerifierInfo(
@@ -77,7 +88,7 @@ class GrpcVerifier:
             return_features=return_features,
         )
         try:
-            response = await self._stub.Prefill(request, timeout=self._timeout_s)
+            response = await self._stub.Prefill(request, timeout=self._timeout_s, metadata=self._metadata())
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         return PrefillResult(int(response.prefill_ns), self._features(response.features))
@@ -93,7 +104,7 @@ class GrpcVerifier:
             return_features=return_features,
         )
         try:
-            r = await self._stub.Verify(request, timeout=self._timeout_s)
+            r = await self._stub.Verify(request, timeout=self._timeout_s, metadata=self._metadata())
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         flat = list(r.top_token_ids)
@@ -118,7 +129,9 @@ class GrpcVerifier:
 
     async def release(self, session_id: str) -> None:
         try:
-            await self._stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout_s)
+            await self._stub.Release(
+                verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout_s, metadata=self._metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
 
@@ -145,6 +158,7 @@ class GrpcDraftStream:
             prompt_token_ids=prompt_tokens,
             vocab_fingerprint=vocab_fingerprint,
             vocab_size=vocab_size,
+            pool_namespace=current_tenant().pool_namespace,
         )
         await self._write(drafter_pb2.DraftRequest(start=start))
 
@@ -193,14 +207,21 @@ class GrpcDraftStream:
 
 
 class GrpcDrafter:
-    def __init__(self, channel: grpc.aio.Channel, target: str, vocab_size: int = 0) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        target: str,
+        vocab_size: int = 0,
+        metadata: Callable[[], Metadata] = ANONYMOUS_METADATA,
+    ) -> None:
         self._stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        self._metadata = metadata
         self._target = target
         self._vocab_size = vocab_size  # the target's, sent with each session: the drafter drops ids outside it
         self._wants_features: bool | None = None  # learnt from DrafterInfo on the first open
 
     async def info(self) -> drafter_pb2.DrafterInfoResponse:
-        return await self._stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=5.0)
+        return await self._stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=5.0, metadata=self._metadata())
 
     async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> GrpcDraftStream:
         if self._wants_features is None:
@@ -208,6 +229,6 @@ class GrpcDrafter:
                 self._wants_features = (await self.info()).wants_features
             except grpc.aio.AioRpcError as exc:
                 raise DrafterFailed(f"drafter at {self._target}: {exc.code().name}: {exc.details()}") from exc
-        stream = GrpcDraftStream(self._stub.Draft(), self._target, self._wants_features)
+        stream = GrpcDraftStream(self._stub.Draft(metadata=self._metadata()), self._target, self._wants_features)
         await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size)
         return stream

@@ -13,6 +13,7 @@ from draft_service.drafter import Drafter, DraftSession
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.sampling import SamplingParams
+from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier
 
@@ -90,7 +91,9 @@ class InProcessDrafter:
         self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str
     ) -> _InProcessDraftStream:
         try:
-            session = self._drafter.open_session(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size)
+            session = self._drafter.open_session(
+                session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, current_tenant().pool_namespace
+            )
             return _InProcessDraftStream(session, self._predraft)
         except ValueError as exc:  # the drafter cannot serve this session (a draft head for another vocabulary)
             raise DrafterFailed(str(exc)) from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.config import CoordinatorConfig, prompt_limits, round_policy
+from coordinator.config import CoordinatorConfig, internal_tls, prompt_limits, round_policy
 from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
@@ -21,6 +22,11 @@ from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
 from coordinator.server import GenerationBackend, GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
+from specserve.auth.config import security_from_args
+from specserve.auth.interceptors import ApiKeyInterceptor
+from specserve.auth.internal import InternalCredentials, Metadata
+from specserve.auth.keys import ApiKeys, KeyFileError
+from specserve.auth.tls import ExposureError, add_port, aio_channel, check_exposure
 from specserve.model_loading import (
     default_cache_root,
     load_generation_config,
@@ -90,10 +96,34 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     )
     parser.add_argument("--verifier-timeout-s", type=float, default=defaults.verifier_timeout_s)
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
+    parser.add_argument(
+        "--api-keys-file",
+        default=env("SPECSERVE_API_KEYS_FILE", ""),
+        help="YAML file of API key digests and tenants (reloaded when it changes); unset: no authentication",
+    )
+    parser.add_argument(
+        "--api-keys-reload-s",
+        type=float,
+        default=defaults.api_keys_reload_s,
+        help="how often to check the API key file for changes",
+    )
+    parser.add_argument("--internal-tls-ca", default=env("SPECSERVE_INTERNAL_TLS_CA", ""), help="PEM CA of the workers")
+    parser.add_argument(
+        "--internal-tls-cert",
+        default=env("SPECSERVE_INTERNAL_TLS_CERT", ""),
+        help="PEM client certificate for workers that require mTLS",
+    )
+    parser.add_argument("--internal-tls-key", default=env("SPECSERVE_INTERNAL_TLS_KEY", ""))
     args = parser.parse_args(argv)
+    try:
+        args.security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
     values["drafter"] = values["drafter"] or None
     values["cache_dir"] = values["cache_dir"] or None
+    for name in ("api_keys_file", "internal_tls_ca", "internal_tls_cert", "internal_tls_key"):
+        values[name] = values[name] or None
     return CoordinatorConfig(**values), args.log_level
 
 
@@ -114,16 +144,34 @@ async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: 
         await asyncio.sleep(0.5)
 
 
+def internal_channel(config: CoordinatorConfig, address: str, tier: str) -> grpc.aio.Channel:
+    """A channel to a worker at ``address`` of ``tier`` (a --verifier/--drafter target), TLS when configured.
+
+    A replica of a ``dns:///name:port`` tier is dialled by IP: its certificate is checked against ``name``.
+    """
+    options = channel_options()
+    tls = internal_tls(config)
+    if tls is not None and tier.startswith("dns:///") and address != tier:
+        options.append(("grpc.ssl_target_name_override", tier.removeprefix("dns:///").rsplit(":", 1)[0]))
+    return aio_channel(address, tls, options)
+
+
+def internal_metadata(config: CoordinatorConfig) -> Callable[[], Metadata]:
+    """Metadata for each internal call: the internal token (when configured) and the request's tenant."""
+    return InternalCredentials(config.security.internal_token()).metadata
+
+
 async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple[VerifierPort, VerifierInfo]:
     """The verifier tier (one or many replicas, with session affinity), checked for a matching vocabulary."""
-    channel = grpc.aio.insecure_channel(config.verifier, options=channel_options())
+    channel = internal_channel(config, config.verifier, config.verifier)
     log.info("waiting for the verifier at %s", config.verifier)
     await wait_until_serving(channel, config.verifier, config.startup_timeout_s)
     await channel.close()
+    metadata = internal_metadata(config)
 
     def connect(address: str) -> GrpcVerifier:
         return GrpcVerifier(
-            grpc.aio.insecure_channel(address, options=channel_options()), address, config.verifier_timeout_s
+            internal_channel(config, address, config.verifier), address, config.verifier_timeout_s, metadata
         )
 
     verifier = StickyVerifierRouter(replica_resolver(config.verifier), connect)
@@ -141,8 +189,8 @@ async def connect_drafter(config: CoordinatorConfig, fingerprint: str, vocab_siz
     """The drafter tier, or None when unset or serving another vocabulary (drafting is optional)."""
     if config.drafter is None:
         return None
-    channel = grpc.aio.insecure_channel(config.drafter, options=channel_options())
-    drafter = GrpcDrafter(channel, config.drafter, vocab_size)
+    channel = internal_channel(config, config.drafter, config.drafter)
+    drafter = GrpcDrafter(channel, config.drafter, vocab_size, internal_metadata(config))
     try:
         info = await drafter.info()
     except grpc.aio.AioRpcError as exc:
@@ -181,8 +229,30 @@ def health_checked(
     )
 
 
+def api_keys(config: CoordinatorConfig) -> ApiKeys | None:
+    """The API keys callers must present, after the exposure rule: None (no auth) only on loopback or --insecure."""
+    check_exposure(
+        "coordinator",
+        config.host,
+        authenticated=config.api_keys_file is not None,
+        insecure=config.security.insecure,
+        how="--api-keys-file (SPECSERVE_API_KEYS_FILE) with the digests of the callers' keys",
+        tls=config.security.tls.enabled,
+    )
+    if config.api_keys_file is None:
+        log.warning("authentication is off: anyone who reaches %s:%d may generate", config.host, config.port)
+        return None
+    return ApiKeys(Path(config.api_keys_file), config.api_keys_reload_s)
+
+
 async def serve(config: CoordinatorConfig) -> None:
-    server = grpc.aio.server(options=server_options())
+    try:
+        keys = api_keys(config)
+        internal_metadata(config)  # the token file is readable and not empty
+    except (ExposureError, KeyFileError, ValueError) as exc:
+        raise StartupError(str(exc)) from exc
+    interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
+    server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port)
@@ -190,7 +260,7 @@ async def serve(config: CoordinatorConfig) -> None:
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    add_port(server, address, config.security.tls)
     await server.start()
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
@@ -207,7 +277,12 @@ async def serve(config: CoordinatorConfig) -> None:
     limits = prompt_limits(config, info)
     servicer.attach(GenerationBackend(tokenizer, limits, new_generation))
     mark_serving(health, [SERVICE_NAME])
-    print(f"coordinator listening on {address} (verifier {config.verifier}, drafter {config.drafter})", flush=True)
+    auth = "API keys" if keys is not None else "auth off"
+    tls = "TLS" if config.security.tls.enabled else "plaintext"
+    print(
+        f"coordinator listening on {address} ({auth}, {tls}; verifier {config.verifier}, drafter {config.drafter})",
+        flush=True,
+    )
     await serve_until_signal(server)
 
 

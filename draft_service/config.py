@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from specserve.auth.config import ServerSecurity
 
 # The committed head for the packaged target (`make train-draft` writes it; it ships as package data).
 DEFAULT_DRAFT_HEAD = Path(__file__).resolve().parent / "weights" / "smollm2-draft-head.pt"
@@ -32,3 +34,4 @@ class DrafterConfig:
     torch_threads: int = 0  # 0: torch's default
     # Outcomes of each tree drafted ahead while the verifier checks it (pre-drafting); 0: off.
     predraft_outcomes: int = 3
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send

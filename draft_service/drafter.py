@@ -35,6 +35,7 @@ from draft_service.tree_builder import (
 )
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.ngram_pool import NgramPool
+from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree
 
 NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name)
@@ -171,7 +172,7 @@ class Drafter:
 
     def __init__(
         self,
-        pool_for: Callable[[str], NgramPool],
+        pool_for: Callable[[str, str], NgramPool],  # (vocabulary fingerprint, pool namespace) -> pool
         prompt_lookup: PromptLookupProposer | None = None,
         sources: Sequence[str] = NGRAM_SOURCES,
         cost: VerifyCost | None = None,
@@ -191,7 +192,8 @@ class Drafter:
         self.sources = tuple(sources)
         self._cost = cost or VerifyCost()
         self._stats: dict[str, AcceptanceStats] = {}
-        self._successors: dict[str, SuccessorTable] = {}
+        # Per (vocabulary, pool namespace): the target's top tokens after each token are the tenant's text too.
+        self._successors: dict[tuple[str, str], SuccessorTable] = {}
         # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
         # where drafting has its own cores: in one process with the verifier it would take the verifier's.
         self.predraft_outcomes = predraft_outcomes
@@ -207,21 +209,28 @@ class Drafter:
         return self._head.target_fingerprint if self._head is not None else ""
 
     def open_session(
-        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, vocab_size: int = 0
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        vocab_fingerprint: str,
+        vocab_size: int = 0,
+        pool_namespace: str = "",
     ) -> DraftSession:
         """A session for a target of ``vocab_fingerprint``; ValueError when the draft head cannot serve it.
 
-        ``vocab_size``: the target's (0: unknown); draft tokens outside it are dropped.
+        ``vocab_size``: the target's (0: unknown); draft tokens outside it are dropped. ``pool_namespace``: the
+        tenant's n-gram pool and successor table (``Tenant.pool_namespace``; empty: the anonymous tenant's).
         """
         if self._head is not None and self._head.target_fingerprint not in ("", vocab_fingerprint):
             raise ValueError(
                 f"this drafter's draft head was trained for the vocabulary {self._head.target_fingerprint}, "
                 f"the session's target has {vocab_fingerprint}: start the drafter with a head for that target"
             )
-        pool = self._pool_for(vocab_fingerprint)
+        namespace = pool_namespace or ANONYMOUS.pool_namespace
+        pool = self._pool_for(vocab_fingerprint, namespace)
         if vocab_size > 0:
             pool.limit_vocab(vocab_size)
-        successors = self._successors.setdefault(vocab_fingerprint, SuccessorTable())
+        successors = self._successors.setdefault((vocab_fingerprint, namespace), SuccessorTable())
         available: dict[str, Proposer] = {
             PromptLookupProposer.name: self._prompt_lookup,
             PoolProposer.name: PoolProposer(pool),
@@ -233,3 +242,10 @@ class Drafter:
         builder = TreeBuilder(AcceptanceStats(parent=shared), self._cost)
         proposers = [available[name] for name in self.sources]
         return DraftSession(session_id, prompt_tokens, pool, proposers, builder, self.predraft_outcomes, vocab_size)
+
+    def forget_successors(self, pool_namespace: str) -> int:
+        """Drop the successor tables of ``pool_namespace`` (a purge); how many there were."""
+        keys = [key for key in self._successors if key[1] == pool_namespace]
+        for key in keys:
+            del self._successors[key]
+        return len(keys)

@@ -18,6 +18,9 @@ from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
+from specserve.auth.config import security_from_args
+from specserve.auth.interceptors import AioInternalTokenInterceptor
+from specserve.auth.tls import ExposureError, add_port
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -76,6 +79,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         help="likeliest outcomes of each tree to draft the next round for while the verifier checks it (0: off)",
     )
     args = parser.parse_args(argv)
+    try:
+        args.security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     values = {f.name: getattr(args, f.name) for f in fields(DrafterConfig)}
     values["redis_url"] = values["redis_url"] or None
     values["sources"] = tuple(name.strip() for name in args.sources.split(",") if name.strip())
@@ -119,7 +126,18 @@ def load_head(config: DrafterConfig) -> DraftHead:
     return head
 
 
+def interceptors(config: DrafterConfig) -> list[grpc.aio.ServerInterceptor]:
+    """The internal token check, after the exposure rule (SystemExit with what to pass when it fails)."""
+    try:
+        config.security.check_internal_exposure("drafter", config.host)
+        token = config.security.internal_token()
+    except (ExposureError, ValueError) as exc:
+        raise SystemExit(str(exc)) from exc
+    return [AioInternalTokenInterceptor(token)] if token is not None else []
+
+
 async def serve(config: DrafterConfig) -> None:
+    checks = interceptors(config)
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     head = None
@@ -129,11 +147,11 @@ async def serve(config: DrafterConfig) -> None:
         except DraftHeadError as exc:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)
-    server = grpc.aio.server(options=server_options())
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter), server)
+    server = grpc.aio.server(options=server_options(), interceptors=checks)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter, pools), server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    add_port(server, address, config.security.tls)
     await server.start()
     mark_serving(health, [SERVICE_NAME])
     if config.metrics_port:

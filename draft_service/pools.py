@@ -1,18 +1,37 @@
-"""One n-gram pool per vocabulary fingerprint: in Redis when configured, else in memory."""
+"""One n-gram pool per (vocabulary fingerprint, pool namespace): in Redis when configured, else in memory.
+
+The namespace is the tenant's (``Tenant.pool_namespace``): ``tenant:<name>``, or ``shared`` for the tenants
+that opted into sharing. Pools of different namespaces never mix: a pool's continuations are other requests'
+output, so a shared pool would let one tenant draft from (and probe for) another's text.
+"""
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
 
 import redis
 
 from specserve.ngram_pool import FallbackPool, InMemoryNgramPool, NgramPool, PoolShape
-from specserve.redis_pool import RedisNgramPool
+from specserve.redis_pool import RedisNgramPool, purge_namespace
+from specserve.tenancy import ANONYMOUS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PurgeCounts:
+    """What purging one namespace removed."""
+
+    memory_pools: int = 0
+    memory_keys: int = 0
+    redis_keys: int = 0
 
 
 class PoolRegistry:
-    """Callable mapping a vocabulary fingerprint to its pool.
+    """Callable mapping (vocabulary fingerprint, namespace) to its pool.
 
-    Pools of different vocabularies never mix: token ids only mean something
-    under one tokenizer.
+    Pools of different vocabularies never mix either: token ids only mean something under one tokenizer.
     """
 
     def __init__(self, shape: PoolShape, redis_url: str | None, redis_timeout_s: float, max_keys: int) -> None:
@@ -23,17 +42,45 @@ class PoolRegistry:
             if redis_url
             else None
         )
-        self._pools: dict[str, NgramPool] = {}
+        self._pools: dict[tuple[str, str], NgramPool] = {}
+        self._local: dict[tuple[str, str], InMemoryNgramPool] = {}
 
     @property
     def backend(self) -> str:
         return "redis" if self._client is not None else "memory"
 
-    def __call__(self, fingerprint: str) -> NgramPool:
-        pool = self._pools.get(fingerprint)
+    def __call__(self, fingerprint: str, namespace: str = "") -> NgramPool:
+        key = (fingerprint, namespace or ANONYMOUS.pool_namespace)
+        pool = self._pools.get(key)
         if pool is None:
-            pool = InMemoryNgramPool(self._shape, self._max_keys)
+            local = InMemoryNgramPool(self._shape, self._max_keys)
+            pool = local
             if self._client is not None:
-                pool = FallbackPool(RedisNgramPool(self._client, fingerprint or "any", self._shape), pool)
-            self._pools[fingerprint] = pool
+                pool = FallbackPool(RedisNgramPool(self._client, redis_namespace(*key), self._shape), local)
+            self._pools[key] = pool
+            self._local[key] = local
         return pool
+
+    def purge_memory(self, namespace: str) -> PurgeCounts:
+        """Forget ``namespace``'s in-memory pools, emptied (sessions still open keep no old text).
+
+        Not thread-safe: call it where sessions are served (the drafter's drafting lock).
+        """
+        keys = [key for key in self._local if key[1] == namespace]
+        memory_keys = 0
+        for key in keys:
+            local = self._local.pop(key)
+            memory_keys += len(local)
+            local.clear()
+            del self._pools[key]
+        return PurgeCounts(memory_pools=len(keys), memory_keys=memory_keys)
+
+    def purge_shared(self, namespace: str) -> int:
+        """Delete ``namespace``'s Redis keys (SCAN + DEL in batches); how many. Sessions of the namespace still
+        open may write a few windows back afterwards."""
+        return purge_namespace(self._client, namespace) if self._client is not None else 0
+
+
+def redis_namespace(fingerprint: str, namespace: str) -> str:
+    """The Redis key prefix part of one pool: namespace first, so one SCAN pattern finds a tenant's keys."""
+    return f"{namespace}:{fingerprint or 'any'}"

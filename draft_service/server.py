@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from draft_service.drafter import Drafter, DraftSession
+from draft_service.pools import PoolRegistry
 from specserve import errors
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.rpc import status_code
@@ -68,8 +69,9 @@ class FeaturesAhead:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, pools: PoolRegistry | None = None) -> None:
         self._drafter = drafter
+        self._pools = pools
         self._num_active_sessions = 0
         self._drafting = threading.Lock()
         self._num_waiting = 0  # proposals waiting for the drafting lock: pre-drafting yields to them
@@ -108,7 +110,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         start = first.start
         try:
             session = self._drafter.open_session(
-                start.session_id, list(start.prompt_token_ids), start.vocab_fingerprint, start.vocab_size
+                start.session_id,
+                list(start.prompt_token_ids),
+                start.vocab_fingerprint,
+                start.vocab_size,
+                start.pool_namespace,
             )
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -169,4 +175,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             sources=self._drafter.sources,
             num_active_sessions=self._num_active_sessions,
             wants_features=self._drafter.wants_features,
+        )
+
+    async def PurgePool(
+        self, request: drafter_pb2.PurgePoolRequest, context: grpc.aio.ServicerContext
+    ) -> drafter_pb2.PurgePoolResponse:
+        namespace = request.pool_namespace
+        if not namespace:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "pool_namespace is required: 'tenant:<name>' or 'shared'"
+            )
+
+        def purge_memory() -> tuple[int, int, int]:
+            with self._drafting:  # sessions draft from these pools and tables under this lock
+                counts = self._pools.purge_memory(namespace) if self._pools is not None else None
+                tables = self._drafter.forget_successors(namespace)
+            return (counts.memory_pools if counts else 0), (counts.memory_keys if counts else 0), tables
+
+        pools, keys, tables = await asyncio.to_thread(purge_memory)
+        redis_keys = await asyncio.to_thread(self._pools.purge_shared, namespace) if self._pools is not None else 0
+        _log.info("purged pool namespace %s: %d in-memory keys, %d Redis keys", namespace, keys, redis_keys)
+        return drafter_pb2.PurgePoolResponse(
+            memory_pools=pools, memory_keys=keys, redis_keys=redis_keys, successor_tables=tables
         )

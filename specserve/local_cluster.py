@@ -29,14 +29,21 @@ def free_port() -> int:
         return port
 
 
-def wait_serving(address: str, timeout_s: float, *watched: subprocess.Popen[bytes]) -> None:
+def wait_serving(
+    address: str,
+    timeout_s: float,
+    *watched: subprocess.Popen[bytes],
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Block until the server at ``address`` reports SERVING on grpc.health.v1.
 
     Fails at once when any ``watched`` process exits (a crashed dependency
-    would otherwise keep the server waiting until the timeout).
+    would otherwise keep the server waiting until the timeout). ``credentials``:
+    for a TLS server (health checks need no API key or token).
     """
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             for process in watched:
@@ -69,6 +76,8 @@ class LocalCluster:
     # CPUs per service ("verifier", "drafter", "coordinator"): a benchmark's stand-in for separate machines.
     cpus: dict[str, frozenset[int]] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # TLS roots (and client certificate) to health-check a coordinator started with --tls-cert; None: plaintext.
+    coordinator_credentials: grpc.ChannelCredentials | None = None
 
     @property
     def coordinator_address(self) -> str:
@@ -116,7 +125,12 @@ class LocalCluster:
         coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
         self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
         try:
-            wait_serving(self.coordinator_address, timeout_s, *self.processes.values())
+            wait_serving(
+                self.coordinator_address,
+                timeout_s,
+                *self.processes.values(),
+                credentials=self.coordinator_credentials,
+            )
         except BaseException:
             self.stop()
             raise
@@ -168,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"specserve is up: coordinator {cluster.coordinator_address}, drafter {cluster.drafter_address}, "
             f"verifier {cluster.verifier_address} (n-gram pool: {args.redis_url or 'in-memory'})\n"
+            "auth is off: no API keys, no TLS, loopback only (see the README's Privacy model to turn it on)\n"
             f'try:  specserve generate "Write a haiku about the sea"    (Ctrl-C stops all three)',
             flush=True,
         )

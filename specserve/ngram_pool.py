@@ -101,6 +101,10 @@ class InMemoryNgramPool:
     def flush(self) -> None:
         return None
 
+    def clear(self) -> None:
+        """Forget everything (a purge of the pool's namespace)."""
+        self._counts.clear()
+
     def limit_vocab(self, vocab_size: int) -> None:
         self._vocab_size = vocab_size
 

@@ -1,10 +1,12 @@
 """The n-gram pool in Redis, shared by every drafter pod.
 
-Keys are ``specserve:{fingerprint}:ng:{key_len}:{key}``, a sorted set of
+Keys are ``specserve:{namespace}:ng:{key_len}:{key}``, a sorted set of
 continuations scored by count. A Lua script increments the counts, trims each
 set to the most frequent continuations and refreshes the TTL, atomically.
 Recorded windows wait for the next lookup and travel with it in one pipeline,
-so a drafting round costs one Redis round trip.
+so a drafting round costs one Redis round trip. The drafter's namespace is
+``{pool namespace}:{vocabulary fingerprint}`` (``draft_service.pools``), so
+``purge_namespace`` finds one tenant's keys with one SCAN pattern.
 
 Redis is an accelerator, never a dependency: every failure (down, slow,
 restarted, foreign data) degrades to "no continuations" and the pool stops
@@ -129,3 +131,24 @@ class RedisNgramPool:
                 )
             self._down_until = self._clock() + self._retry_after_s
             return None
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def purge_namespace(client: redis.Redis, namespace: str, batch: int = 500) -> int:
+    """Delete every key of pools whose namespace starts with ``namespace:``; the number deleted.
+
+    SCAN (never KEYS, which blocks Redis for the whole keyspace) and DEL in batches of ``batch``.
+    """
+    deleted = 0
+    pending: list[bytes] = []
+    for key in client.scan_iter(match=f"specserve:{_glob_escape(namespace)}:*", count=batch):
+        pending.append(key)
+        if len(pending) >= batch:
+            deleted += int(client.delete(*pending))
+            pending = []
+    if pending:
+        deleted += int(client.delete(*pending))
+    return deleted

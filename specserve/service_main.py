@@ -23,6 +23,30 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         help="port of the Prometheus /metrics endpoint (0: disabled)",
     )
     parser.add_argument("--log-level", default=env("SPECSERVE_LOG_LEVEL", "INFO"))
+    add_security_flags(parser)
+
+
+def add_security_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS, mTLS, the internal token and --insecure (read with ``specserve.auth.config.security_from_args``)."""
+    tls = parser.add_argument_group("security")
+    tls.add_argument("--tls-cert", default=env("SPECSERVE_TLS_CERT", ""), help="PEM certificate (chain): serve TLS")
+    tls.add_argument("--tls-key", default=env("SPECSERVE_TLS_KEY", ""), help="PEM private key of --tls-cert")
+    tls.add_argument(
+        "--tls-client-ca",
+        default=env("SPECSERVE_TLS_CLIENT_CA", ""),
+        help="PEM CA bundle: require client certificates it signed (mTLS)",
+    )
+    tls.add_argument(
+        "--internal-token-file",
+        default=env("SPECSERVE_INTERNAL_TOKEN_FILE", ""),
+        help="verifier/drafter: the token callers must send; coordinator: the token it sends to them",
+    )
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        default=env("SPECSERVE_INSECURE", "") in ("1", "true", "yes"),
+        help="allow a --host other than loopback without authentication",
+    )
 
 
 def setup_logging(level: str, service: str) -> None:

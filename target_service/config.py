@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from specserve.auth.config import ServerSecurity
 
 
 @dataclass(frozen=True)
@@ -28,3 +30,4 @@ class VerifierConfig:
     torch_threads: int = 0  # 0: torch's default
     max_workers: int = 256  # concurrent RPCs (they wait on the engine; forwards are batched)
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import grpc
 
+from specserve.auth.config import security_from_args
+from specserve.auth.interceptors import InternalTokenInterceptor
+from specserve.auth.tls import ExposureError, add_port
 from specserve.hardware import choose_dtype
 from specserve.model_loading import (
     default_cache_root,
@@ -97,6 +100,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
     parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
     parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
     args = parser.parse_args(argv)
+    try:
+        args.security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     values = {f.name: getattr(args, f.name) for f in fields(VerifierConfig)}
     values["cache_dir"] = values["cache_dir"] or None
     return VerifierConfig(**values), args.log_level
@@ -147,16 +154,30 @@ def _size_budgets(verifier: Verifier, cached: Path) -> None:
         log.warning("could not keep the cost curve in %s: %s", cached, exc)
 
 
+def interceptors(config: VerifierConfig) -> list[grpc.ServerInterceptor]:
+    """The internal token check, after the exposure rule (SystemExit with what to pass when it fails)."""
+    try:
+        config.security.check_internal_exposure("verifier", config.host)
+        token = config.security.internal_token()
+    except (ExposureError, ValueError) as exc:
+        raise SystemExit(str(exc)) from exc
+    return [InternalTokenInterceptor(token)] if token is not None else []
+
+
 def main(argv: list[str] | None = None) -> None:
     config, log_level = parse_config(argv)
     setup_logging(log_level, "verifier")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=server_options())
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_workers),
+        options=server_options(),
+        interceptors=interceptors(config),
+    )
     metrics = VerifierMetrics()
     servicer = VerifierServicer(metrics)
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    add_port(server, address, config.security.tls)
     server.start()
     stopped = threading.Event()
 

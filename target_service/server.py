@@ -7,6 +7,7 @@ from typing import TypeVar
 
 import grpc
 
+from specserve.auth.internal import session_owner
 from specserve.errors import Unavailable
 from specserve.rpc import maps_domain_errors
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
@@ -15,6 +16,11 @@ from target_service.metrics import VerifierMetrics
 from target_service.verifier import Verifier
 
 T = TypeVar("T")
+
+
+def _owner(context: grpc.ServicerContext) -> str:
+    """Who the call acts for (caller and tenant): a session answers only the owner that created it."""
+    return session_owner(context.invocation_metadata(), context.peer_identities())
 
 
 def _wait(future: Future[T], context: grpc.ServicerContext) -> T:
@@ -53,6 +59,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 list(request.token_ids),
                 sampling_from_proto(request.sampling),
                 request.return_features,
+                owner=_owner(context),
             )
             result = _wait(submitted, context)
         self._metrics.sessions(self._verifier.num_active_sessions)
@@ -63,7 +70,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         tree = tree_from_proto(request.tree)
         with self._metrics.in_flight():
             submitted = self._verifier.submit_verify(
-                request.session_id, request.num_committed_tokens, tree, request.top_k, request.return_features
+                request.session_id,
+                request.num_committed_tokens,
+                tree,
+                request.top_k,
+                request.return_features,
+                owner=_owner(context),
             )
             result = _wait(submitted, context)
         self._metrics.verified(num_draft=len(tree), num_accepted=len(result.accepted_tokens))
@@ -84,7 +96,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def Release(
         self, request: verifier_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.ReleaseResponse:
-        released = self._verifier.release(request.session_id)
+        released = self._verifier.release(request.session_id, owner=_owner(context))
         self._metrics.sessions(self._verifier.num_active_sessions)
         return verifier_pb2.ReleaseResponse(released=released)
 

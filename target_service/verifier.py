@@ -43,6 +43,7 @@ from specserve.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     SpecserveError,
     Unavailable,
@@ -78,6 +79,7 @@ class _Session:
     sampling: SamplingParams
     seed: int  # keys the sampling draws by position (keyed_noise)
     acceptance: SessionAcceptance = field(default_factory=SessionAcceptance)  # sizes its draft budget
+    owner: str = ""  # who created it (caller and tenant, from the edge); only the owner may use or release it
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ class EngineStats:
 @dataclass(eq=False)
 class _Call:
     session_id: str
+    owner: str = ""
     future: Future[Any] = field(default_factory=Future)
     enqueued_ns: int = field(default_factory=time.perf_counter_ns)
     started_ns: int = 0  # first step that served it
@@ -277,9 +280,17 @@ class Verifier:
         return result
 
     def submit_prefill(
-        self, session_id: str, token_ids: list[int], sampling: SamplingParams, return_features: bool = False
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        return_features: bool = False,
+        owner: str = "",
     ) -> Future[PrefillResult]:
-        """Queue a prefill; cancelling the future before it completes frees what it held."""
+        """Queue a prefill; cancelling the future before it completes frees what it held.
+
+        The session belongs to ``owner``: a prefill, verify or release by anyone else is PermissionDenied.
+        """
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
         if not token_ids:
@@ -300,7 +311,9 @@ class Verifier:
                 f"{len(token_ids)} tokens need {needed / 2**20:.1f} MiB of KV cache, more than the verifier's "
                 f"{self._arena.capacity_bytes / 2**20:.1f} MiB: raise --kv-cache-gib or send a shorter prompt"
             )
-        call = _PrefillCall(session_id, tokens=list(token_ids), sampling=sampling, return_features=return_features)
+        call = _PrefillCall(
+            session_id, owner, tokens=list(token_ids), sampling=sampling, return_features=return_features
+        )
         return self._submit(call)
 
     def verify(
@@ -315,7 +328,13 @@ class Verifier:
         return result
 
     def submit_verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        top_k: int = 0,
+        return_features: bool = False,
+        owner: str = "",
     ) -> Future[VerifyResult]:
         try:
             tree.validate(self.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
@@ -324,7 +343,7 @@ class Verifier:
         if top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
         call = _VerifyCall(
-            session_id, num_committed=num_committed, tree=tree, top_k=top_k, return_features=return_features
+            session_id, owner, num_committed=num_committed, tree=tree, top_k=top_k, return_features=return_features
         )
         return self._submit(call)
 
@@ -364,8 +383,8 @@ class Verifier:
                 self._cond.wait(timeout=min(left, 0.05))
         return True
 
-    def release(self, session_id: str) -> bool:
-        released: bool = self._submit(_ReleaseCall(session_id)).result()
+    def release(self, session_id: str, owner: str = "") -> bool:
+        released: bool = self._submit(_ReleaseCall(session_id, owner)).result()
         return released
 
     def profile_cost(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 2) -> CostCurve:
@@ -523,6 +542,8 @@ class Verifier:
                 continue
             elif call.session_id in seen:
                 deferred.append(call)
+            elif not self._owned_by_caller(call):
+                pass  # answered PermissionDenied
             elif isinstance(call, _ReleaseCall):
                 self._release_now(call)
             elif isinstance(call, _PrefillCall):
@@ -553,6 +574,19 @@ class Verifier:
         with self._cond:
             self._queue.extendleft(reversed(deferred))
         return work
+
+    def _owned_by_caller(self, call: _Call) -> bool:
+        """False (and the call answered PermissionDenied) when the session exists and another owner created it.
+
+        A prefill in progress is not checked again: it was when it started.
+        """
+        if isinstance(call, _PrefillCall) and call.session is not None:
+            return True
+        session = self._sessions.peek(call.session_id)
+        if session is None or session.owner == call.owner:
+            return True
+        _fail(call, PermissionDenied(f"session {call.session_id!r} belongs to another caller or tenant"))
+        return False
 
     def _session_for(self, call: _VerifyCall) -> _Session | None:
         """The call's session if it is there and in step; otherwise the call is answered with the error."""
@@ -626,7 +660,7 @@ class Verifier:
         if region is None:
             return False
         seed = call.sampling.seed if call.sampling.seed is not None else fresh_seed()
-        call.session = _Session(list(call.tokens), region, call.sampling, seed)
+        call.session = _Session(list(call.tokens), region, call.sampling, seed, owner=call.owner)
         return True
 
     def _advance_prefill(self, call: _PrefillCall, tokens: int) -> None:

@@ -22,8 +22,10 @@ import pytest
 import redis
 
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
+from draft_service.pools import redis_namespace
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.model_loading import vocab_fingerprint
+from specserve.tenancy import ANONYMOUS
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.integration.conftest import FP32_VERIFIER, Target
 from tests.redis_server import RedisServer
@@ -113,7 +115,8 @@ def test_poisoned_redis_entries_never_reach_the_verifier(
     baseline = generate(cluster.coordinator_address)
     assert baseline.tokens == reference
     context = target.chat_ids(PROMPT) + reference
-    prefix = f"specserve:{vocab_fingerprint(target.tokenizer)}:ng:3:"
+    # The anonymous tenant's pool: this cluster runs without authentication.
+    prefix = f"specserve:{redis_namespace(vocab_fingerprint(target.tokenizer), ANONYMOUS.pool_namespace)}:ng:3:"
     client = redis.Redis(port=private_redis.port)
     for i in range(3, len(context)):
         truth = context[i : i + 7]

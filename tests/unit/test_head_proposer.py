@@ -210,7 +210,7 @@ def generate(
 ) -> tuple[list[int], GenerationStats]:
     head.target_fingerprint = fingerprint
     pool = InMemoryNgramPool()
-    drafter = Drafter(lambda _: pool, sources=sources, cost=FREE, draft_head=head, predraft_outcomes=predraft_outcomes)
+    drafter = Drafter(lambda *_: pool, sources=sources, cost=FREE, draft_head=head, predraft_outcomes=predraft_outcomes)
     generation = Generation(
         request,
         InProcessVerifier(Verifier(TARGET, "fp")),
@@ -267,7 +267,7 @@ def test_a_head_for_another_vocabulary_is_refused_per_session(head: DraftHead) -
 
 def test_the_session_collects_forwarded_features(head: DraftHead) -> None:
     head.target_fingerprint = "fp"
-    drafter = Drafter(lambda _: InMemoryNgramPool(), sources=("draft_model",), draft_head=head)
+    drafter = Drafter(lambda *_: InMemoryNgramPool(), sources=("draft_model",), draft_head=head)
     assert drafter.wants_features and drafter.vocab_fingerprint == "fp"
     session = drafter.open_session("s", [1, 2, 3], "fp")
     session.propose(DraftFeedback((4,), (), np.zeros((3, 64), dtype=np.float16)), 0)
@@ -278,12 +278,12 @@ def test_the_session_collects_forwarded_features(head: DraftHead) -> None:
     log = proposer.features
     assert log.count == 5 == len(session.tokens) - 1
     assert log.since(3).tolist() == [[1.0] * 64] * 2
-    assert not Drafter(lambda _: InMemoryNgramPool()).wants_features
+    assert not Drafter(lambda *_: InMemoryNgramPool()).wants_features
 
 
 def test_the_draft_model_source_needs_a_head() -> None:
     with pytest.raises(ValueError, match="needs a draft head"):
-        Drafter(lambda _: InMemoryNgramPool(), sources=("draft_model",))
+        Drafter(lambda *_: InMemoryNgramPool(), sources=("draft_model",))
 
 
 def test_feature_log_hands_out_rows_from_a_position() -> None:

@@ -62,7 +62,7 @@ def test_pool_proposer_uses_the_most_frequent_continuation() -> None:
 
 def test_draft_session_records_only_generated_output_and_falls_back_to_the_pool() -> None:
     pool = InMemoryNgramPool(PoolShape(key_len=2, continuation_len=2))
-    drafter = Drafter(lambda fingerprint: pool, cost=VerifyCost({0: 1.0, 64: 1.0}))  # free verification: keep all
+    drafter = Drafter(lambda *_: pool, cost=VerifyCost({0: 1.0, 64: 1.0}))  # free verification: keep all
     first = drafter.open_session("a", [1, 2, 3, 4, 5], "fp")
     first.propose(DraftFeedback((6, 7)), max_nodes=4)
     # A window counts once it reaches into the output; windows wholly in the prompt do not.

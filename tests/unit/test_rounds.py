@@ -23,7 +23,7 @@ MODEL = tiny_llama(vocab_size=VOCAB)
 
 def drafter() -> InProcessDrafter:
     pool = InMemoryNgramPool()
-    return InProcessDrafter(Drafter(lambda fingerprint: pool))
+    return InProcessDrafter(Drafter(lambda fingerprint, namespace: pool))
 
 
 run = run_generation
