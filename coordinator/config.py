@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.admission import AdmissionLimits
 from coordinator.ports import VerifierInfo
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import RoundPolicy
@@ -28,6 +29,12 @@ class CoordinatorConfig:
     verifier_timeout_s: float = 120.0
     startup_timeout_s: float = 900.0  # how long to wait for the verifier to load its model
     metrics_port: int = 0
+    # Admission (coordinator.admission): streams running at once; the default matches one verifier's engine
+    # step (its --max-batch-sessions), the queue its --max-sessions.
+    max_concurrent_streams: int = 64
+    max_queued_streams: int = 256  # streams waiting for a slot; more are refused with RESOURCE_EXHAUSTED
+    queue_timeout_s: float = 30.0  # a queued stream waits this long for a slot, then RESOURCE_EXHAUSTED
+    tenant_max_concurrent_streams: int = 0  # per tenant, unless its own setting says otherwise; 0: no limit
 
 
 def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPolicy:
@@ -38,6 +45,15 @@ def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPoli
         max_session_tokens=verifier.max_session_tokens,
         successors_top_k=config.successors_top_k,
         tree_limits=TreeLimits.of(verifier),
+    )
+
+
+def admission_limits(config: CoordinatorConfig) -> AdmissionLimits:
+    return AdmissionLimits(
+        max_running=config.max_concurrent_streams,
+        max_queued=config.max_queued_streams,
+        queue_timeout_s=config.queue_timeout_s,
+        tenant_max_running=config.tenant_max_concurrent_streams,
     )
 
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from coordinator.ports import DrafterFailed, VerifierInfo
+from coordinator import deadlines
+from coordinator.ports import DrafterFailed, ReplicaUnreachable, VerifierInfo
 from specserve import errors
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
@@ -37,7 +38,11 @@ _DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
 }
+
+RELEASE_TIMEOUT_S = 5.0
+"""Most a Release waits. Not bounded by the request's deadline: releasing is the clean-up after it passed."""
 
 
 class GrpcVerifier:
@@ -50,6 +55,8 @@ class GrpcVerifier:
         error = _DOMAIN_ERRORS.get(exc.code())
         if error is not None:
             return error(exc.details() or "")
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return ReplicaUnreachable(f"verifier at {self._target} is unreachable: {exc.details()}")
         return errors.Unavailable(f"verifier at {self._target} failed: {exc.code().name}: {exc.details()}")
 
     async def info(self) -> VerifierInfo:
@@ -77,7 +84,7 @@ class GrpcVerifier:
             return_features=return_features,
         )
         try:
-            response = await self._stub.Prefill(request, timeout=self._timeout_s)
+            response = await self._stub.Prefill(request, timeout=deadlines.bounded(self._timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         return PrefillResult(int(response.prefill_ns), self._features(response.features))
@@ -93,7 +100,7 @@ class GrpcVerifier:
             return_features=return_features,
         )
         try:
-            r = await self._stub.Verify(request, timeout=self._timeout_s)
+            r = await self._stub.Verify(request, timeout=deadlines.bounded(self._timeout_s))
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         flat = list(r.top_token_ids)
@@ -118,7 +125,8 @@ class GrpcVerifier:
 
     async def release(self, session_id: str) -> None:
         try:
-            await self._stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout_s)
+            request = verifier_pb2.ReleaseRequest(session_id=session_id)
+            await self._stub.Release(request, timeout=min(self._timeout_s, RELEASE_TIMEOUT_S))
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
 

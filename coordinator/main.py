@@ -12,7 +12,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.config import CoordinatorConfig, prompt_limits, round_policy
+from coordinator.admission import AdmissionController
+from coordinator.config import CoordinatorConfig, admission_limits, prompt_limits, round_policy
 from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
@@ -90,11 +91,39 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     )
     parser.add_argument("--verifier-timeout-s", type=float, default=defaults.verifier_timeout_s)
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
+    add_admission_flags(parser, defaults)
     args = parser.parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
     values["drafter"] = values["drafter"] or None
     values["cache_dir"] = values["cache_dir"] or None
     return CoordinatorConfig(**values), args.log_level
+
+
+def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorConfig) -> None:
+    parser.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=int(env("SPECSERVE_MAX_CONCURRENT_STREAMS", str(defaults.max_concurrent_streams))),
+        help="generations running at once; more wait in the queue",
+    )
+    parser.add_argument(
+        "--max-queued-streams",
+        type=int,
+        default=int(env("SPECSERVE_MAX_QUEUED_STREAMS", str(defaults.max_queued_streams))),
+        help="generations waiting for a slot; more are refused with RESOURCE_EXHAUSTED (and retry-after-ms)",
+    )
+    parser.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=float(env("SPECSERVE_QUEUE_TIMEOUT_S", str(defaults.queue_timeout_s))),
+        help="how long a generation waits for a slot before it is refused with RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--tenant-max-concurrent-streams",
+        type=int,
+        default=int(env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", str(defaults.tenant_max_concurrent_streams))),
+        help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit",
+    )
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
@@ -116,17 +145,22 @@ async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: 
 
 async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple[VerifierPort, VerifierInfo]:
     """The verifier tier (one or many replicas, with session affinity), checked for a matching vocabulary."""
-    channel = grpc.aio.insecure_channel(config.verifier, options=channel_options())
-    log.info("waiting for the verifier at %s", config.verifier)
-    await wait_until_serving(channel, config.verifier, config.startup_timeout_s)
-    await channel.close()
+    resolve = replica_resolver(config.verifier)
+    # A dns:/// target is one gRPC target (round-robin over its pods); a comma-separated list is waited for
+    # replica by replica, so no session is pinned to one still loading its model.
+    targets = [config.verifier] if config.verifier.startswith("dns:///") else resolve()
+    for target in targets:
+        channel = grpc.aio.insecure_channel(target, options=channel_options())
+        log.info("waiting for the verifier at %s", target)
+        await wait_until_serving(channel, target, config.startup_timeout_s)
+        await channel.close()
 
     def connect(address: str) -> GrpcVerifier:
         return GrpcVerifier(
             grpc.aio.insecure_channel(address, options=channel_options()), address, config.verifier_timeout_s
         )
 
-    verifier = StickyVerifierRouter(replica_resolver(config.verifier), connect)
+    verifier = StickyVerifierRouter(resolve, connect)
     info = await verifier.info()
     if info.vocab_fingerprint != fingerprint:
         raise StartupError(
@@ -186,7 +220,7 @@ async def serve(config: CoordinatorConfig) -> None:
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port)
-    servicer = GenerationServicer(metrics=metrics)
+    servicer = GenerationServicer(metrics=metrics, admission=AdmissionController(admission_limits(config), metrics))
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
