@@ -14,6 +14,9 @@ their slots: the time for as many slots to free as there are waiters ahead.
 
 Pure asyncio: the gRPC edge opens ``slot()`` around the stream, and the slot is released however the
 stream ends (finished, failed, cancelled by the client).
+
+Shutdown: ``drain()`` refuses new and queued streams with UNAVAILABLE (a client retries them on another
+coordinator) while the running ones go on; ``wait_idle()`` waits for them to finish.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coordinator import deadlines
-from specserve.errors import DeadlineExceeded, ResourceExhausted
+from specserve.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from specserve.tenancy import Tenant
 
 DEFAULT_RETRY_AFTER_S = 1.0  # before any stream has finished, there is nothing to estimate from
@@ -76,6 +79,7 @@ class AdmissionController:
     _running: dict[str, int] = field(default_factory=dict)  # tenant name -> slots held
     _queue: deque[_Waiter] = field(default_factory=deque)
     _held_s: deque[float] = field(default_factory=lambda: deque(maxlen=64))  # recent streams' slot times
+    _draining: bool = False
 
     @property
     def running(self) -> int:
@@ -98,6 +102,24 @@ class AdmissionController:
         finally:
             self._held_s.append(self.clock() - started)
             self._release(tenant.name)
+
+    def drain(self) -> None:
+        """Refuse new streams and the queued ones from now on; running streams go on to their end."""
+        self._draining = True
+        for waiter in self._queue:
+            waiter.granted.set_exception(self._shutting_down())
+        self._queue.clear()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every running stream to end; whether they all did."""
+        deadline = self.clock() + timeout_s
+        while self.running and self.clock() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.running
+
+    @staticmethod
+    def _shutting_down() -> Unavailable:
+        return Unavailable("the coordinator is shutting down: retry, another replica will take the request")
 
     def _may_run(self, tenant: str, limit: int) -> bool:
         return self.running < self.limits.max_running and (limit <= 0 or self._running.get(tenant, 0) < limit)
@@ -124,6 +146,8 @@ class AdmissionController:
     async def _acquire(self, tenant: Tenant) -> float:
         """Take a slot for ``tenant``; returns the seconds spent waiting for it."""
         deadlines.check()
+        if self._draining:
+            raise self._shutting_down()
         limit = self.tenant_limit(tenant)
         if self._may_run(tenant.name, limit):
             self._take(tenant.name)
@@ -152,10 +176,11 @@ class AdmissionController:
             if not waiter.granted.done():
                 self._leave(waiter)
                 raise self._timed_out(waiter, timeout_s, deadline_first) from None
-        except BaseException:  # the client went away while waiting
-            if waiter.granted.done():
+        except BaseException:  # the client went away while waiting, or the coordinator is shutting down
+            granted = waiter.granted
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
                 self._release(tenant.name)  # granted in the same instant: give it back
-            else:
+            elif waiter in self._queue:
                 self._leave(waiter)
             raise
         waited = self.clock() - waiter.enqueued

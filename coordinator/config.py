@@ -35,6 +35,7 @@ class CoordinatorConfig:
     max_queued_streams: int = 256  # streams waiting for a slot; more are refused with RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # a queued stream waits this long for a slot, then RESOURCE_EXHAUSTED
     tenant_max_concurrent_streams: int = 0  # per tenant, unless its own setting says otherwise; 0: no limit
+    shutdown_grace_s: float = 30.0  # on SIGTERM, running streams get this long to finish
 
 
 def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPolicy:

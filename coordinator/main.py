@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
 from coordinator.admission import AdmissionController
 from coordinator.config import CoordinatorConfig, admission_limits, prompt_limits, round_policy
@@ -30,7 +32,7 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, channel_options, mark_serving, serve_until_signal, server_options
+from specserve.rpc import add_health, channel_options, mark_serving, server_options
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -93,6 +95,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
     add_admission_flags(parser, defaults)
     args = parser.parse_args(argv)
+    # --shutdown-grace-s is a common flag (specserve.service_main); the default holds where it is not defined.
+    args.shutdown_grace_s = getattr(args, "shutdown_grace_s", defaults.shutdown_grace_s)
     values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
     values["drafter"] = values["drafter"] or None
     values["cache_dir"] = values["cache_dir"] or None
@@ -220,7 +224,8 @@ async def serve(config: CoordinatorConfig) -> None:
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port)
-    servicer = GenerationServicer(metrics=metrics, admission=AdmissionController(admission_limits(config), metrics))
+    admission = AdmissionController(admission_limits(config), metrics)
+    servicer = GenerationServicer(metrics=metrics, admission=admission)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
@@ -242,7 +247,31 @@ async def serve(config: CoordinatorConfig) -> None:
     servicer.attach(GenerationBackend(tokenizer, limits, new_generation))
     mark_serving(health, [SERVICE_NAME])
     print(f"coordinator listening on {address} (verifier {config.verifier}, drafter {config.drafter})", flush=True)
-    await serve_until_signal(server)
+    await drain_on_signal(server, health, admission, config.shutdown_grace_s)
+
+
+async def drain_on_signal(
+    server: grpc.aio.Server, health: HealthServicer, admission: AdmissionController, grace_s: float
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain: running streams finish (within ``grace_s``), new ones go elsewhere.
+
+    Health turns NOT_SERVING at once, so Kubernetes takes the pod out of the Service; new and queued streams are
+    refused with UNAVAILABLE (clients retry them on another replica); after the running streams have ended, or
+    ``grace_s`` has passed, the server stops and cancels what is left.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    started = loop.time()
+    log.info("draining: %d streams running, %d queued (grace %.0f s)", admission.running, admission.queued, grace_s)
+    health.enter_graceful_shutdown()
+    admission.drain()
+    if not await admission.wait_idle(grace_s):
+        log.warning("stopping with %d streams still running after %.0f s", admission.running, grace_s)
+    await server.stop(grace=max(0.0, grace_s - (loop.time() - started)))
+    log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

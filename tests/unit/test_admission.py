@@ -11,7 +11,7 @@ import pytest
 from coordinator import deadlines
 from coordinator.admission import AdmissionController, AdmissionLimits
 from coordinator.metrics import CoordinatorMetrics
-from specserve.errors import DeadlineExceeded, ResourceExhausted
+from specserve.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from specserve.tenancy import Tenant
 
 A, B = Tenant("a"), Tenant("b")
@@ -215,3 +215,25 @@ def test_bounded_timeouts_follow_the_deadline() -> None:
         assert deadlines.bounded(0.2) == 0.2
     with deadlines.deadline_scope(-1.0), pytest.raises(DeadlineExceeded):
         deadlines.bounded(5.0)
+
+
+def test_draining_refuses_new_and_queued_streams_and_lets_running_ones_finish() -> None:
+    async def test() -> None:
+        admission = AdmissionController(AdmissionLimits(max_running=1))
+        streams = Streams(admission)
+        running = streams.open("running", A)
+        queued = streams.open("queued", B)
+        await settle()
+        admission.drain()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await queued
+        with pytest.raises(Unavailable, match="shutting down"):
+            async with admission.slot(B):
+                pass
+        assert (admission.running, admission.queued) == (1, 0)
+        assert not await admission.wait_idle(0.05)
+        streams.finish("running")
+        assert await admission.wait_idle(1.0)
+        await running
+
+    run(test)
