@@ -2,11 +2,13 @@
 
 One cluster for the file: two fp32 verifier replicas (no drafter: it plays no part here) behind a coordinator
 that runs at most 2 streams with 1 waiting. Outputs are compared token for token with plain greedy decoding.
-The replica-killing test runs last: it leaves one replica.
+The replica-killing test runs next to last (it leaves one replica), the drain test last (it stops the
+coordinator).
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -152,3 +154,25 @@ def test_a_killed_verifier_replica_costs_no_token(cluster: LocalCluster, referen
     print(stats.summary(), f"| {stats.num_reprefills} re-prefills")
     assert tokens == reference
     assert stats.num_reprefills >= 1
+
+
+def test_sigterm_lets_running_streams_finish_and_refuses_new_ones(cluster: LocalCluster, reference: list[int]) -> None:
+    max_new = 32
+    tokens: list[int] = []
+    stats: Stats | None = None
+    late: Outcome | None = None
+    coordinator = cluster.processes["coordinator"]
+    with SpecserveClient(cluster.coordinator_address, timeout_s=120) as client:
+        for event in client.generate_chat([("user", PROMPT)], GenerationParams(max_new_tokens=max_new)):
+            if isinstance(event, TextChunk):
+                tokens += event.token_ids
+                if late is None:
+                    coordinator.send_signal(signal.SIGTERM)
+                    time.sleep(0.3)
+                    late = generate(cluster.coordinator_address, max_new_tokens=4, timeout_s=10)
+            else:
+                stats = event
+    assert stats is not None and tokens == reference[:max_new]  # the running stream finished
+    assert late is not None and isinstance(late.error, grpc.Call)
+    assert late.error.code() == grpc.StatusCode.UNAVAILABLE, late.error.details()
+    assert coordinator.wait(timeout=30) == 0
