@@ -38,7 +38,6 @@ _DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
 }
 
 RELEASE_TIMEOUT_S = 5.0
@@ -55,6 +54,11 @@ class GrpcVerifier:
         error = _DOMAIN_ERRORS.get(exc.code())
         if error is not None:
             return error(exc.details() or "")
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # not a replica failure: no failover
+            return errors.DeadlineExceeded(
+                f"verifier at {self._target} did not answer within the request's deadline "
+                "(or --verifier-timeout-s): give the request a longer deadline"
+            )
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             return ReplicaUnreachable(f"verifier at {self._target} is unreachable: {exc.details()}")
         return errors.Unavailable(f"verifier at {self._target} failed: {exc.code().name}: {exc.details()}")

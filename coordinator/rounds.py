@@ -225,10 +225,10 @@ class Generation:
             self.stats.drafter_error = "no drafter configured"
             return
         started = time.perf_counter_ns()
+        timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
             self._draft = await asyncio.wait_for(
-                self.drafter.open(self.session_id, self.request.prompt_ids, self.vocab_fingerprint),
-                deadlines.bounded(self.policy.draft_timeout_s),
+                self.drafter.open(self.session_id, self.request.prompt_ids, self.vocab_fingerprint), timeout_s
             )
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's
@@ -252,9 +252,10 @@ class Generation:
         """Send the last round's report and get a tree; None (and the drafter dropped) on failure."""
         assert self._draft is not None
         started = time.perf_counter_ns()
+        timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
             proposal = self._draft.propose(self._feedback(), max_nodes)
-            reply = await asyncio.wait_for(proposal, deadlines.bounded(self.policy.draft_timeout_s))
+            reply = await asyncio.wait_for(proposal, timeout_s)
             self._count_predraft(reply)
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's
