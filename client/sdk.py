@@ -47,6 +47,7 @@ class Stats:
     num_drafter_trees: int = 0  # rounds whose tree came from the drafter
     num_predraft_hits: int = 0  # of those, trees drafted ahead while the verifier worked
     predraft_hidden_s: float = 0.0  # their drafting time, hidden behind verification
+    queue_s: float = 0.0  # time waiting for a stream slot on the coordinator (not in total_s)
 
     @property
     def tau(self) -> float:
@@ -67,6 +68,8 @@ class Stats:
             f"{self.tokens_per_s:.1f} tokens/s | draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s "
             f"coordination {self.coordination_s:.2f}s | finish: {self.finish_reason}"
         )
+        if self.queue_s:
+            line += f" | queued {self.queue_s:.2f}s"
         if self.drafter_error:
             line += f" | {self.drafter_error}"
         return line
@@ -95,6 +98,7 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         num_drafter_trees=s.num_drafter_trees,
         num_predraft_hits=s.num_predraft_hits,
         predraft_hidden_s=s.predraft_hidden_ns / 1e9,
+        queue_s=s.queue_ns / 1e9,
     )
 
 

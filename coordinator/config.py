@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coordinator.admission import AdmissionLimits
 from coordinator.ports import VerifierInfo
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import RoundPolicy
@@ -36,6 +37,13 @@ class CoordinatorConfig:
     internal_tls_ca: str | None = None  # TLS towards the verifier and drafters (any of the three turns it on)
     internal_tls_cert: str | None = None  # the coordinator's client certificate for workers that require mTLS
     internal_tls_key: str | None = None
+    # Admission (coordinator.admission): streams running at once; the default matches one verifier's engine
+    # step (its --max-batch-sessions), the queue its --max-sessions.
+    max_concurrent_streams: int = 64
+    max_queued_streams: int = 256  # streams waiting for a slot; more are refused with RESOURCE_EXHAUSTED
+    queue_timeout_s: float = 30.0  # a queued stream waits this long for a slot, then RESOURCE_EXHAUSTED
+    tenant_max_concurrent_streams: int = 0  # per tenant, unless its own setting says otherwise; 0: no limit
+    shutdown_grace_s: float = 30.0  # on SIGTERM, running streams get this long to finish
 
 
 def internal_tls(config: CoordinatorConfig) -> ClientTLS | None:
@@ -53,6 +61,15 @@ def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPoli
         max_session_tokens=verifier.max_session_tokens,
         successors_top_k=config.successors_top_k,
         tree_limits=TreeLimits.of(verifier),
+    )
+
+
+def admission_limits(config: CoordinatorConfig) -> AdmissionLimits:
+    return AdmissionLimits(
+        max_running=config.max_concurrent_streams,
+        max_queued=config.max_queued_streams,
+        queue_timeout_s=config.queue_timeout_s,
+        tenant_max_running=config.tenant_max_concurrent_streams,
     )
 
 

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 import grpc
 import numpy as np
 
-from coordinator.ports import DrafterFailed, VerifierInfo
+from coordinator import deadlines
+from coordinator.ports import DrafterFailed, ReplicaUnreachable, VerifierInfo
 from specserve import errors
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
@@ -41,6 +42,9 @@ _DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
 }
 
+RELEASE_TIMEOUT_S = 5.0
+"""Most a Release waits. Not bounded by the request's deadline: releasing is the clean-up after it passed."""
+
 
 class GrpcVerifier:
     """``metadata()``: sent with every call (the internal token and the tenant of the request being served)."""
@@ -61,6 +65,13 @@ class GrpcVerifier:
         error = _DOMAIN_ERRORS.get(exc.code())
         if error is not None:
             return error(exc.details() or "")
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # not a replica failure: no failover
+            return errors.DeadlineExceeded(
+                f"verifier at {self._target} did not answer within the request's deadline "
+                "(or --verifier-timeout-s): give the request a longer deadline"
+            )
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            return ReplicaUnreachable(f"verifier at {self._target} is unreachable: {exc.details()}")
         return errors.Unavailable(f"verifier at {self._target} failed: {exc.code().name}: {exc.details()}")
 
     async def info(self) -> VerifierInfo:
@@ -88,7 +99,9 @@ class GrpcVerifier:
             return_features=return_features,
         )
         try:
-            response = await self._stub.Prefill(request, timeout=self._timeout_s, metadata=self._metadata())
+            response = await self._stub.Prefill(
+                request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         return PrefillResult(int(response.prefill_ns), self._features(response.features))
@@ -104,7 +117,7 @@ class GrpcVerifier:
             return_features=return_features,
         )
         try:
-            r = await self._stub.Verify(request, timeout=self._timeout_s, metadata=self._metadata())
+            r = await self._stub.Verify(request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata())
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         flat = list(r.top_token_ids)
@@ -129,8 +142,9 @@ class GrpcVerifier:
 
     async def release(self, session_id: str) -> None:
         try:
+            request = verifier_pb2.ReleaseRequest(session_id=session_id)
             await self._stub.Release(
-                verifier_pb2.ReleaseRequest(session_id=session_id), timeout=self._timeout_s, metadata=self._metadata()
+                request, timeout=min(self._timeout_s, RELEASE_TIMEOUT_S), metadata=self._metadata()
             )
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc

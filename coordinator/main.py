@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -12,8 +13,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
-from coordinator.config import CoordinatorConfig, internal_tls, prompt_limits, round_policy
+from coordinator.admission import AdmissionController
+from coordinator.config import CoordinatorConfig, admission_limits, internal_tls, prompt_limits, round_policy
 from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
@@ -35,7 +38,7 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, channel_options, mark_serving, serve_until_signal, server_options
+from specserve.rpc import add_health, channel_options, mark_serving, server_options
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -114,17 +117,47 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
         help="PEM client certificate for workers that require mTLS",
     )
     parser.add_argument("--internal-tls-key", default=env("SPECSERVE_INTERNAL_TLS_KEY", ""))
+    add_admission_flags(parser, defaults)
     args = parser.parse_args(argv)
     try:
         args.security = security_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    # --shutdown-grace-s is a common flag (specserve.service_main); the default holds where it is not defined.
+    args.shutdown_grace_s = getattr(args, "shutdown_grace_s", defaults.shutdown_grace_s)
     values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
     values["drafter"] = values["drafter"] or None
     values["cache_dir"] = values["cache_dir"] or None
     for name in ("api_keys_file", "internal_tls_ca", "internal_tls_cert", "internal_tls_key"):
         values[name] = values[name] or None
     return CoordinatorConfig(**values), args.log_level
+
+
+def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorConfig) -> None:
+    parser.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=int(env("SPECSERVE_MAX_CONCURRENT_STREAMS", str(defaults.max_concurrent_streams))),
+        help="generations running at once; more wait in the queue",
+    )
+    parser.add_argument(
+        "--max-queued-streams",
+        type=int,
+        default=int(env("SPECSERVE_MAX_QUEUED_STREAMS", str(defaults.max_queued_streams))),
+        help="generations waiting for a slot; more are refused with RESOURCE_EXHAUSTED (and retry-after-ms)",
+    )
+    parser.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=float(env("SPECSERVE_QUEUE_TIMEOUT_S", str(defaults.queue_timeout_s))),
+        help="how long a generation waits for a slot before it is refused with RESOURCE_EXHAUSTED",
+    )
+    parser.add_argument(
+        "--tenant-max-concurrent-streams",
+        type=int,
+        default=int(env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", str(defaults.tenant_max_concurrent_streams))),
+        help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit",
+    )
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
@@ -163,10 +196,15 @@ def internal_metadata(config: CoordinatorConfig) -> Callable[[], Metadata]:
 
 async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple[VerifierPort, VerifierInfo]:
     """The verifier tier (one or many replicas, with session affinity), checked for a matching vocabulary."""
-    channel = internal_channel(config, config.verifier, config.verifier)
-    log.info("waiting for the verifier at %s", config.verifier)
-    await wait_until_serving(channel, config.verifier, config.startup_timeout_s)
-    await channel.close()
+    resolve = replica_resolver(config.verifier)
+    # A dns:/// target is one gRPC target (round-robin over its pods); a comma-separated list is waited for
+    # replica by replica, so no session is pinned to one still loading its model.
+    targets = [config.verifier] if config.verifier.startswith("dns:///") else resolve()
+    for target in targets:
+        channel = internal_channel(config, target, config.verifier)
+        log.info("waiting for the verifier at %s", target)
+        await wait_until_serving(channel, target, config.startup_timeout_s)
+        await channel.close()
     metadata = internal_metadata(config)
 
     def connect(address: str) -> GrpcVerifier:
@@ -174,7 +212,7 @@ async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple
             internal_channel(config, address, config.verifier), address, config.verifier_timeout_s, metadata
         )
 
-    verifier = StickyVerifierRouter(replica_resolver(config.verifier), connect)
+    verifier = StickyVerifierRouter(resolve, connect)
     info = await verifier.info()
     if info.vocab_fingerprint != fingerprint:
         raise StartupError(
@@ -256,7 +294,8 @@ async def serve(config: CoordinatorConfig) -> None:
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port)
-    servicer = GenerationServicer(metrics=metrics)
+    admission = AdmissionController(admission_limits(config), metrics)
+    servicer = GenerationServicer(metrics=metrics, admission=admission)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
@@ -283,7 +322,31 @@ async def serve(config: CoordinatorConfig) -> None:
         f"coordinator listening on {address} ({auth}, {tls}; verifier {config.verifier}, drafter {config.drafter})",
         flush=True,
     )
-    await serve_until_signal(server)
+    await drain_on_signal(server, health, admission, config.shutdown_grace_s)
+
+
+async def drain_on_signal(
+    server: grpc.aio.Server, health: HealthServicer, admission: AdmissionController, grace_s: float
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain: running streams finish (within ``grace_s``), new ones go elsewhere.
+
+    Health turns NOT_SERVING at once, so Kubernetes takes the pod out of the Service; new and queued streams are
+    refused with UNAVAILABLE (clients retry them on another replica); after the running streams have ended, or
+    ``grace_s`` has passed, the server stops and cancels what is left.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    started = loop.time()
+    log.info("draining: %d streams running, %d queued (grace %.0f s)", admission.running, admission.queued, grace_s)
+    health.enter_graceful_shutdown()
+    admission.drain()
+    if not await admission.wait_idle(grace_s):
+        log.warning("stopping with %d streams still running after %.0f s", admission.running, grace_s)
+    await server.stop(grace=max(0.0, grace_s - (loop.time() - started)))
+    log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,9 +5,12 @@ Owned by the instance (its own registry), not module globals.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from coordinator.admission import AdmissionController
 from coordinator.rounds import GenerationStats
+
+QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class CoordinatorMetrics:
@@ -34,6 +37,29 @@ class CoordinatorMetrics:
         self.drafter_circuit = Gauge(
             "specserve_drafter_circuit_open", "1 while requests skip the drafter after a failure", registry=r
         )
+
+        self.queue_seconds = Histogram(
+            "specserve_queue_seconds", "Time admitted streams waited for a slot", buckets=QUEUE_BUCKETS_S, registry=r
+        )
+        self.running_streams = Gauge("specserve_running_streams", "Streams holding a slot", registry=r)
+        self.queued_streams = Gauge("specserve_queued_streams", "Streams waiting for a slot", registry=r)
+        self.rejected_streams = Counter(
+            "specserve_rejected_streams",
+            "Streams refused by admission: queue_full, tenant_queue_full, queue_timeout, deadline",
+            ["reason"],
+            registry=r,
+        )
+
+    def track_admission(self, admission: AdmissionController) -> None:
+        """Read the running and queued gauges from ``admission`` at each scrape."""
+        self.running_streams.set_function(lambda: admission.running)
+        self.queued_streams.set_function(lambda: admission.queued)
+
+    def admitted(self, queue_s: float) -> None:
+        self.queue_seconds.observe(queue_s)
+
+    def rejected(self, reason: str) -> None:
+        self.rejected_streams.labels(reason).inc()
 
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)

@@ -5,8 +5,11 @@ both implement these, so the round loop is the same code in a deployment and
 in a single-process benchmark.
 
 Errors: a verifier raises specserve.errors.NotFound or FailedPrecondition when
-the session must be prefilled again, Unavailable when it cannot be reached; a
-draft stream raises DrafterFailed for anything that makes it unusable.
+the session must be prefilled again, Unavailable when it cannot be reached
+(ReplicaUnreachable when the connection itself failed; SessionMoved when a
+router moved the session to another replica, where it must be prefilled
+again), DeadlineExceeded when the request's deadline passed; a draft stream
+raises DrafterFailed for anything that makes it unusable.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Protocol
 
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import SpecserveError
+from specserve.errors import SpecserveError, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
@@ -30,6 +33,14 @@ class DrafterFailed(SpecserveError):
 
 class DrafterSkipped(DrafterFailed):
     """The drafter failed recently and is skipped until a probe finds it healthy (the message says until when)."""
+
+
+class ReplicaUnreachable(Unavailable):
+    """A verifier replica could not be reached (connection refused or reset): it went down with its sessions."""
+
+
+class SessionMoved(Unavailable):
+    """The session's replica failed and the session now belongs to another replica: prefill it again there."""
 
 
 @dataclass(frozen=True)

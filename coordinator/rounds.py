@@ -14,9 +14,14 @@ client, the drafter or the shared pool.
 Two failure paths keep a request alive and its output unchanged:
 - the drafter fails or is too slow: the rest of the request runs with empty
   trees (plain decoding by the verifier), and the stats say why;
-- the verifier lost the session (evicted, restarted): it is prefilled again
-  from the committed tokens and the same tree is verified again, so no token
-  is lost or repeated.
+- the verifier lost the session (evicted, restarted, or its replica died and
+  the router moved the session to another): it is prefilled again from the
+  committed tokens and the same tree is verified again, so no token is lost
+  or repeated.
+
+The client's deadline (``coordinator.deadlines``) bounds every call: drafter
+round trips and verifier calls wait no longer than the time left, and once it
+has passed the request ends with DEADLINE_EXCEEDED (its session released).
 """
 
 from __future__ import annotations
@@ -32,12 +37,21 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.ports import DrafterFailed, DrafterMonitor, DrafterPort, DrafterSkipped, DraftStream, VerifierPort
+from coordinator import deadlines
+from coordinator.ports import (
+    DrafterFailed,
+    DrafterMonitor,
+    DrafterPort,
+    DrafterSkipped,
+    DraftStream,
+    SessionMoved,
+    VerifierPort,
+)
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tree_checks import TreeLimits, tree_problem
 from specserve.acceptance import VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from specserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
@@ -78,6 +92,7 @@ class GenerationStats:
     total_ns: int = 0
     draft_ns: int = 0
     verify_ns: int = 0
+    queue_ns: int = 0  # waiting for an admission slot before the stream started (not in total_ns)
     drafter_error: str = ""
     finish_reason: FinishReason = FinishReason.LENGTH
 
@@ -136,12 +151,9 @@ class Generation:
         start = time.perf_counter_ns()
         try:
             await self._open_drafter()
-            prefill = await self.verifier.prefill(
-                self.session_id, self._committed, self.request.sampling, self._wants_features
-            )
-            self.stats.verify_ns += prefill.prefill_ns
-            self._keep_features(prefill.features, len(self._committed) - 1)
+            await self._prefill()
             while not self._finished:
+                deadlines.check()
                 chunk = await self._round()
                 if chunk.text or chunk.token_ids:
                     yield chunk
@@ -213,12 +225,13 @@ class Generation:
             self.stats.drafter_error = "no drafter configured"
             return
         started = time.perf_counter_ns()
+        timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
             self._draft = await asyncio.wait_for(
-                self.drafter.open(self.session_id, self.request.prompt_ids, self.vocab_fingerprint),
-                self.policy.draft_timeout_s,
+                self.drafter.open(self.session_id, self.request.prompt_ids, self.vocab_fingerprint), timeout_s
             )
         except (DrafterFailed, TimeoutError) as exc:
+            deadlines.check()  # the request's deadline passed, not the drafter's
             self._drop_drafter(exc)
         finally:
             self.stats.draft_ns += time.perf_counter_ns() - started
@@ -239,11 +252,13 @@ class Generation:
         """Send the last round's report and get a tree; None (and the drafter dropped) on failure."""
         assert self._draft is not None
         started = time.perf_counter_ns()
+        timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
             proposal = self._draft.propose(self._feedback(), max_nodes)
-            reply = await asyncio.wait_for(proposal, self.policy.draft_timeout_s)
+            reply = await asyncio.wait_for(proposal, timeout_s)
             self._count_predraft(reply)
         except (DrafterFailed, TimeoutError) as exc:
+            deadlines.check()  # the request's deadline passed, not the drafter's
             self._drop_drafter(exc)
             return None
         finally:
@@ -286,11 +301,32 @@ class Generation:
         self._accepted_nodes = ()
         return feedback
 
+    async def _prefill(self) -> None:
+        """Create the verifier session; when its replica fails, on another one (the router moved it)."""
+        for _ in range(self.policy.max_reprefills_per_round):
+            try:
+                prefill = await self.verifier.prefill(
+                    self.session_id, self._committed, self.request.sampling, self._wants_features
+                )
+            except SessionMoved:
+                self.stats.num_reprefills += 1
+                continue
+            self.stats.verify_ns += prefill.prefill_ns
+            self._keep_features(prefill.features, len(self._committed) - 1)
+            return
+        raise self._lost_too_often()
+
     async def _verify(self, tree: TokenTree) -> tuple[VerifyResult, TokenTree]:
         """The verifier's result, and the tree it verified (empty when it refused the drafter's)."""
+        lost = False
         for _ in range(self.policy.max_reprefills_per_round):
             top_k = self.policy.successors_top_k if self._draft is not None else 0
             try:
+                if lost:
+                    # The drafter already has the features of these positions: none are asked for.
+                    prefill = await self.verifier.prefill(self.session_id, self._committed, self.request.sampling)
+                    self.stats.verify_ns += prefill.prefill_ns
+                    lost = False
                 result = await self.verifier.verify(
                     self.session_id, len(self._committed), tree, top_k, self._wants_features
                 )
@@ -302,15 +338,18 @@ class Generation:
                 # The verifier refused the drafter's tree (past our checks): this round is plain decoding.
                 self._drafter_misbehaved(f"the verifier rejected its tree: {exc}")
                 tree = TokenTree()
-            except (NotFound, FailedPrecondition):
-                # The verifier lost the session: rebuild it from what was committed, verify the same tree again.
+            except (NotFound, FailedPrecondition, SessionMoved):
+                # The verifier lost the session (or its replica died): rebuild it from what was committed, on
+                # whichever replica now holds it, and verify the same tree again.
                 self.stats.num_reprefills += 1
-                # The drafter already has the features of these positions: none are asked for.
-                prefill = await self.verifier.prefill(self.session_id, self._committed, self.request.sampling)
-                self.stats.verify_ns += prefill.prefill_ns
-        raise Unavailable(
+                lost = True
+        raise self._lost_too_often()
+
+    def _lost_too_often(self) -> Unavailable:
+        return Unavailable(
             f"the verifier lost this request's session {self.policy.max_reprefills_per_round} times in one round; "
-            "it is evicting sessions faster than they are used: raise its --max-sessions"
+            "it is evicting sessions faster than they are used (raise its --max-sessions) or its replicas keep "
+            "failing (check the verifier pods)"
         )
 
     async def _report_final(self) -> None:
@@ -338,5 +377,5 @@ class Generation:
     async def _close(self) -> None:
         if self._draft is not None:
             await self._draft.close()
-        with contextlib.suppress(Unavailable):  # the verifier's TTL frees the session
+        with contextlib.suppress(Unavailable, DeadlineExceeded):  # the verifier's TTL frees the session
             await self.verifier.release(self.session_id)

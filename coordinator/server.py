@@ -8,12 +8,15 @@ from typing import Any
 
 import grpc
 
+from coordinator.admission import AdmissionController
+from coordinator.deadlines import deadline_scope
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.prompts import ChatTurn, PromptLimits, build_request, encode_prompt
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, TextChunk
 from specserve.errors import SpecserveError, Unavailable
 from specserve.rpc import status_code
 from specserve.sampling import SamplingParams
+from specserve.tenancy import current_tenant
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 _FINISH_REASONS = {
@@ -41,6 +44,7 @@ def stats_to_proto(stats: GenerationStats) -> generation_pb2.GenerationStats:
         num_drafter_trees=stats.num_drafter_trees,
         num_predraft_hits=stats.num_predraft_hits,
         predraft_hidden_ns=stats.predraft_hidden_ns,
+        queue_ns=stats.queue_ns,
     )
 
 
@@ -56,12 +60,21 @@ class GenerationBackend:
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Validates a request, runs its Generation and streams the events.
 
-    Until ``attach`` (tokenizer loaded, verifier connected) calls are UNAVAILABLE.
+    Until ``attach`` (tokenizer loaded, verifier connected) calls are UNAVAILABLE. Each stream holds an
+    admission slot while it runs, and the client's deadline bounds it (``coordinator.deadlines``).
     """
 
-    def __init__(self, backend: GenerationBackend | None = None, metrics: CoordinatorMetrics | None = None) -> None:
+    def __init__(
+        self,
+        backend: GenerationBackend | None = None,
+        metrics: CoordinatorMetrics | None = None,
+        admission: AdmissionController | None = None,
+    ) -> None:
         self._backend = backend
         self._metrics = metrics
+        self._admission = admission or AdmissionController(observer=metrics)
+        if metrics is not None:
+            metrics.track_admission(self._admission)
 
     def attach(self, backend: GenerationBackend) -> None:
         self._backend = backend
@@ -85,13 +98,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if backend is None:
                 raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
             generation = backend.new_generation(self._request(backend, request))
-            async for event in generation.stream():
-                if isinstance(event, TextChunk):
-                    delta = generation_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
-                    yield generation_pb2.GenerateResponse(delta=delta)
-                else:
-                    if self._metrics is not None:
-                        self._metrics.observe(event)
-                    yield generation_pb2.GenerateResponse(stats=stats_to_proto(event))
+            with deadline_scope(context.time_remaining()):
+                async with self._admission.slot(current_tenant()) as slot:
+                    generation.stats.queue_ns = round(slot.queue_s * 1e9)
+                    async for event in generation.stream():
+                        if isinstance(event, TextChunk):
+                            delta = generation_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+                            yield generation_pb2.GenerateResponse(delta=delta)
+                        else:
+                            if self._metrics is not None:
+                                self._metrics.observe(event)
+                            yield generation_pb2.GenerateResponse(stats=stats_to_proto(event))
         except SpecserveError as exc:
-            await context.abort(status_code(exc), str(exc))
+            await context.abort(status_code(exc), str(exc), trailing_metadata=exc.metadata)

@@ -9,21 +9,31 @@ sessions pinned by this coordinator, and re-resolves the replica set
 periodically. A session whose replica vanished is pinned afresh; its first
 call there fails with NOT_FOUND and the round loop re-prefills it, so no
 token is lost or repeated.
+
+Failover: a replica that cannot be reached (ReplicaUnreachable: connection
+refused or reset, as when its pod is killed) is marked down for ``down_s``
+and gets no new sessions meanwhile; once that has passed, the next session
+pinned to it is its probe. The failed call's session is pinned afresh to a
+replica that is up and the call raises SessionMoved, on which the round loop
+prefills the session there from its committed tokens and repeats the round.
+With no replica up, calls fail with UNAVAILABLE and a message saying so.
 """
 
 from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
-from coordinator.ports import VerifierInfo, VerifierPort
+from coordinator.ports import ReplicaUnreachable, SessionMoved, VerifierInfo, VerifierPort
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
 _DNS_SCHEME = "dns:///"
+T = TypeVar("T")
 
 
 def replica_resolver(target: str) -> Callable[[], list[str]]:
@@ -54,13 +64,16 @@ class StickyVerifierRouter:
         connect: Callable[[str], VerifierPort],
         refresh_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        down_s: float = 5.0,
     ) -> None:
         self._resolve = resolve
         self._connect = connect
         self._refresh_s = refresh_s
         self._clock = clock
+        self._down_s = down_s
         self._replicas: dict[str, VerifierPort] = {}
         self._pinned: dict[str, str] = {}  # session id -> replica address
+        self._down_until: dict[str, float] = {}  # replica address -> when it may get sessions again
         self._next_refresh = 0.0
 
     @property
@@ -81,39 +94,80 @@ class StickyVerifierRouter:
                 self._replicas[address] = self._connect(address)
         for gone in set(self._replicas) - set(addresses):
             del self._replicas[gone]
+            self._down_until.pop(gone, None)
 
-    def _replica_for(self, session_id: str) -> VerifierPort:
+    def _is_up(self, address: str) -> bool:
+        return self._down_until.get(address, 0.0) <= self._clock()
+
+    def _no_replica(self) -> Unavailable:
+        if not self._replicas:
+            return Unavailable("no verifier replica is known: check the verifier address and its DNS name")
+        return Unavailable(
+            f"every verifier replica ({', '.join(sorted(self._replicas))}) failed within the last "
+            f"{self._down_s:g} s: check the verifier pods; retry once one is back"
+        )
+
+    def _pin(self, session_id: str) -> str:
+        """Pin ``session_id`` to the replica that is up with the fewest sessions pinned here."""
+        load = {a: 0 for a in self._replicas if self._is_up(a)}
+        if not load:
+            raise self._no_replica()
+        for pinned in self._pinned.values():
+            if pinned in load:
+                load[pinned] += 1
+        address = min(sorted(load), key=load.__getitem__)
+        self._pinned[session_id] = address
+        return address
+
+    def _address_for(self, session_id: str, creating: bool) -> str:
+        """The replica holding ``session_id``; pinned afresh when it has none (or, ``creating`` it, a down one)."""
         self._refresh()
         address = self._pinned.get(session_id)
         if address is None or address not in self._replicas:
-            if not self._replicas:
-                raise Unavailable("no verifier replica is known: check the verifier address and its DNS name")
-            load = {a: 0 for a in self._replicas}
-            for pinned in self._pinned.values():
-                if pinned in load:
-                    load[pinned] += 1
-            address = min(sorted(load), key=load.__getitem__)
-            self._pinned[session_id] = address
-        return self._replicas[address]
+            return self._pin(session_id)
+        if not self._is_up(address):
+            # The replica failed under another session: this one is gone with it.
+            if creating:
+                return self._pin(session_id)
+            self._pin(session_id)
+            raise SessionMoved(f"verifier replica {address} is down; the session moved to another replica")
+        return address
+
+    async def _call(self, session_id: str, creating: bool, call: Callable[[VerifierPort], Awaitable[T]]) -> T:
+        address = self._address_for(session_id, creating)
+        try:
+            return await call(self._replicas[address])
+        except ReplicaUnreachable as exc:
+            self._down_until[address] = self._clock() + self._down_s
+            self._pinned.pop(session_id, None)
+            if not any(self._is_up(a) for a in self._replicas):
+                raise self._no_replica() from exc
+            self._pin(session_id)
+            raise SessionMoved(f"{exc}; the session moved to another replica") from exc
 
     async def info(self) -> VerifierInfo:
         self._refresh()
-        if not self._replicas:
-            raise Unavailable("no verifier replica is known: check the verifier address and its DNS name")
-        return await self._replicas[min(self._replicas)].info()
+        for address in sorted(self._replicas, key=lambda a: (not self._is_up(a), a)):
+            try:
+                return await self._replicas[address].info()
+            except ReplicaUnreachable:
+                self._down_until[address] = self._clock() + self._down_s
+        raise self._no_replica()
 
     async def prefill(
         self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
     ) -> PrefillResult:
-        return await self._replica_for(session_id).prefill(session_id, token_ids, sampling, return_features)
+        return await self._call(session_id, True, lambda r: r.prefill(session_id, token_ids, sampling, return_features))
 
     async def verify(
         self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
     ) -> VerifyResult:
-        return await self._replica_for(session_id).verify(session_id, num_committed, tree, top_k, return_features)
+        return await self._call(
+            session_id, False, lambda r: r.verify(session_id, num_committed, tree, top_k, return_features)
+        )
 
     async def release(self, session_id: str) -> None:
         address = self._pinned.pop(session_id, None)
         replica = self._replicas.get(address) if address is not None else None
-        if replica is not None:
+        if replica is not None and address is not None and self._is_up(address):
             await replica.release(session_id)

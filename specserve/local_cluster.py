@@ -69,6 +69,10 @@ class LocalCluster:
     model: str = "smollm2"
     redis_url: str | None = None
     with_drafter: bool = True
+    # Verifier replicas: the first listens on verifier_port (process "verifier"), replica i on
+    # extra_verifier_ports[i - 1] (process "verifier-i"; free ports when not given).
+    num_verifiers: int = 1
+    extra_verifier_ports: list[int] = field(default_factory=list)
     extra_verifier_args: list[str] = field(default_factory=list)
     extra_drafter_args: list[str] = field(default_factory=list)
     extra_coordinator_args: list[str] = field(default_factory=list)
@@ -90,6 +94,13 @@ class LocalCluster:
     @property
     def verifier_address(self) -> str:
         return f"127.0.0.1:{self.verifier_port}"
+
+    @property
+    def verifier_addresses(self) -> dict[str, str]:
+        """Each verifier replica's process name and address."""
+        names = ["verifier", *(f"verifier-{i}" for i in range(1, self.num_verifiers))]
+        ports = [self.verifier_port, *self.extra_verifier_ports]
+        return {name: f"127.0.0.1:{port}" for name, port in zip(names, ports, strict=True)}
 
     def _spawn(self, name: str, module: str, args: list[str]) -> subprocess.Popen[bytes]:
         stderr = None
@@ -114,14 +125,15 @@ class LocalCluster:
         self._spawn("drafter", "draft_service", [*args, *self.extra_drafter_args])
 
     def start(self, timeout_s: float = 600.0) -> LocalCluster:
-        self._spawn(
-            "verifier",
-            "target_service",
-            ["--port", str(self.verifier_port), "--model", self.model, *self.extra_verifier_args],
-        )
+        while len(self.extra_verifier_ports) < self.num_verifiers - 1:
+            self.extra_verifier_ports.append(free_port())
+        for name, address in self.verifier_addresses.items():
+            port = address.rpartition(":")[2]
+            self._spawn(name, "target_service", ["--port", port, "--model", self.model, *self.extra_verifier_args])
         if self.with_drafter:
             self.start_drafter()
-        coordinator_args = ["--port", str(self.coordinator_port), "--verifier", self.verifier_address]
+        verifiers = ",".join(self.verifier_addresses.values())  # the coordinator pins sessions to replicas
+        coordinator_args = ["--port", str(self.coordinator_port), "--verifier", verifiers]
         coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
         self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
         try:
@@ -137,7 +149,7 @@ class LocalCluster:
         return self
 
     def kill(self, name: str) -> None:
-        """Kill one service abruptly (SIGKILL), as a crash would."""
+        """Kill one service abruptly (SIGKILL), as a crash would: "verifier-1" is the second verifier replica."""
         process = self.processes.pop(name)
         process.kill()
         process.wait()

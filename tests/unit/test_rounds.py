@@ -1,16 +1,20 @@
 """The round loop in one process (tiny random model): lossless whatever the drafter does."""
 
+import asyncio
 import random
 from collections.abc import Sequence
 
 import pytest
 
+from coordinator.deadlines import deadline_scope
 from coordinator.inproc import InProcessDrafter, InProcessVerifier
-from coordinator.ports import DrafterFailed, DraftStream
+from coordinator.ports import DrafterFailed, DraftStream, ReplicaUnreachable
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
+from coordinator.verifier_router import StickyVerifierRouter
 from draft_service.drafter import Drafter
-from specserve.acceptance import VerifyResult
+from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.errors import DeadlineExceeded
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -123,6 +127,77 @@ def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -
     tokens, _, stats = run(generation(GenerationRequest(prompt, 40), verifier=verifier))
     assert tokens == plain_greedy(MODEL, prompt, 40)
     assert stats.num_reprefills >= 3
+
+
+class MortalReplica(InProcessVerifier):
+    """A verifier replica that dies after ``verifies`` Verify calls: every later call fails as on a killed pod."""
+
+    def __init__(self, verifies: int) -> None:
+        self.engine = Verifier(MODEL, "fp")
+        super().__init__(self.engine)
+        self._verifies = verifies
+
+    def _check_alive(self) -> None:
+        if self._verifies < 0:
+            raise ReplicaUnreachable("verifier at a:1 is unreachable: Connection reset by peer")
+
+    async def prefill(
+        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
+        self._check_alive()
+        return await super().prefill(session_id, token_ids, sampling, return_features)
+
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
+        self._verifies -= 1
+        self._check_alive()
+        return await super().verify(session_id, num_committed, tree, top_k, return_features)
+
+
+@pytest.mark.parametrize("dies_after", [0, 4])  # while verifying the first round, or mid-stream
+def test_a_dying_verifier_replica_moves_the_session_without_changing_the_output(dies_after: int) -> None:
+    replicas = {"a:1": MortalReplica(dies_after), "b:1": MortalReplica(10**6)}
+    router = StickyVerifierRouter(lambda: list(replicas), replicas.__getitem__)  # "a:1" gets the first session
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    tokens, _, stats = run(generation(GenerationRequest(prompt, 40), verifier=router))
+    assert tokens == plain_greedy(MODEL, prompt, 40)
+    assert stats.num_reprefills == 1
+    assert replicas["b:1"].engine.num_active_sessions == 0  # released where it moved to
+
+
+def test_a_replica_dying_before_the_first_prefill_moves_it() -> None:
+    replicas = {"a:1": MortalReplica(-1), "b:1": MortalReplica(10**6)}
+    router = StickyVerifierRouter(lambda: list(replicas), replicas.__getitem__)
+    prompt = [2, 7, 1, 8]
+    tokens, _, stats = run(generation(GenerationRequest(prompt, 12), verifier=router))
+    assert tokens == plain_greedy(MODEL, prompt, 12)
+    assert stats.num_reprefills == 1
+
+
+class SlowVerifier(InProcessVerifier):
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+    ) -> VerifyResult:
+        await asyncio.sleep(0.05)
+        return await super().verify(session_id, num_committed, tree, top_k, return_features)
+
+
+def test_the_deadline_ends_the_request_and_releases_its_session() -> None:
+    engine = Verifier(MODEL, "fp")
+    g = generation(GenerationRequest([1, 2, 3], 200), verifier=SlowVerifier(engine))
+
+    async def consume() -> int:
+        streamed = 0
+        with deadline_scope(0.3):
+            async for _ in g.stream():
+                streamed += 1
+        return streamed
+
+    with pytest.raises(DeadlineExceeded, match="deadline"):
+        asyncio.run(consume())
+    assert 0 < g.stats.num_rounds < 200
+    assert engine.num_active_sessions == 0
 
 
 def test_eos_ends_the_generation_and_is_not_streamed() -> None:

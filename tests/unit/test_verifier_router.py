@@ -5,10 +5,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from coordinator.ports import VerifierInfo
+from coordinator.ports import ReplicaUnreachable, SessionMoved, VerifierInfo
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.errors import Unavailable
+from specserve.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
@@ -17,6 +17,11 @@ class FakeReplica:
     def __init__(self, address: str) -> None:
         self.address = address
         self.calls: list[tuple[str, str]] = []
+        self.failure: Exception | None = None  # raised by every call while set
+
+    def _fail(self) -> None:
+        if self.failure is not None:
+            raise self.failure
 
     async def info(self) -> VerifierInfo:
         return VerifierInfo(self.address, "fp", 10, 8, 4, 100, True)
@@ -24,12 +29,14 @@ class FakeReplica:
     async def prefill(
         self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
     ) -> PrefillResult:
+        self._fail()
         self.calls.append(("prefill", session_id))
         return PrefillResult(0)
 
     async def verify(
         self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
     ) -> VerifyResult:
+        self._fail()
         self.calls.append(("verify", session_id))
         return VerifyResult([], [], 1, 0)
 
@@ -105,3 +112,78 @@ def test_no_replica_is_unavailable_and_dns_errors_keep_known_replicas() -> None:
 def test_resolvers() -> None:
     assert replica_resolver("h1:1, h2:2")() == ["h1:1", "h2:2"]
     assert replica_resolver("dns:///localhost:50053")() in (["127.0.0.1:50053"], ["127.0.0.1:50053", "[::1]:50053"])
+
+
+def dead(address: str) -> ReplicaUnreachable:
+    return ReplicaUnreachable(f"verifier at {address} is unreachable: Connection refused")
+
+
+def test_a_failed_replica_moves_the_session_and_is_skipped_until_its_backoff_ends() -> None:
+    clock = Clock()
+    replicas: dict[str, FakeReplica] = {}
+    router = StickyVerifierRouter(
+        lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)), 1000.0, clock, down_s=5.0
+    )
+    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    first = next(a for a, r in replicas.items() if r.calls)
+    other = next(a for a in replicas if a != first)
+    replicas[first].failure = dead(first)
+    with pytest.raises(SessionMoved, match="unreachable"):
+        asyncio.run(router.verify("s", 1, TokenTree()))
+    # The round loop prefills the session again: on the other replica, where every later call goes.
+    asyncio.run(router.prefill("s", [1, 2], SamplingParams()))
+    asyncio.run(router.verify("s", 2, TokenTree()))
+    assert replicas[other].calls == [("prefill", "s"), ("verify", "s")]
+    # New sessions avoid the failed replica while it is down, even though it has fewer sessions...
+    asyncio.run(router.prefill("t", [1], SamplingParams()))
+    assert ("prefill", "t") in replicas[other].calls
+    # ...and after the backoff the next one probes it again.
+    replicas[first].failure = None
+    clock.now = 6.0
+    asyncio.run(router.prefill("u", [1], SamplingParams()))
+    assert ("prefill", "u") in replicas[first].calls
+
+
+def test_sessions_of_a_replica_that_failed_under_another_session_move_too() -> None:
+    replicas: dict[str, FakeReplica] = {}
+    router = StickyVerifierRouter(lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)))
+    for name in ("s", "t", "u"):
+        asyncio.run(router.prefill(name, [1], SamplingParams()))
+    shared = next(a for a, r in replicas.items() if len(r.calls) == 2)
+    replicas[shared].failure = dead(shared)
+    victims = [sid for _, sid in replicas[shared].calls]
+    with pytest.raises(SessionMoved):
+        asyncio.run(router.verify(victims[0], 1, TokenTree()))
+    with pytest.raises(SessionMoved, match="down"):  # not even tried: its replica is down
+        asyncio.run(router.verify(victims[1], 1, TokenTree()))
+    assert len(replicas[shared].calls) == 2
+
+
+def test_with_no_replica_left_calls_are_unavailable() -> None:
+    replicas: dict[str, FakeReplica] = {}
+    router = StickyVerifierRouter(lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)))
+    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    for address, replica in replicas.items():
+        replica.failure = dead(address)
+    with pytest.raises(SessionMoved):
+        asyncio.run(router.verify("s", 1, TokenTree()))
+    with pytest.raises(Unavailable, match="every verifier replica") as failed:
+        asyncio.run(router.prefill("s", [1], SamplingParams()))
+    assert not isinstance(failed.value, SessionMoved)  # the round loop does not retry this one
+    with pytest.raises(Unavailable, match="every verifier replica"):
+        asyncio.run(router.prefill("t", [1], SamplingParams()))
+
+
+@pytest.mark.parametrize("error", [DeadlineExceeded("deadline"), InvalidArgument("bad tree"), Unavailable("INTERNAL")])
+def test_errors_that_are_not_a_replica_failure_keep_the_session_in_place(error: Exception) -> None:
+    replicas: dict[str, FakeReplica] = {}
+    router = StickyVerifierRouter(lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)))
+    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    first = next(a for a, r in replicas.items() if r.calls)
+    replicas[first].failure = error
+    with pytest.raises(type(error)) as raised:
+        asyncio.run(router.verify("s", 1, TokenTree()))
+    assert not isinstance(raised.value, SessionMoved)
+    replicas[first].failure = None
+    asyncio.run(router.verify("s", 1, TokenTree()))
+    assert replicas[first].calls[-1] == ("verify", "s")

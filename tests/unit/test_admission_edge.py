@@ -1,0 +1,86 @@
+"""The coordinator's gRPC edge with admission: slots around streams, refusals with trailing metadata, queue_ns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from coordinator.admission import AdmissionController, AdmissionLimits
+from coordinator.prompts import PromptLimits
+from coordinator.rounds import GenerationRequest, GenerationStats, TextChunk
+from coordinator.server import GenerationBackend, GenerationServicer
+from specserve.v1 import generation_pb2
+
+
+class HeldGeneration:
+    """Streams one chunk, then waits until the test lets it finish."""
+
+    def __init__(self, finish: asyncio.Event) -> None:
+        self.stats = GenerationStats()
+        self._finish = finish
+
+    async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
+        yield TextChunk("a", [1])
+        await self._finish.wait()
+        yield self.stats
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    def __init__(self, time_remaining: float | None = None) -> None:
+        self._time_remaining = time_remaining
+        self.aborted: tuple[grpc.StatusCode, str, Any] | None = None
+
+    def time_remaining(self) -> float | None:
+        return self._time_remaining
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        self.aborted = (code, details, trailing_metadata)
+        raise Aborted
+
+
+def tokenizer(text: str, **_: object) -> dict[str, list[int]]:
+    return {"input_ids": [1, 2, 3]}
+
+
+def test_the_edge_holds_a_slot_per_stream_and_refuses_with_retry_after() -> None:
+    async def test() -> None:
+        finish = asyncio.Event()
+
+        def new_generation(request: GenerationRequest) -> Any:
+            return HeldGeneration(finish)
+
+        admission = AdmissionController(AdmissionLimits(max_running=1, max_queued=1))
+        servicer = GenerationServicer(
+            GenerationBackend(tokenizer, PromptLimits(16, 64), new_generation), None, admission
+        )
+        request = generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=4)
+
+        async def call(context: FakeContext) -> list[generation_pb2.GenerateResponse]:
+            return [r async for r in servicer.Generate(request, context)]
+
+        first = asyncio.create_task(call(FakeContext()))
+        queued = asyncio.create_task(call(FakeContext(time_remaining=30.0)))
+        await asyncio.sleep(0.05)
+        refused = FakeContext()
+        with pytest.raises(Aborted):
+            await call(refused)
+        assert refused.aborted is not None
+        code, details, metadata = refused.aborted
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"retry after {dict(metadata)['retry-after-ms']} ms" in details
+        finish.set()
+        responses = await first
+        assert responses[-1].stats.queue_ns == 0
+        responses = await queued
+        assert responses[-1].stats.queue_ns > 0
+        assert (admission.running, admission.queued) == (0, 0)
+
+    asyncio.run(test())
