@@ -8,6 +8,7 @@ from coordinator.ports import VerifierInfo
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import RoundPolicy
 from coordinator.tree_checks import TreeLimits
+from specserve.drain import DEFAULT_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class CoordinatorConfig:
     verifier_timeout_s: float = 120.0
     startup_timeout_s: float = 900.0  # how long to wait for the verifier to load its model
     metrics_port: int = 0
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
 
 
 def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPolicy:

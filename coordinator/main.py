@@ -21,6 +21,7 @@ from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
 from coordinator.server import GenerationBackend, GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
+from specserve.drain import Drain
 from specserve.model_loading import (
     default_cache_root,
     load_generation_config,
@@ -29,7 +30,14 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, channel_options, mark_serving, serve_until_signal, server_options
+from specserve.rpc import (
+    add_health,
+    channel_options,
+    mark_draining,
+    mark_serving,
+    serve_until_signal,
+    server_options,
+)
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -185,10 +193,12 @@ async def serve(config: CoordinatorConfig) -> None:
     server = grpc.aio.server(options=server_options())
     metrics = CoordinatorMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port)
-    servicer = GenerationServicer(metrics=metrics)
+        metrics.serve(config.metrics_port, config.host)
+    drain = Drain(config.shutdown_grace_s)
+    servicer = GenerationServicer(metrics=metrics, drain=drain)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
+    drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     await server.start()
@@ -208,7 +218,7 @@ async def serve(config: CoordinatorConfig) -> None:
     servicer.attach(GenerationBackend(tokenizer, limits, new_generation))
     mark_serving(health, [SERVICE_NAME])
     print(f"coordinator listening on {address} (verifier {config.verifier}, drafter {config.drafter})", flush=True)
-    await serve_until_signal(server)
+    await serve_until_signal(server, drain)
 
 
 def main(argv: list[str] | None = None) -> None:

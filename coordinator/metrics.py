@@ -35,8 +35,9 @@ class CoordinatorMetrics:
             "specserve_drafter_circuit_open", "1 while requests skip the drafter after a failure", registry=r
         )
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str) -> None:
+        """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
+        start_http_server(port, addr=host, registry=self.registry)
 
     def observe(self, stats: GenerationStats) -> None:
         self.requests.labels(stats.finish_reason.value).inc()

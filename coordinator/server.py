@@ -11,8 +11,9 @@ import grpc
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.prompts import ChatTurn, PromptLimits, build_request, encode_prompt
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, TextChunk
+from specserve.drain import Drain
 from specserve.errors import SpecserveError, Unavailable
-from specserve.rpc import status_code
+from specserve.rpc import refused_while_draining, status_code
 from specserve.sampling import SamplingParams
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -59,9 +60,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     Until ``attach`` (tokenizer loaded, verifier connected) calls are UNAVAILABLE.
     """
 
-    def __init__(self, backend: GenerationBackend | None = None, metrics: CoordinatorMetrics | None = None) -> None:
+    def __init__(
+        self,
+        backend: GenerationBackend | None = None,
+        metrics: CoordinatorMetrics | None = None,
+        drain: Drain | None = None,
+    ) -> None:
         self._backend = backend
         self._metrics = metrics
+        self.drain = drain or Drain()  # on SIGTERM: new streams refused, streams in flight go on to the end
 
     def attach(self, backend: GenerationBackend) -> None:
         self._backend = backend
@@ -77,6 +84,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
         return build_request(prompt_ids, request.max_new_tokens, sampling, list(request.stop), backend.limits)
 
+    @refused_while_draining("new generation streams")
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:

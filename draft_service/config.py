@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.drain import DEFAULT_GRACE_S
+
 # The committed head for the packaged target (`make train-draft` writes it; it ships as package data).
 DEFAULT_DRAFT_HEAD = Path(__file__).resolve().parent / "weights" / "smollm2-draft-head.pt"
 
@@ -23,6 +25,7 @@ class DrafterConfig:
     # All four sources; the draft head's weights ship with the drafter (draft_service/weights/).
     sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling", "draft_model")
     metrics_port: int = 0
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
     # The draft_model source: a draft head trained for this target (`make train-draft`).
     draft_head_path: str = str(DEFAULT_DRAFT_HEAD)
     target_model: str = "smollm2"  # whose embedding and LM head the head reads (name or local path)

@@ -18,6 +18,7 @@ from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
+from specserve.drain import Drain
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -27,7 +28,7 @@ from specserve.model_loading import (
     vocab_fingerprint,
 )
 from specserve.ngram_pool import PoolShape
-from specserve.rpc import add_health, mark_serving, serve_until_signal, server_options
+from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -130,8 +131,10 @@ async def serve(config: DrafterConfig) -> None:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)
     server = grpc.aio.server(options=server_options())
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter), server)
+    drain = Drain(config.shutdown_grace_s)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter, drain), server)
     health = add_health(server, [SERVICE_NAME])
+    drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     await server.start()
@@ -139,9 +142,9 @@ async def serve(config: DrafterConfig) -> None:
     if config.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(config.metrics_port)
+        start_http_server(config.metrics_port, addr=config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
-    await serve_until_signal(server)
+    await serve_until_signal(server, drain)
 
 
 def main(argv: list[str] | None = None) -> None:

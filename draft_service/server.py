@@ -13,7 +13,8 @@ import numpy as np
 from draft_service.drafter import Drafter, DraftSession
 from specserve import errors
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.rpc import status_code
+from specserve.drain import Drain
+from specserve.rpc import refused_while_draining, status_code
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 from specserve.wire import features_from_proto, tree_to_proto
 
@@ -68,8 +69,9 @@ class FeaturesAhead:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, drain: Drain | None = None) -> None:
         self._drafter = drafter
+        self.drain = drain or Drain()  # on SIGTERM: new Draft streams refused, open ones go on to the end
         self._num_active_sessions = 0
         self._drafting = threading.Lock()
         self._num_waiting = 0  # proposals waiting for the drafting lock: pre-drafting yields to them
@@ -97,6 +99,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except Exception:  # drafting ahead is an optimisation: a failure costs the hit, never the session
             _log.exception("working ahead failed for session %s; it drafts on demand", session.session_id)
 
+    @refused_while_draining("new Draft streams")
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specserve.drain import DEFAULT_GRACE_S
+
 
 @dataclass(frozen=True)
 class VerifierConfig:
@@ -28,3 +30,4 @@ class VerifierConfig:
     torch_threads: int = 0  # 0: torch's default
     max_workers: int = 256  # concurrent RPCs (they wait on the engine; forwards are batched)
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
