@@ -112,15 +112,26 @@ class LocalCluster:
         )
         if self.with_drafter:
             self.start_drafter()
-        coordinator_args = ["--port", str(self.coordinator_port), "--verifier", self.verifier_address]
-        coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
-        self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
+        self._spawn_coordinator()
         try:
             wait_serving(self.coordinator_address, timeout_s, *self.processes.values())
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _spawn_coordinator(self) -> None:
+        coordinator_args = ["--port", str(self.coordinator_port), "--verifier", self.verifier_address]
+        coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
+        self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
+
+    def restart_coordinator(self, timeout_s: float = 120.0) -> None:
+        """Start a new coordinator against the running verifier (and drafter) after the last one exited."""
+        old = self.processes.pop("coordinator", None)
+        if old is not None and old.poll() is None:
+            raise RuntimeError("the coordinator is still running: stop it first")
+        self._spawn_coordinator()
+        wait_serving(self.coordinator_address, timeout_s, *self.processes.values())
 
     def kill(self, name: str) -> None:
         """Kill one service abruptly (SIGKILL), as a crash would."""

@@ -120,8 +120,11 @@ def drain_on_signals(drain: Drain) -> None:
 
 def stop_when_drained(server: grpc.Server, drain: Drain) -> None:
     """Block until a signal has begun the drain and it is done (``drain_on_signals``), then stop ``server``."""
+    while not drain.draining:
+        time.sleep(0.5)
+    log.info("draining: %d in flight, up to %.0f s", drain.outstanding, drain.grace_s)
     while not drain.done():
-        time.sleep(POLL_S if drain.draining else 0.5)
+        time.sleep(POLL_S)
     _log_stop(drain)
     server.stop(grace=0 if drain.forced else FINAL_GRACE_S).wait()
 
