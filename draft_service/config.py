@@ -35,3 +35,11 @@ class DrafterConfig:
     torch_threads: int = 0  # 0: torch's default
     # Outcomes of each tree drafted ahead while the verifier checks it (pre-drafting); 0: off.
     predraft_outcomes: int = 3
+    # Bytes of in-memory n-gram pools and per-session drafting state (POOL_SHARE of it for the pools); over it
+    # the least recently used sessions' draft-head state is freed (they go on with n-gram drafting).
+    max_memory_mib: int = 1024
+    stream_idle_timeout_s: float = 300.0  # a Draft stream silent this long is closed and its state freed
+
+
+POOL_SHARE = 0.25
+"""Of ``max_memory_mib``, what the in-memory n-gram pools may hold (all of them together)."""

@@ -11,13 +11,15 @@ from pathlib import Path
 import grpc
 import torch
 
-from draft_service.config import DrafterConfig
+from draft_service.config import POOL_SHARE, DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head, require_weights
 from draft_service.drafter import ALL_SOURCES, Drafter
 from draft_service.head_proposer import HeadProposer, TreeShape
+from draft_service.metrics import DrafterMetrics
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
+from draft_service.session_memory import SessionMemory
 from specserve.drain import Drain
 from specserve.model_loading import (
     default_cache_root,
@@ -76,6 +78,19 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         default=int(env("SPECSERVE_PREDRAFT_OUTCOMES", str(defaults.predraft_outcomes))),
         help="likeliest outcomes of each tree to draft the next round for while the verifier checks it (0: off)",
     )
+    parser.add_argument(
+        "--max-memory-mib",
+        type=int,
+        default=int(env("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", str(defaults.max_memory_mib))),
+        help=f"bound of the in-memory n-gram pools ({POOL_SHARE:.0%} of it) and per-session drafting state; "
+        "over it the least recently used sessions lose their draft-head state (they draft from n-grams)",
+    )
+    parser.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=defaults.stream_idle_timeout_s,
+        help="a Draft stream that sends nothing this long is closed (DEADLINE_EXCEEDED) and its state freed",
+    )
     args = parser.parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in fields(DrafterConfig)}
     values["redis_url"] = values["redis_url"] or None
@@ -89,7 +104,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
 def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple[Drafter, PoolRegistry]:
     """The drafter ``config`` describes; the draft_model source needs ``head`` (see ``load_head``)."""
     shape = PoolShape(key_len=config.pool_key_len, continuation_len=config.pool_continuation_len)
-    pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys)
+    memory_bytes = config.max_memory_mib << 20
+    pool_bytes = int(memory_bytes * POOL_SHARE)
+    pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys, pool_bytes)
     lookup = PromptLookupProposer(config.lookup_min_ngram, config.lookup_max_ngram)
     tree = TreeShape(config.tree_depth, config.tree_branching, config.tree_beam)
     drafter = Drafter(
@@ -99,6 +116,7 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
         draft_head=head,
         tree_shape=tree,
         predraft_outcomes=config.predraft_outcomes,
+        memory=SessionMemory(memory_bytes - pool_bytes),
     )
     return drafter, pools
 
@@ -132,7 +150,8 @@ async def serve(config: DrafterConfig) -> None:
     drafter, pools = build_drafter(config, head)
     server = grpc.aio.server(options=server_options())
     drain = Drain(config.shutdown_grace_s)
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter, drain), server)
+    servicer = DrafterServicer(drafter, drain, config.stream_idle_timeout_s)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
@@ -140,9 +159,7 @@ async def serve(config: DrafterConfig) -> None:
     await server.start()
     mark_serving(health, [SERVICE_NAME])
     if config.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(config.metrics_port, addr=config.host)
+        DrafterMetrics(drafter.memory, pools).serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
     await serve_until_signal(server, drain)
 

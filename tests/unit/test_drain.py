@@ -102,10 +102,14 @@ class Stream:
         await self._queue.put(None)
 
 
-async def drafter_server(drain: Drain) -> tuple[grpc.aio.Server, str]:
+async def drafter_server(
+    drain: Drain, drafter: Drafter | None = None, stream_idle_timeout_s: float = 300.0
+) -> tuple[grpc.aio.Server, str]:
+    """An n-gram drafter on loopback, serving and wired to ``drain`` as draft_service.main wires it."""
     server = grpc.aio.server()
-    drafter = Drafter(lambda fingerprint: InMemoryNgramPool())
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter, drain), server)
+    drafter = drafter or Drafter(lambda fingerprint: InMemoryNgramPool())
+    servicer = DrafterServicer(drafter, drain, stream_idle_timeout_s)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
     health = add_health(server, ["specserve.v1.DrafterService"])
     drain.on_begin(lambda: mark_draining(health))
     address = f"127.0.0.1:{free_port()}"
