@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -18,7 +19,7 @@ from specserve.drain import Drain
 from specserve.errors import Unavailable
 from specserve.local_cluster import free_port
 from specserve.ngram_pool import InMemoryNgramPool
-from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal
+from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, stop_when_drained
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 
@@ -164,3 +165,32 @@ def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused()
 
     stopped_after_s = asyncio.run(scenario())
     assert stopped_after_s < 5, "the server stops soon after its last stream, well before the grace"
+
+
+def test_a_sync_server_drains_until_its_busy_count_is_zero_then_stops() -> None:
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health = add_health(server, ["specserve.v1.VerifierService"])
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    mark_serving(health, ["specserve.v1.VerifierService"])
+    sessions = [1]
+    drain = Drain(grace_s=30)
+    drain.on_begin(lambda: mark_draining(health))
+    drain.count_busy(lambda: sessions[0])
+    stopped = threading.Event()
+    waiter = threading.Thread(target=lambda: (stop_when_drained(server, drain), stopped.set()))
+    waiter.start()
+    try:
+        drain.signal()  # as the SIGTERM handler that drain_on_signals installs does
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not stopped.wait(0.5), "a session is still held"
+        sessions[0] = 0
+        assert stopped.wait(5), "stopped once nothing is held"
+    finally:
+        server.stop(0)
+        waiter.join(5)
