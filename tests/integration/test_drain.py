@@ -1,8 +1,9 @@
 """SIGTERM mid-stream: the stream finishes unchanged, new work is refused, the process exits by itself after it.
 
 Real processes, one cluster for the file: first the coordinator is drained (and restarted alone against the
-running verifier), then the verifier. Timings are printed; the only timing asserted is the exit well within
-the 30 s grace (with a wide margin: the machine is shared).
+running verifier), then the verifier. Timings are printed; the only timing asserted is the exit soon after
+the stream's end, well within the grace. The grace is long (a loaded 2-core machine has taken 28 s for the rest
+of a 48-token stream) so that the stream always ends by itself.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from tests.integration.conftest import FP32_VERIFIER, Target
 
 pytestmark = pytest.mark.integration
 
-GRACE_S = 30.0
+GRACE_S = 120.0
+EXIT_AFTER_STREAM_S = 20.0  # at most, from the stream's end to the exit (seconds it takes: ~1-4)
 MAX_NEW_TOKENS = 48
 PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -83,9 +85,9 @@ def drain_mid_stream(cluster: LocalCluster, name: str, health_address: str) -> t
         streamed = time.monotonic() - signalled
     assert stats is not None and stats.num_generated_tokens == len(tokens)
     try:
-        process.wait(timeout=GRACE_S / 2)
+        process.wait(timeout=EXIT_AFTER_STREAM_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the {name} did not exit within {GRACE_S / 2:.0f} s of its last stream")
+        pytest.fail(f"the {name} did not exit within {EXIT_AFTER_STREAM_S:.0f} s of its last stream")
     exited = time.monotonic() - signalled
     assert process.returncode == 0
     print(f"{name}: stream done {streamed:.2f} s after SIGTERM, exited after {exited:.2f} s (grace {GRACE_S:.0f} s)")
@@ -97,11 +99,11 @@ def test_a_draining_coordinator_finishes_its_stream_and_refuses_new_ones(
 ) -> None:
     tokens, streamed, exited = drain_mid_stream(cluster, "coordinator", cluster.coordinator_address)
     assert tokens == greedy
-    assert exited - streamed < GRACE_S / 2
+    assert exited - streamed < EXIT_AFTER_STREAM_S
 
 
 def test_a_draining_verifier_serves_the_sessions_it_holds_to_the_end(cluster: LocalCluster, greedy: list[int]) -> None:
     cluster.restart_coordinator()
     tokens, streamed, exited = drain_mid_stream(cluster, "verifier", cluster.verifier_address)
     assert tokens == greedy
-    assert exited - streamed < GRACE_S / 2
+    assert exited - streamed < EXIT_AFTER_STREAM_S
