@@ -8,6 +8,7 @@ when any of them exits).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -140,15 +141,15 @@ class LocalCluster:
         process.wait()
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """SIGTERM each service (it drains), again after 5 s to those still draining (stop now), kill after 10."""
+        for signum, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+            running = [process for process in self.processes.values() if process.poll() is None]
+            for process in running:
+                process.send_signal(signum)
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            for process in running:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.processes.clear()
 
     def __enter__(self) -> LocalCluster:
