@@ -82,7 +82,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         "--max-memory-mib",
         type=int,
         default=int(env("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", str(defaults.max_memory_mib))),
-        help=f"bound of the in-memory n-gram pools ({POOL_SHARE:.0%} of it) and per-session drafting state; "
+        help=f"bound of the in-memory n-gram pools ({POOL_SHARE:.0%}% of it) and per-session drafting state; "
         "over it the least recently used sessions lose their draft-head state (they draft from n-grams)",
     )
     parser.add_argument(

@@ -194,3 +194,20 @@ def test_a_sync_server_drains_until_its_busy_count_is_zero_then_stops() -> None:
     finally:
         server.stop(0)
         waiter.join(5)
+
+
+def test_every_service_takes_the_shutdown_grace_from_its_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from coordinator.main import parse_config as coordinator_config
+    from draft_service.main import parse_config as drafter_config
+    from target_service.main import parse_config as verifier_config
+
+    assert coordinator_config([])[0].shutdown_grace_s == 30.0
+    monkeypatch.setenv("SPECSERVE_SHUTDOWN_GRACE_S", "12.5")
+    monkeypatch.setenv("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", "64")
+    for parse in (coordinator_config, verifier_config, drafter_config):
+        assert parse([])[0].shutdown_grace_s == 12.5
+        assert parse(["--shutdown-grace-s", "3"])[0].shutdown_grace_s == 3.0
+    drafter = drafter_config(["--stream-idle-timeout-s", "9"])[0]
+    assert drafter.max_memory_mib == 64 and drafter.stream_idle_timeout_s == 9.0
