@@ -70,7 +70,7 @@ class _InProcessDraftStream:
         return reply
 
     async def close(self) -> None:
-        return None
+        self._session.close()
 
 
 class InProcessDrafter:

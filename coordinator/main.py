@@ -293,7 +293,7 @@ async def serve(config: CoordinatorConfig) -> None:
     server = grpc.aio.server(options=server_options(), interceptors=interceptors)
     metrics = CoordinatorMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port)
+        metrics.serve(config.metrics_port, config.host)
     admission = AdmissionController(admission_limits(config), metrics)
     servicer = GenerationServicer(metrics=metrics, admission=admission)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)

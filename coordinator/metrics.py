@@ -61,8 +61,9 @@ class CoordinatorMetrics:
     def rejected(self, reason: str) -> None:
         self.rejected_streams.labels(reason).inc()
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str) -> None:
+        """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
+        start_http_server(port, addr=host, registry=self.registry)
 
     def observe(self, stats: GenerationStats) -> None:
         self.requests.labels(stats.finish_reason.value).inc()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.auth.config import ServerSecurity
+from specserve.drain import DEFAULT_GRACE_S
 
 # The committed head for the packaged target (`make train-draft` writes it; it ships as package data).
 DEFAULT_DRAFT_HEAD = Path(__file__).resolve().parent / "weights" / "smollm2-draft-head.pt"
@@ -25,6 +26,7 @@ class DrafterConfig:
     # All four sources; the draft head's weights ship with the drafter (draft_service/weights/).
     sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling", "draft_model")
     metrics_port: int = 0
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
     # The draft_model source: a draft head trained for this target (`make train-draft`).
     draft_head_path: str = str(DEFAULT_DRAFT_HEAD)
     target_model: str = "smollm2"  # whose embedding and LM head the head reads (name or local path)
@@ -35,3 +37,11 @@ class DrafterConfig:
     # Outcomes of each tree drafted ahead while the verifier checks it (pre-drafting); 0: off.
     predraft_outcomes: int = 3
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send
+    # Bytes of in-memory n-gram pools and per-session drafting state (POOL_SHARE of it for the pools); over it
+    # the least recently used sessions' draft-head state is freed (they go on with n-gram drafting).
+    max_memory_mib: int = 1024
+    stream_idle_timeout_s: float = 300.0  # a Draft stream silent this long is closed and its state freed
+
+
+POOL_SHARE = 0.25
+"""Of ``max_memory_mib``, what the in-memory n-gram pools may hold (all of them together)."""

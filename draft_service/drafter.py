@@ -23,6 +23,7 @@ from draft_service.proposers import (
     SuccessorTable,
     TokenRecyclingProposer,
 )
+from draft_service.session_memory import UNBOUNDED, SessionMemory
 from draft_service.tree_builder import (
     EMPTY,
     AcceptanceStats,
@@ -37,6 +38,9 @@ from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.ngram_pool import NgramPool
 from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree
+
+BYTES_PER_TOKEN = 40
+"""A committed token in a Python list: an 8-byte slot and an int object (32 bytes for ids past 256)."""
 
 NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name)
 ALL_SOURCES = (*NGRAM_SOURCES, HeadProposer.name)
@@ -68,8 +72,10 @@ class DraftSession:
         builder: TreeBuilder,
         predraft_outcomes: int = 0,
         vocab_size: int = 0,
+        memory: SessionMemory | None = None,
     ) -> None:
         self.session_id = session_id
+        self._memory = memory  # where this session's bytes are counted (and its sources' state may be freed)
         self._vocab_size = vocab_size  # the target's: draft tokens outside it are dropped (0: unknown)
         self.tokens = list(prompt_tokens)
         self._num_prompt_tokens = len(self.tokens)
@@ -86,8 +92,47 @@ class DraftSession:
     def wants_features(self) -> bool:
         return any(proposer.wants_features for proposer in self._proposers)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held for this session: its tokens (a list of ints) and its sources' own state."""
+        return BYTES_PER_TOKEN * len(self.tokens) + sum(proposer.nbytes for proposer in self._proposers)
+
+    def forget(self) -> int:
+        """Free the sources' state and the pre-drafted trees (drafting degrades, nothing fails); bytes freed."""
+        before = self.nbytes
+        for proposer in self._proposers:
+            proposer.forget()
+        self._predrafts.clear()
+        return max(0, before - self.nbytes)
+
+    def close(self) -> None:
+        """The stream ended: stop counting this session's memory."""
+        if self._memory is not None:
+            self._memory.closed(self)
+
     def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         """Learn from the last round, then propose a tree of at most ``max_nodes``."""
+        reply = self._propose(feedback, max_nodes)
+        self._account()
+        return reply
+
+    def work_ahead(self, predraft: bool = True) -> bool:
+        """One bounded step of work for the next round; False when there is none left.
+
+        First what the sources put off (a long prompt's features), then, with
+        ``predraft``, the next round's tree for the likeliest outcome of the
+        last tree not drafted yet. Call between the reply to ``propose`` and the
+        next ``propose``, step by step, so that a waiting request can interrupt.
+        """
+        worked = self._work_ahead(predraft)
+        self._account()
+        return worked
+
+    def _account(self) -> None:
+        if self._memory is not None:
+            self._memory.used(self)
+
+    def _propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         start = time.perf_counter_ns()
         self._observe(feedback)
         ready = self._predrafts.get(feedback.new_tokens) if feedback.new_tokens else None
@@ -108,14 +153,7 @@ class DraftSession:
             return DraftReply(self._last.tree, elapsed, predrafted=True, predraft_ns=ready.draft_ns)
         return DraftReply(self._last.tree, elapsed)
 
-    def work_ahead(self, predraft: bool = True) -> bool:
-        """One bounded step of work for the next round; False when there is none left.
-
-        First what the sources put off (a long prompt's features), then, with
-        ``predraft``, the next round's tree for the likeliest outcome of the
-        last tree not drafted yet. Call between the reply to ``propose`` and the
-        next ``propose``, step by step, so that a waiting request can interrupt.
-        """
+    def _work_ahead(self, predraft: bool) -> bool:
         if any(proposer.digest(self.tokens) for proposer in self._proposers):
             return True
         if not predraft or not self._pending_outcomes:
@@ -179,6 +217,7 @@ class Drafter:
         draft_head: DraftHead | None = None,
         tree_shape: TreeShape | None = None,
         predraft_outcomes: int = 0,
+        memory: SessionMemory | None = None,
     ) -> None:
         unknown = set(sources) - set(ALL_SOURCES)
         if unknown:
@@ -197,6 +236,8 @@ class Drafter:
         # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
         # where drafting has its own cores: in one process with the verifier it would take the verifier's.
         self.predraft_outcomes = predraft_outcomes
+        # Open sessions' bytes, bounded (--max-memory-mib): the least recently used ones' head state goes first.
+        self.memory = memory if memory is not None else SessionMemory(max_bytes=UNBOUNDED)
 
     @property
     def wants_features(self) -> bool:
@@ -241,7 +282,11 @@ class Drafter:
         shared = self._stats.setdefault(vocab_fingerprint, AcceptanceStats())
         builder = TreeBuilder(AcceptanceStats(parent=shared), self._cost)
         proposers = [available[name] for name in self.sources]
-        return DraftSession(session_id, prompt_tokens, pool, proposers, builder, self.predraft_outcomes, vocab_size)
+        session = DraftSession(
+            session_id, prompt_tokens, pool, proposers, builder, self.predraft_outcomes, vocab_size, self.memory
+        )
+        self.memory.opened(session)
+        return session
 
     def forget_successors(self, pool_namespace: str) -> int:
         """Drop the successor tables of ``pool_namespace`` (a purge); how many there were."""

@@ -51,6 +51,11 @@ class FeatureLog:
         self._chunks: list[np.ndarray] = []
         self.count = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, counting whole arrays that kept rows are views of."""
+        return sum((chunk.base if isinstance(chunk.base, np.ndarray) else chunk).nbytes for chunk in self._chunks)
+
     def extend(self, features: np.ndarray) -> None:
         if features.shape[0]:
             self._chunks.append(features)
@@ -105,15 +110,44 @@ class HeadProposer:
         # each speculative one: the last entry predicts the token after the context.
         self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._speculative: list[int] = []  # tokens fed on the head's own features, in cache order after _fed
+        self.forgotten = False  # its state was freed to bound the drafter's memory: it drafts no more
+
+    @property
+    def nbytes(self) -> int:
+        """The head's KV cache, the features not fed yet, the outputs kept."""
+        tensors = [getattr(layer, name, None) for layer in self._cache.layers for name in ("keys", "values")]
+        # Storage, not shape: a cropped cache is a view of its longer past.
+        cached = sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
+        kept = sum(f.untyped_storage().nbytes() + logits.untyped_storage().nbytes() for f, logits in self._outputs)
+        return cached + kept + self.features.nbytes
+
+    def forget(self) -> None:
+        """Free the cache and features: from now on this session drafts with the other sources only.
+
+        The head cannot catch up later: the features of the positions it forgot never come again (the
+        coordinator sends each committed position's once), and drafting from a cache that misses them would
+        only waste the verifier's time on poor trees.
+        """
+        self.forgotten = True
+        self._cache = DynamicCache()
+        self.features = FeatureLog()
+        self._outputs = []
+        self._speculative = []
 
     def observe(self, feedback: DraftFeedback) -> None:
-        if feedback.features is not None:
+        if feedback.features is not None and not self.forgotten:
             self.features.extend(feedback.features)
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree:
         known = self.features.count
-        if max_nodes <= 0 or known == 0 or known > len(tokens) - 1 or known - self._fed > SYNC_FEED_ROWS:
+        if (
+            self.forgotten
+            or max_nodes <= 0
+            or known == 0
+            or known > len(tokens) - 1
+            or known - self._fed > SYNC_FEED_ROWS
+        ):
             # No features yet, more than tokens (a confused report), or a backlog that ``digest`` feeds.
             return TokenTree()
         self._feed(tokens, known)
@@ -124,7 +158,7 @@ class HeadProposer:
     def digest(self, tokens: Sequence[int]) -> bool:
         """Feed the next ``DIGEST_ROWS`` of a long backlog of features; False when the backlog is short."""
         known = self.features.count
-        if known - self._fed <= SYNC_FEED_ROWS or known > len(tokens) - 1:
+        if self.forgotten or known - self._fed <= SYNC_FEED_ROWS or known > len(tokens) - 1:
             return False
         self._feed(tokens, min(known, self._fed + DIGEST_ROWS))
         return True
@@ -142,7 +176,8 @@ class HeadProposer:
             features, next_tokens, position_ids=positions, past_key_values=self._cache, last_logits_only=True
         )
         self._fed = upto
-        self._outputs = [(out.features[0, -1], out.logits[0, -1])]
+        # Copies: views would keep the whole forward's outputs (every fed position's) alive.
+        self._outputs = [(out.features[0, -1].clone(), out.logits[0, -1].clone())]
         self._speculative = []
 
     def _feed_speculative(self, tokens: Sequence[int]) -> None:

@@ -11,16 +11,19 @@ from pathlib import Path
 import grpc
 import torch
 
-from draft_service.config import DrafterConfig
+from draft_service.config import POOL_SHARE, DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head, require_weights
 from draft_service.drafter import ALL_SOURCES, Drafter
 from draft_service.head_proposer import HeadProposer, TreeShape
+from draft_service.metrics import DrafterMetrics
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
+from draft_service.session_memory import SessionMemory
 from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import AioInternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
+from specserve.drain import Drain
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -30,7 +33,7 @@ from specserve.model_loading import (
     vocab_fingerprint,
 )
 from specserve.ngram_pool import PoolShape
-from specserve.rpc import add_health, mark_serving, serve_until_signal, server_options
+from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -78,6 +81,19 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         default=int(env("SPECSERVE_PREDRAFT_OUTCOMES", str(defaults.predraft_outcomes))),
         help="likeliest outcomes of each tree to draft the next round for while the verifier checks it (0: off)",
     )
+    parser.add_argument(
+        "--max-memory-mib",
+        type=int,
+        default=int(env("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", str(defaults.max_memory_mib))),
+        help=f"bound of the in-memory n-gram pools ({POOL_SHARE:.0%}% of it) and per-session drafting state; "
+        "over it the least recently used sessions lose their draft-head state (they draft from n-grams)",
+    )
+    parser.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        default=defaults.stream_idle_timeout_s,
+        help="a Draft stream that sends nothing this long is closed (DEADLINE_EXCEEDED) and its state freed",
+    )
     args = parser.parse_args(argv)
     try:
         args.security = security_from_args(args)
@@ -95,7 +111,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
 def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple[Drafter, PoolRegistry]:
     """The drafter ``config`` describes; the draft_model source needs ``head`` (see ``load_head``)."""
     shape = PoolShape(key_len=config.pool_key_len, continuation_len=config.pool_continuation_len)
-    pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys)
+    memory_bytes = config.max_memory_mib << 20
+    pool_bytes = int(memory_bytes * POOL_SHARE)
+    pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys, pool_bytes)
     lookup = PromptLookupProposer(config.lookup_min_ngram, config.lookup_max_ngram)
     tree = TreeShape(config.tree_depth, config.tree_branching, config.tree_beam)
     drafter = Drafter(
@@ -105,6 +123,7 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
         draft_head=head,
         tree_shape=tree,
         predraft_outcomes=config.predraft_outcomes,
+        memory=SessionMemory(memory_bytes - pool_bytes),
     )
     return drafter, pools
 
@@ -148,18 +167,19 @@ async def serve(config: DrafterConfig) -> None:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)
     server = grpc.aio.server(options=server_options(), interceptors=checks)
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter, pools), server)
+    drain = Drain(config.shutdown_grace_s)
+    servicer = DrafterServicer(drafter, pools, drain, config.stream_idle_timeout_s)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
+    drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     await server.start()
     mark_serving(health, [SERVICE_NAME])
     if config.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(config.metrics_port)
+        DrafterMetrics(drafter.memory, pools).serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
-    await serve_until_signal(server)
+    await serve_until_signal(server, drain)
 
 
 def main(argv: list[str] | None = None) -> None:

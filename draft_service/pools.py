@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import redis
 
-from specserve.ngram_pool import FallbackPool, InMemoryNgramPool, NgramPool, PoolShape
+from specserve.ngram_pool import ByteBudget, FallbackPool, InMemoryNgramPool, NgramPool, PoolShape
 from specserve.redis_pool import RedisNgramPool, purge_namespace
 from specserve.tenancy import ANONYMOUS
 
@@ -34,9 +34,18 @@ class PoolRegistry:
     Pools of different vocabularies never mix either: token ids only mean something under one tokenizer.
     """
 
-    def __init__(self, shape: PoolShape, redis_url: str | None, redis_timeout_s: float, max_keys: int) -> None:
+    def __init__(
+        self,
+        shape: PoolShape,
+        redis_url: str | None,
+        redis_timeout_s: float,
+        max_keys: int,
+        max_bytes: int | None = None,
+    ) -> None:
         self._shape = shape
         self._max_keys = max_keys
+        # One allowance for all in-memory pools (one per vocabulary, or per tenant namespace).
+        self._budget = ByteBudget(max_keys * shape.bytes_per_key if max_bytes is None else max_bytes)
         self._client = (
             redis.Redis.from_url(redis_url, socket_timeout=redis_timeout_s, socket_connect_timeout=redis_timeout_s)
             if redis_url
@@ -46,6 +55,11 @@ class PoolRegistry:
         self._local: dict[tuple[str, str], InMemoryNgramPool] = {}
 
     @property
+    def nbytes(self) -> int:
+        """Bytes the in-memory pools hold (estimated; Redis holds the shared pool outside this process)."""
+        return self._budget.used
+
+    @property
     def backend(self) -> str:
         return "redis" if self._client is not None else "memory"
 
@@ -53,7 +67,7 @@ class PoolRegistry:
         key = (fingerprint, namespace or ANONYMOUS.pool_namespace)
         pool = self._pools.get(key)
         if pool is None:
-            local = InMemoryNgramPool(self._shape, self._max_keys)
+            local = InMemoryNgramPool(self._shape, self._max_keys, self._budget)
             pool = local
             if self._client is not None:
                 pool = FallbackPool(RedisNgramPool(self._client, redis_namespace(*key), self._shape), local)

@@ -43,6 +43,15 @@ class Proposer(Protocol):
         """
         ...
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this session's own state in this source (0 for state that sessions share)."""
+        ...
+
+    def forget(self) -> None:
+        """Free this session's own state to bound the drafter's memory; the source may draft less after it."""
+        ...
+
 
 class _Stateless:
     """For sources that learn nothing from the verifier's reports."""
@@ -54,6 +63,13 @@ class _Stateless:
 
     def digest(self, tokens: Sequence[int]) -> bool:
         return False
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def forget(self) -> None:
+        return None
 
 
 def suffix_matches(tokens: np.ndarray, min_ngram: int, max_ngram: int) -> tuple[np.ndarray, int]:
@@ -194,3 +210,10 @@ class TokenRecyclingProposer:
 
     def digest(self, tokens: Sequence[int]) -> bool:
         return False
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the successor table is shared by the vocabulary's sessions (bounded in tokens)
+
+    def forget(self) -> None:
+        return None

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -14,11 +15,13 @@ from draft_service.drafter import Drafter, DraftSession
 from draft_service.pools import PoolRegistry
 from specserve import errors
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.rpc import status_code
+from specserve.drain import Drain
+from specserve.rpc import refused_while_draining, status_code
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 from specserve.wire import features_from_proto, tree_to_proto
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_FEATURE_BYTES_AHEAD = 128 << 20
 """Most FeatureChunk bytes one stream may send ahead of a propose (beyond it: RESOURCE_EXHAUSTED).
@@ -68,10 +71,43 @@ class FeaturesAhead:
             )
 
 
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
+
+
+async def idle_limited(
+    requests: AsyncIterator[T], idle_timeout_s: float, context: grpc.aio.ServicerContext
+) -> AsyncIterator[T]:
+    """``requests`` as they come; a stream silent for ``idle_timeout_s`` is ended with DEADLINE_EXCEEDED.
+
+    A coordinator that died without closing its streams would otherwise keep their sessions' state forever.
+    """
+    iterator = aiter(requests)
+    while True:
+        try:
+            request = await asyncio.wait_for(anext(iterator), idle_timeout_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no message on this Draft stream for {idle_timeout_s:g} s (--stream-idle-timeout-s): closed "
+                "and its session's state freed; open a new stream to draft again",
+            )
+        yield request
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, drafter: Drafter, pools: PoolRegistry | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        pools: PoolRegistry | None = None,
+        drain: Drain | None = None,
+        stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    ) -> None:
         self._drafter = drafter
         self._pools = pools
+        self._idle_timeout_s = stream_idle_timeout_s
+        self.drain = drain or Drain()  # on SIGTERM: new Draft streams refused, open ones go on to the end
         self._num_active_sessions = 0
         self._drafting = threading.Lock()
         self._num_waiting = 0  # proposals waiting for the drafting lock: pre-drafting yields to them
@@ -99,10 +135,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except Exception:  # drafting ahead is an optimisation: a failure costs the hit, never the session
             _log.exception("working ahead failed for session %s; it drafts on demand", session.session_id)
 
+    @refused_while_draining("new Draft streams")
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:
-        first = await anext(aiter(request_iterator), None)
+        request_iterator = idle_limited(request_iterator, self._idle_timeout_s, context)
+        first = await anext(request_iterator, None)
         if first is None:
             return
         if first.WhichOneof("action") != "start":
@@ -165,6 +203,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         finally:
             # The stream is the session: when it ends, the state goes (a pre-draft in hand stops after its outcome).
             stop_ahead.set()
+            session.close()
             self._num_active_sessions -= 1
 
     async def DrafterInfo(

@@ -8,6 +8,7 @@ when any of them exits).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -132,10 +133,7 @@ class LocalCluster:
             self._spawn(name, "target_service", ["--port", port, "--model", self.model, *self.extra_verifier_args])
         if self.with_drafter:
             self.start_drafter()
-        verifiers = ",".join(self.verifier_addresses.values())  # the coordinator pins sessions to replicas
-        coordinator_args = ["--port", str(self.coordinator_port), "--verifier", verifiers]
-        coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
-        self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
+        self._spawn_coordinator()
         try:
             wait_serving(
                 self.coordinator_address,
@@ -148,6 +146,20 @@ class LocalCluster:
             raise
         return self
 
+    def _spawn_coordinator(self) -> None:
+        verifiers = ",".join(self.verifier_addresses.values())  # the coordinator pins sessions to replicas
+        coordinator_args = ["--port", str(self.coordinator_port), "--verifier", verifiers]
+        coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
+        self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
+
+    def restart_coordinator(self, timeout_s: float = 120.0) -> None:
+        """Start a new coordinator against the running verifier (and drafter) after the last one exited."""
+        old = self.processes.pop("coordinator", None)
+        if old is not None and old.poll() is None:
+            raise RuntimeError("the coordinator is still running: stop it first")
+        self._spawn_coordinator()
+        wait_serving(self.coordinator_address, timeout_s, *self.processes.values())
+
     def kill(self, name: str) -> None:
         """Kill one service abruptly (SIGKILL), as a crash would: "verifier-1" is the second verifier replica."""
         process = self.processes.pop(name)
@@ -155,15 +167,15 @@ class LocalCluster:
         process.wait()
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """SIGTERM each service (it drains), again after 5 s to those still draining (stop now), kill after 10."""
+        for signum, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+            running = [process for process in self.processes.values() if process.poll() is None]
+            for process in running:
+                process.send_signal(signum)
+            deadline = None if wait_s is None else time.monotonic() + wait_s
+            for process in running:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         self.processes.clear()
 
     def __enter__(self) -> LocalCluster:

@@ -24,6 +24,19 @@ class PoolShape:
     continuation_len: int = 8
     max_continuations: int = 4  # kept per key, most frequent first
 
+    @property
+    def bytes_per_key(self) -> int:
+        """A bound on what one key of an in-memory pool costs: its tuple, its dict, full continuations.
+
+        CPython sizes: a tuple of n token ids is 40 + 8n bytes plus 32 per id object, a small dict 232, the
+        ordered map's entry about 100. 2,052 bytes at the defaults (tracemalloc measures 1,873 for full keys).
+        """
+
+        def ids(n: int) -> int:
+            return 40 + 8 * n + 32 * n
+
+        return 100 + 232 + ids(self.key_len) + self.max_continuations * (ids(self.continuation_len) + 32)
+
     def windows(self, tokens: Sequence[int], start: int = 0) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
         """(key, continuation) pairs of ``tokens`` whose continuation ends at or after ``start``.
 
@@ -76,33 +89,62 @@ class NgramPool(Protocol):
         ...
 
 
-class InMemoryNgramPool:
-    """A pool in this process; at most ``max_keys`` keys, least recently used evicted."""
+class ByteBudget:
+    """Bytes that several holders share (the in-memory pools of one drafter): each evicts its own when over."""
 
-    def __init__(self, shape: PoolShape = PoolShape(), max_keys: int = 200_000) -> None:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+
+    @property
+    def over(self) -> bool:
+        return self.used > self.max_bytes
+
+
+class InMemoryNgramPool:
+    """A pool in this process; least recently used keys are evicted beyond ``max_keys`` or the byte ``budget``.
+
+    Bytes are counted as ``shape.bytes_per_key`` per key (a bound); pools sharing a budget each evict their
+    own keys when the total is over it.
+    """
+
+    def __init__(
+        self, shape: PoolShape = PoolShape(), max_keys: int = 200_000, budget: ByteBudget | None = None
+    ) -> None:
         self.shape = shape
         self._max_keys = max_keys
+        self._budget = budget or ByteBudget(max_keys * shape.bytes_per_key)
         self._counts: OrderedDict[tuple[int, ...], dict[tuple[int, ...], int]] = OrderedDict()
         self._vocab_size = 0
 
     def __len__(self) -> int:
         return len(self._counts)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this pool's keys hold (estimated: ``shape.bytes_per_key`` each)."""
+        return len(self._counts) * self.shape.bytes_per_key
+
     def record(self, tokens: Sequence[int], start: int = 0) -> None:
         for key, continuation in self.shape.windows(tokens, start):
-            counts = self._counts.pop(key, None) or {}
+            counts = self._counts.pop(key, None)
+            if counts is None:
+                counts = {}
+                self._budget.used += self.shape.bytes_per_key
             counts[continuation] = counts.get(continuation, 0) + 1
             if len(counts) > self.shape.max_continuations:
                 del counts[min(counts, key=lambda c: (counts[c], encode_tokens(c)))]
             self._counts[key] = counts
-            if len(self._counts) > self._max_keys:
+            while self._counts and (len(self._counts) > self._max_keys or self._budget.over):
                 self._counts.popitem(last=False)
+                self._budget.used -= self.shape.bytes_per_key
 
     def flush(self) -> None:
         return None
 
     def clear(self) -> None:
-        """Forget everything (a purge of the pool's namespace)."""
+        """Forget everything (a purge of the pool's namespace), giving its bytes back to the shared budget."""
+        self._budget.used -= len(self._counts) * self.shape.bytes_per_key
         self._counts.clear()
 
     def limit_vocab(self, vocab_size: int) -> None:

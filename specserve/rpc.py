@@ -1,15 +1,20 @@
-"""gRPC plumbing shared by the three servers: status mapping, health, shutdown."""
+"""gRPC plumbing shared by the three servers: status mapping, health, graceful shutdown."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specserve.drain import Drain
 from specserve.errors import SpecserveError
 
 log = logging.getLogger(__name__)
@@ -48,18 +53,89 @@ def mark_serving(servicer: health.HealthServicer, service_names: list[str]) -> N
         servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-async def serve_until_signal(server: grpc.aio.Server, grace_s: float = 5.0) -> None:
-    """Run an asyncio server until SIGINT or SIGTERM, then stop it gracefully."""
-    import asyncio
-    import signal
+POLL_S = 0.1
+"""How often a draining server checks whether its in-flight work is done."""
+FINAL_GRACE_S = 1.0
+"""What a drained server gives the calls still open (a last reply, a health check) when it stops."""
 
-    stop = asyncio.Event()
+
+def refused_while_draining(what: str) -> Callable[[F], F]:
+    """Decorate a streaming (async generator) handler of a servicer that has a ``drain`` (specserve.drain.Drain).
+
+    While draining, a new call is refused with UNAVAILABLE ("this replica is shutting down ... retry"); an
+    accepted call counts as in flight until its stream ends, and the server waits for it before stopping.
+    """
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            drain: Drain = self.drain
+            try:
+                drain.refuse_new(what)
+            except SpecserveError as exc:
+                await context.abort(status_code(exc), str(exc))
+            with drain.in_flight():
+                async with contextlib.aclosing(method(self, request, context)) as stream:
+                    async for item in stream:
+                        yield item
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def mark_draining(servicer: health.HealthServicer) -> None:
+    """Every service name NOT_SERVING from now on (later ``set`` calls are ignored)."""
+    servicer.enter_graceful_shutdown()
+
+
+async def serve_until_signal(server: grpc.aio.Server, drain: Drain | None = None) -> None:
+    """Run an asyncio server until SIGINT or SIGTERM, drain it (see specserve.drain), then stop it.
+
+    A second signal stops at once.
+    """
+    drain = drain or Drain()
+    signalled = asyncio.Event()
+
+    def on_signal() -> None:
+        drain.signal()
+        signalled.set()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("stopping")
-    await server.stop(grace=grace_s)
+        loop.add_signal_handler(signum, on_signal)
+    await signalled.wait()
+    log.info("draining: %d in flight, up to %.0f s", drain.outstanding, drain.grace_s)
+    while not drain.done():
+        await asyncio.sleep(POLL_S)
+    _log_stop(drain)
+    await server.stop(grace=0 if drain.forced else FINAL_GRACE_S)
+
+
+def drain_on_signals(drain: Drain) -> None:
+    """Route SIGINT and SIGTERM to ``drain.signal`` (sync servers; call from the main thread)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda signum, frame: drain.signal())
+
+
+def stop_when_drained(server: grpc.Server, drain: Drain) -> None:
+    """Block until a signal has begun the drain and it is done (``drain_on_signals``), then stop ``server``."""
+    while not drain.draining:
+        time.sleep(0.5)
+    log.info("draining: %d in flight, up to %.0f s", drain.outstanding, drain.grace_s)
+    while not drain.done():
+        time.sleep(POLL_S)
+    _log_stop(drain)
+    server.stop(grace=0 if drain.forced else FINAL_GRACE_S).wait()
+
+
+def _log_stop(drain: Drain) -> None:
+    if drain.forced:
+        log.info("stopping now (second signal), %d in flight", drain.outstanding)
+    elif drain.outstanding:
+        log.warning("stopping: the %.0f s grace ran out with %d in flight", drain.grace_s, drain.outstanding)
+    else:
+        log.info("stopping: drained")
 
 
 KEEPALIVE_TIME_MS = 30_000

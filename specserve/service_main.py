@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from specserve.drain import DEFAULT_GRACE_S
+
 
 def env(name: str, default: str) -> str:
     """A flag default from the environment (read when main() runs, never at import)."""
@@ -21,6 +23,13 @@ def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None
         type=int,
         default=int(env("SPECSERVE_METRICS_PORT", "0")),
         help="port of the Prometheus /metrics endpoint (0: disabled)",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=float(env("SPECSERVE_SHUTDOWN_GRACE_S", str(DEFAULT_GRACE_S))),
+        help="on SIGTERM: how long in-flight work may go on while new work is refused (a second signal stops "
+        "at once); keep it below the pod's terminationGracePeriodSeconds",
     )
     parser.add_argument("--log-level", default=env("SPECSERVE_LOG_LEVEL", "INFO"))
     add_security_flags(parser)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.auth.config import ServerSecurity
+from specserve.drain import DEFAULT_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,4 @@ class VerifierConfig:
     max_workers: int = 256  # concurrent RPCs (they wait on the engine; forwards are batched)
     metrics_port: int = 0  # 0: no Prometheus endpoint
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most

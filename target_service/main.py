@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import signal
-import threading
 from concurrent import futures
 from dataclasses import fields
 from pathlib import Path
@@ -16,6 +14,7 @@ import grpc
 from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import InternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
+from specserve.drain import Drain
 from specserve.hardware import choose_dtype
 from specserve.model_loading import (
     default_cache_root,
@@ -25,7 +24,7 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, mark_serving, server_options
+from specserve.rpc import add_health, drain_on_signals, mark_draining, mark_serving, server_options, stop_when_drained
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
@@ -173,27 +172,25 @@ def main(argv: list[str] | None = None) -> None:
         interceptors=interceptors(config),
     )
     metrics = VerifierMetrics()
-    servicer = VerifierServicer(metrics)
+    drain = Drain(config.shutdown_grace_s)
+    servicer = VerifierServicer(metrics, drain=drain)
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     server.start()
-    stopped = threading.Event()
-
-    def stop(signum: int, frame: object) -> None:
-        log.info("stopping (signal %d)", signum)
-        stopped.set()
-        server.stop(grace=5)
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
+    drain.on_begin(lambda: mark_draining(health))
+    drain_on_signals(drain)
     log.info("loading target model %s on %s", config.model, config.device)
     verifier = build_verifier(config)
-    if stopped.is_set():
+    if drain.draining:
+        server.stop(grace=0).wait()
         return
     if config.metrics_port:
-        metrics.serve(config.metrics_port)
+        metrics.serve(config.metrics_port, config.host)
+    # Draining: Prefills of new sessions are refused; the server stops once it holds no session (in-flight
+    # coordinator streams Verify and Release theirs) or the grace runs out.
+    drain.count_busy(lambda: verifier.num_active_sessions)
     servicer.attach(verifier)
     mark_serving(health, [SERVICE_NAME])
     print(
@@ -201,4 +198,4 @@ def main(argv: list[str] | None = None) -> None:
         f"KV cache {config.kv_cache_gib:g} GiB, vocab {verifier.vocab_fingerprint})",
         flush=True,
     )
-    server.wait_for_termination()
+    stop_when_drained(server, drain)

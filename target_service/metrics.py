@@ -55,8 +55,9 @@ class VerifierMetrics:
             registry=self.registry,
         )
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int, host: str) -> None:
+        """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
+        start_http_server(port, addr=host, registry=self.registry)
 
     @contextmanager
     def in_flight(self) -> Iterator[None]:

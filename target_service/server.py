@@ -8,6 +8,7 @@ from typing import TypeVar
 import grpc
 
 from specserve.auth.internal import session_owner
+from specserve.drain import Drain
 from specserve.errors import Unavailable
 from specserve.rpc import maps_domain_errors
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
@@ -36,9 +37,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     model has loaded, so orchestrators can tell "loading" from "dead".
     """
 
-    def __init__(self, metrics: VerifierMetrics, verifier: Verifier | None = None) -> None:
+    def __init__(self, metrics: VerifierMetrics, verifier: Verifier | None = None, drain: Drain | None = None) -> None:
         self._loaded = verifier
         self._metrics = metrics
+        self._drain = drain or Drain()
 
     def attach(self, verifier: Verifier) -> None:
         self._loaded = verifier
@@ -53,7 +55,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def Prefill(
         self, request: verifier_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.PrefillResponse:
-        with self._metrics.in_flight():
+        if not self._verifier.holds(request.session_id):  # draining: sessions held are in-flight streams' own
+            self._drain.refuse_new("new sessions")
+        with self._metrics.in_flight(), self._drain.in_flight():
             submitted = self._verifier.submit_prefill(
                 request.session_id,
                 list(request.token_ids),
@@ -68,7 +72,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     @maps_domain_errors
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         tree = tree_from_proto(request.tree)
-        with self._metrics.in_flight():
+        with self._metrics.in_flight(), self._drain.in_flight():
             submitted = self._verifier.submit_verify(
                 request.session_id,
                 request.num_committed_tokens,

@@ -254,6 +254,10 @@ class Verifier:
     def num_active_sessions(self) -> int:
         return len(self._sessions)
 
+    def holds(self, session_id: str) -> bool:
+        """Whether the session has its KV cache here (a read of the engine's map: any thread may ask)."""
+        return self._sessions.peek(session_id) is not None
+
     @property
     def cost_curve(self) -> CostCurve:
         return self._budget.curve

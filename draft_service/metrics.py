@@ -1,0 +1,47 @@
+"""Prometheus metrics of the drafter: its memory (bounded by --max-memory-mib) and the process.
+
+Owned by the instance (its own registry), not module globals.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Gauge,
+    start_http_server,
+)
+
+from draft_service.pools import PoolRegistry
+from draft_service.session_memory import SessionMemory
+
+
+class DrafterMetrics:
+    def __init__(self, memory: SessionMemory, pools: PoolRegistry) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # what the default registry had
+            r.register(collector)
+        in_use = Gauge(
+            "specserve_drafter_memory_bytes",
+            "Bytes of drafting state held, estimated: in-memory n-gram pools and per-session state",
+            ["kind"],
+            registry=r,
+        )
+        in_use.labels("ngram_pools").set_function(lambda: pools.nbytes)
+        in_use.labels("sessions").set_function(lambda: memory.bytes_in_use)
+        Gauge(
+            "specserve_drafter_sessions_memory_limit_bytes", "Bound of the per-session state", registry=r
+        ).set_function(lambda: memory.max_bytes)
+        Gauge(
+            "specserve_drafter_sessions_forgotten",
+            "Times a session's draft-head state was freed to stay within the memory bound",
+            registry=r,
+        ).set_function(lambda: memory.num_forgotten)
+        Gauge("specserve_drafter_open_sessions", "Draft streams open", registry=r).set_function(lambda: len(memory))
+
+    def serve(self, port: int, host: str) -> None:
+        """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
+        start_http_server(port, addr=host, registry=self.registry)

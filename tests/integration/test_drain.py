@@ -1,0 +1,109 @@
+"""SIGTERM mid-stream: the stream finishes unchanged, new work is refused, the process exits by itself after it.
+
+Real processes, one cluster for the file: first the coordinator is drained (and restarted alone against the
+running verifier), then the verifier. Timings are printed; the only timing asserted is the exit soon after
+the stream's end, well within the grace. The grace is long (a loaded 2-core machine has taken 28 s for the rest
+of a 48-token stream) so that the stream always ends by itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specserve.local_cluster import LocalCluster, free_port
+from specserve.v1 import generation_pb2, generation_pb2_grpc
+from tests.integration.conftest import FP32_VERIFIER, Target
+
+pytestmark = pytest.mark.integration
+
+GRACE_S = 120.0
+EXIT_AFTER_STREAM_S = 20.0  # at most, from the stream's end to the exit (seconds it takes: ~1-4)
+MAX_NEW_TOKENS = 48
+PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(
+        free_port(), free_port(), free_port(), with_drafter=False, log_dir=tmp_path_factory.mktemp("drain-logs")
+    )
+    grace = ["--shutdown-grace-s", str(GRACE_S)]
+    # No drafter, so no draft budgets: skip measuring the cost curve (minutes on a busy machine).
+    cluster.extra_verifier_args = [*FP32_VERIFIER, "--no-profile-cost", *grace]
+    cluster.extra_coordinator_args = grace
+    with cluster as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy(target: Target) -> list[int]:
+    return target.greedy(target.chat_ids(PROMPT), MAX_NEW_TOKENS)
+
+
+def request(max_new_tokens: int = MAX_NEW_TOKENS) -> generation_pb2.GenerateRequest:
+    chat = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content=PROMPT)])
+    return generation_pb2.GenerateRequest(chat=chat, max_new_tokens=max_new_tokens)
+
+
+def health_status(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status)
+
+
+def drain_mid_stream(cluster: LocalCluster, name: str, health_address: str) -> tuple[list[int], float, float]:
+    """Stream, SIGTERM ``name`` after the first chunk, check the drain; the tokens, stream end and exit times."""
+    process = cluster.processes[name]
+    with grpc.insecure_channel(cluster.coordinator_address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        stream = stub.Generate(request(), timeout=120)
+        first = next(stream)
+        tokens = list(first.delta.token_ids)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+
+        assert health_status(health_address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(request(max_new_tokens=4), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        assert "shutting down" in (refused.value.details() or "")
+        assert process.poll() is None, f"the {name} waits for the stream in flight"
+
+        stats = None
+        for response in stream:
+            if response.HasField("delta"):
+                tokens += response.delta.token_ids
+            else:
+                stats = response.stats
+        streamed = time.monotonic() - signalled
+    assert stats is not None and stats.num_generated_tokens == len(tokens)
+    try:
+        process.wait(timeout=EXIT_AFTER_STREAM_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the {name} did not exit within {EXIT_AFTER_STREAM_S:.0f} s of its last stream")
+    exited = time.monotonic() - signalled
+    assert process.returncode == 0
+    print(f"{name}: stream done {streamed:.2f} s after SIGTERM, exited after {exited:.2f} s (grace {GRACE_S:.0f} s)")
+    return tokens, streamed, exited
+
+
+def test_a_draining_coordinator_finishes_its_stream_and_refuses_new_ones(
+    cluster: LocalCluster, greedy: list[int]
+) -> None:
+    tokens, streamed, exited = drain_mid_stream(cluster, "coordinator", cluster.coordinator_address)
+    assert tokens == greedy
+    assert exited - streamed < EXIT_AFTER_STREAM_S
+
+
+def test_a_draining_verifier_serves_the_sessions_it_holds_to_the_end(cluster: LocalCluster, greedy: list[int]) -> None:
+    cluster.restart_coordinator()
+    tokens, streamed, exited = drain_mid_stream(cluster, "verifier", cluster.verifier_address)
+    assert tokens == greedy
+    assert exited - streamed < EXIT_AFTER_STREAM_S

@@ -1,0 +1,213 @@
+"""Graceful shutdown: health goes NOT_SERVING, new work is refused, in-flight work finishes, then the server stops."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from draft_service.drafter import Drafter
+from draft_service.server import DrafterServicer
+from specserve.drain import Drain
+from specserve.errors import Unavailable
+from specserve.local_cluster import free_port
+from specserve.ngram_pool import InMemoryNgramPool
+from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, stop_when_drained
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_drain_refuses_new_work_and_is_done_when_nothing_is_in_flight() -> None:
+    clock = FakeClock()
+    drain = Drain(grace_s=30, clock=clock)
+    began: list[bool] = []
+    drain.on_begin(lambda: began.append(True))
+    drain.refuse_new()  # not draining: taken
+    assert not drain.done()
+    with drain.in_flight():
+        drain.signal()
+        assert began == [True] and drain.draining and not drain.forced
+        with pytest.raises(Unavailable, match=r"shutting down.*retry"):
+            drain.refuse_new("new streams")
+        assert drain.outstanding == 1 and not drain.done()
+        clock.now += 29.9
+        assert not drain.done()
+    assert drain.outstanding == 0 and drain.done()
+    drain.signal()
+    assert began == [True], "callbacks run once"
+
+
+def test_the_drain_ends_with_the_grace_or_a_second_signal_and_counts_busy_work() -> None:
+    clock = FakeClock()
+    sessions = [2]
+    drain = Drain(grace_s=5, clock=clock)
+    drain.count_busy(lambda: sessions[0])
+    drain.signal()
+    assert drain.outstanding == 2 and not drain.done()
+    sessions[0] = 1
+    clock.now += 4.0
+    assert not drain.done() and drain.seconds_left == pytest.approx(1.0)
+    clock.now += 1.0
+    assert drain.done(), "the grace is over"
+
+    other = Drain(grace_s=60, clock=clock)
+    other.count_busy(lambda: 3)
+    other.signal()
+    assert not other.done()
+    other.signal()
+    assert other.forced and other.done()
+
+
+def test_a_negative_grace_is_refused() -> None:
+    with pytest.raises(ValueError, match="grace"):
+        Drain(grace_s=-1)
+
+
+def start(session_id: str) -> drafter_pb2.DraftRequest:
+    return drafter_pb2.DraftRequest(start=drafter_pb2.StartSession(session_id=session_id, prompt_token_ids=[1, 2, 3]))
+
+
+def propose(new_tokens: list[int]) -> drafter_pb2.DraftRequest:
+    return drafter_pb2.DraftRequest(propose=drafter_pb2.ProposeTree(new_token_ids=new_tokens, max_nodes=4))
+
+
+class Stream:
+    """A Draft stream's client end, written message by message."""
+
+    def __init__(self, stub: drafter_pb2_grpc.DrafterServiceStub) -> None:
+        self._queue: asyncio.Queue[drafter_pb2.DraftRequest | None] = asyncio.Queue()
+        self.call = stub.Draft(self._requests())
+
+    async def _requests(self) -> AsyncIterator[drafter_pb2.DraftRequest]:
+        while (request := await self._queue.get()) is not None:
+            yield request
+
+    async def send(self, request: drafter_pb2.DraftRequest) -> None:
+        await self._queue.put(request)
+
+    async def close(self) -> None:
+        await self._queue.put(None)
+
+
+async def drafter_server(
+    drain: Drain, drafter: Drafter | None = None, stream_idle_timeout_s: float = 300.0
+) -> tuple[grpc.aio.Server, str]:
+    """An n-gram drafter on loopback, serving and wired to ``drain`` as draft_service.main wires it."""
+    server = grpc.aio.server()
+    drafter = drafter or Drafter(lambda fingerprint, namespace: InMemoryNgramPool())
+    servicer = DrafterServicer(drafter, drain=drain, stream_idle_timeout_s=stream_idle_timeout_s)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
+    health = add_health(server, ["specserve.v1.DrafterService"])
+    drain.on_begin(lambda: mark_draining(health))
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    await server.start()
+    mark_serving(health, ["specserve.v1.DrafterService"])
+    return server, address
+
+
+def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused() -> None:
+    async def scenario() -> float:
+        drain = Drain(grace_s=30)
+        server, address = await drafter_server(drain)
+        serving = asyncio.ensure_future(serve_until_signal(server, drain))
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+                health = health_pb2_grpc.HealthStub(channel)
+                stream = Stream(stub)
+                await stream.send(start("old"))
+                await stream.send(propose([]))
+                await stream.call.read()
+
+                os.kill(os.getpid(), signal.SIGTERM)  # caught by serve_until_signal's handler
+                for _ in range(50):
+                    if drain.draining:
+                        break
+                    await asyncio.sleep(0.02)
+                for service in ("", "specserve.v1.DrafterService"):
+                    status = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                    assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+                refused = Stream(stub)
+                await refused.send(start("new"))
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await refused.call.read()
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "shutting down" in (caught.value.details() or "")
+
+                # The open stream keeps working through the drain.
+                await asyncio.sleep(0.3)
+                await stream.send(propose([4, 5]))
+                reply = await stream.call.read()
+                assert reply.draft_ns > 0
+                assert not serving.done(), "the server waits for the open stream"
+                closed_at = time.monotonic()
+                await stream.close()
+                await asyncio.wait_for(serving, timeout=10)
+                return time.monotonic() - closed_at
+        finally:
+            await server.stop(0)
+
+    stopped_after_s = asyncio.run(scenario())
+    assert stopped_after_s < 5, "the server stops soon after its last stream, well before the grace"
+
+
+def test_a_sync_server_drains_until_its_busy_count_is_zero_then_stops() -> None:
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health = add_health(server, ["specserve.v1.VerifierService"])
+    address = f"127.0.0.1:{free_port()}"
+    server.add_insecure_port(address)
+    server.start()
+    mark_serving(health, ["specserve.v1.VerifierService"])
+    sessions = [1]
+    drain = Drain(grace_s=30)
+    drain.on_begin(lambda: mark_draining(health))
+    drain.count_busy(lambda: sessions[0])
+    stopped = threading.Event()
+    waiter = threading.Thread(target=lambda: (stop_when_drained(server, drain), stopped.set()))
+    waiter.start()
+    try:
+        drain.signal()  # as the SIGTERM handler that drain_on_signals installs does
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not stopped.wait(0.5), "a session is still held"
+        sessions[0] = 0
+        assert stopped.wait(5), "stopped once nothing is held"
+    finally:
+        server.stop(0)
+        waiter.join(5)
+
+
+def test_every_service_takes_the_shutdown_grace_from_its_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from coordinator.main import parse_config as coordinator_config
+    from draft_service.main import parse_config as drafter_config
+    from target_service.main import parse_config as verifier_config
+
+    assert coordinator_config([])[0].shutdown_grace_s == 30.0
+    monkeypatch.setenv("SPECSERVE_SHUTDOWN_GRACE_S", "12.5")
+    monkeypatch.setenv("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", "64")
+    for parse in (coordinator_config, verifier_config, drafter_config):
+        assert parse([])[0].shutdown_grace_s == 12.5
+        assert parse(["--shutdown-grace-s", "3"])[0].shutdown_grace_s == 3.0
+    drafter = drafter_config(["--stream-idle-timeout-s", "9"])[0]
+    assert drafter.max_memory_mib == 64 and drafter.stream_idle_timeout_s == 9.0
