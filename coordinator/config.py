@@ -11,6 +11,7 @@ from coordinator.rounds import RoundPolicy
 from coordinator.tree_checks import TreeLimits
 from specserve.auth.config import ServerSecurity
 from specserve.auth.tls import ClientTLS
+from specserve.drain import DEFAULT_GRACE_S
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class CoordinatorConfig:
     max_queued_streams: int = 256  # streams waiting for a slot; more are refused with RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # a queued stream waits this long for a slot, then RESOURCE_EXHAUSTED
     tenant_max_concurrent_streams: int = 0  # per tenant, unless its own setting says otherwise; 0: no limit
-    shutdown_grace_s: float = 30.0  # on SIGTERM, running streams get this long to finish
+    shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, running streams get this long to finish
 
 
 def internal_tls(config: CoordinatorConfig) -> ClientTLS | None:

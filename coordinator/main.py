@@ -123,8 +123,6 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
         args.security = security_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    # --shutdown-grace-s is a common flag (specserve.service_main); the default holds where it is not defined.
-    args.shutdown_grace_s = getattr(args, "shutdown_grace_s", defaults.shutdown_grace_s)
     values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
     values["drafter"] = values["drafter"] or None
     values["cache_dir"] = values["cache_dir"] or None
