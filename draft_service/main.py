@@ -28,6 +28,7 @@ from specserve.model_loading import (
 )
 from specserve.ngram_pool import PoolShape
 from specserve.rpc import add_health, mark_serving, serve_until_signal, server_options
+from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -129,7 +130,7 @@ async def serve(config: DrafterConfig) -> None:
         except DraftHeadError as exc:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)
-    server = grpc.aio.server(options=server_options())
+    server = grpc.aio.server(options=server_options(), interceptors=[AioErrorInterceptor()])
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(drafter), server)
     health = add_health(server, [SERVICE_NAME])
     address = f"{config.host}:{config.port}"

@@ -1,11 +1,9 @@
-"""gRPC plumbing shared by the three servers: status mapping, health, shutdown."""
+"""gRPC plumbing shared by the three servers: health, shutdown, options (errors: ``specserve.rpc_errors``)."""
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,24 +12,9 @@ from specserve.errors import SpecserveError
 
 log = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 def status_code(error: SpecserveError) -> grpc.StatusCode:
     return grpc.StatusCode[error.status]
-
-
-def maps_domain_errors(method: F) -> F:
-    """Turn a SpecserveError raised by a sync servicer method into its gRPC status."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except SpecserveError as exc:
-            context.abort(status_code(exc), str(exc))
-
-    return wrapper  # type: ignore[return-value]
 
 
 def add_health(server: grpc.Server | grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:

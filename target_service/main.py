@@ -23,6 +23,7 @@ from specserve.model_loading import (
     vocab_fingerprint,
 )
 from specserve.rpc import add_health, mark_serving, server_options
+from specserve.rpc_errors import ErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
@@ -150,7 +151,11 @@ def _size_budgets(verifier: Verifier, cached: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     config, log_level = parse_config(argv)
     setup_logging(log_level, "verifier")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), options=server_options())
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.max_workers),
+        options=server_options(),
+        interceptors=[ErrorInterceptor()],
+    )
     metrics = VerifierMetrics()
     servicer = VerifierServicer(metrics)
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
