@@ -9,7 +9,8 @@ the asyncio coordinator and drafter), it wraps every method handler so that:
 - a ``SpecserveError`` becomes its status, its message and its ``metadata`` as trailing metadata;
 - any other exception is INTERNAL "internal error <ref>; the server logged it", and the traceback is logged
   with the same ref: a client never sees Python exception text, an operator can find the log line;
-- an abort the handler made itself (``context.abort``) passes through untouched.
+- an abort the handler made itself (``context.abort``) passes through untouched;
+- work cancelled because its caller went away (``concurrent.futures.CancelledError``) is CANCELLED, not a bug.
 
 Servicers therefore raise domain errors from ``specserve.errors`` and never call ``context.abort`` for them.
 """
@@ -20,6 +21,7 @@ import inspect
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import CancelledError
 from typing import Any, NoReturn
 
 import grpc
@@ -79,6 +81,8 @@ def _sync_fail(method: str, exc: Exception, context: grpc.ServicerContext) -> No
         if exc.metadata:
             context.set_trailing_metadata(exc.metadata)
         context.abort(_status(exc), str(exc))
+    if isinstance(exc, CancelledError):  # the caller went away and its queued work was cancelled: no bug
+        context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
     context.abort(grpc.StatusCode.INTERNAL, _internal_message(method, exc))
     raise AssertionError("context.abort returned")
 
@@ -154,6 +158,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 async def _aio_fail(method: str, exc: Exception, context: grpc.aio.ServicerContext) -> NoReturn:
     if isinstance(exc, SpecserveError):
         await context.abort(_status(exc), str(exc), trailing_metadata=exc.metadata)
+    if isinstance(exc, CancelledError):
+        await context.abort(grpc.StatusCode.CANCELLED, "the call was cancelled")
     await context.abort(grpc.StatusCode.INTERNAL, _internal_message(method, exc))
     raise AssertionError("context.abort returned")
 
