@@ -90,8 +90,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             top_k=request.top_k,
             seed=request.seed if request.HasField("seed") else None,
         )
-        stop = list(request.stop)
-        check_input(request.prompt, chat, request.max_new_tokens, sampling, stop, limits)
+        check_input(request.prompt, chat, request.max_new_tokens, sampling, request.stop, limits)
+        stop = list(request.stop)  # counted first: a 5 MB request holds millions of empty strings
         try:
             prompt_ids = await backend.encoder.encode(
                 request.prompt, chat, limits.max_session_tokens - request.max_new_tokens
