@@ -9,7 +9,9 @@ written, special tokens included: its caller owns the whole context.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import os
 import secrets
 import threading
 from collections.abc import Sequence
@@ -126,7 +128,9 @@ class PromptEncoder:
     async def encode(self, prompt: str | None, chat: Sequence[ChatTurn] | None, max_tokens: int) -> list[int]:
         """``encode_sync`` in a worker thread."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._max_workers, thread_name_prefix="tokenize")
+            self._executor = ThreadPoolExecutor(
+                self._max_workers, thread_name_prefix="tokenize", initializer=_background_priority
+            )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.encode_sync, prompt, chat, max_tokens)
 
@@ -213,6 +217,9 @@ class PromptEncoder:
         encodings = [self._encode_piece(text, literal, add_special_tokens) for text, literal in pieces]
         count = sum(len(e) for e in encodings)
         if max_tokens is not None and count > max_tokens:
+            # Freed here, in the worker: the exception's traceback would otherwise carry a million-token
+            # encoding to the event loop and free it there.
+            encodings.clear()
             raise PromptTooLong(count)
         return [token for e in encodings for token in (e.ids if hasattr(e, "ids") else e)]
 
@@ -233,6 +240,16 @@ class PromptEncoder:
                 literal.encode_special_tokens = True
                 self._literal_backend = literal
             return self._literal_backend
+
+
+def _background_priority() -> None:
+    """Lower this worker thread's CPU priority (Linux nice is per thread): a prompt that takes seconds to
+    tokenize then uses the CPU the running streams leave, instead of slowing their rounds on a shared machine."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux, or not allowed: normal priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICE)
+
+
+TOKENIZE_NICE = 10
 
 
 class PromptTooLong(InvalidArgument):

@@ -73,8 +73,8 @@ def send(channel: grpc.Channel, raw: bytes, timeout_s: float = 120.0) -> tuple[g
 
 # ---- strategies ----
 
-# Most fields are valid about two times in three, so about one public request in twenty is served (1-2 tokens):
-# the served ones cost a prefill each, the rest a few milliseconds.
+# Most fields are valid about two times in three, so about one public request in twenty is served (1-2 tokens
+# and a short prompt: a prefill each); the others cost a few milliseconds.
 bad_floats = st.one_of(
     st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e-40, -1e-40, -1.0, 1e-5, 1e6]),
     st.floats(width=32, allow_nan=True, allow_infinity=True),
@@ -106,7 +106,7 @@ stops = st.one_of(
 @st.composite
 def public_requests(draw: st.DrawFn) -> bytes:
     request = generation_pb2.GenerateRequest(
-        max_new_tokens=draw(st.sampled_from([1, 1, 2, -5, 0, MAX_NEW_TOKENS_LIMIT + 1, 2**31 - 1])),
+        max_new_tokens=draw(st.sampled_from([1, 1, 2, 2, 1, 2, 1, -5, 0, MAX_NEW_TOKENS_LIMIT + 1, 2**31 - 1])),
         temperature=draw(temperatures),
         top_p=draw(top_ps),
         top_k=draw(st.sampled_from([0, 0, 0, 1, 40, -1, 2**31 - 1])),
