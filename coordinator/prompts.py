@@ -214,6 +214,10 @@ class PromptEncoder:
         return parts
 
     def _ids(self, pieces: list[tuple[str, bool]], add_special_tokens: bool, max_tokens: int | None) -> list[int]:
+        if max_tokens is not None and sum(len(text) for text, _ in pieces) > COUNT_CHUNK_CHARS:
+            at_least = sum(self._count_at_least(text, literal) for text, literal in pieces)
+            if at_least > max_tokens:
+                raise PromptTooLong(at_least, at_least=True)
         encodings = [self._encode_piece(text, literal, add_special_tokens) for text, literal in pieces]
         count = sum(len(e) for e in encodings)
         if max_tokens is not None and count > max_tokens:
@@ -222,6 +226,31 @@ class PromptEncoder:
             encodings.clear()
             raise PromptTooLong(count)
         return [token for e in encodings for token in (e.ids if hasattr(e, "ids") else e)]
+
+    def _count_at_least(self, text: str, literal: bool) -> int:
+        """A lower bound on the tokens of ``text``, counted in chunks so that no encoding is ever large.
+
+        Freeing an encoding takes the GIL (a million tokens: about 0.2 s, the event loop stalled); chunks of
+        COUNT_CHUNK_CHARS are freed one by one, a millisecond each. A chunk ends before a space that follows a
+        non-space where it can (where the pre-tokenizer splits anyway); whatever a cut changes (a word or a
+        special token cut in two) is at most COUNT_SLACK_PER_CUT tokens, taken off.
+        """
+        count = 0
+        start = 0
+        cuts = 0
+        while start < len(text):
+            end = min(len(text), start + COUNT_CHUNK_CHARS)
+            if end < len(text):
+                natural = text.find(" ", end, end + COUNT_CHUNK_CHARS // 4)
+                while natural > 0 and text[natural - 1].isspace():
+                    natural = text.find(" ", natural + 1, end + COUNT_CHUNK_CHARS // 4)
+                end = natural if natural > 0 else end
+                cuts += 1
+            encoding = self._encode_piece(text[start:end], literal, add_special_tokens=False)
+            count += len(encoding)
+            del encoding
+            start = end
+        return max(0, count - cuts * COUNT_SLACK_PER_CUT)
 
     def _encode_piece(self, text: str, literal: bool, add_special_tokens: bool) -> Any:
         if self._backend is None:  # not a fast tokenizer: transformers' own path
@@ -252,17 +281,27 @@ def _background_priority() -> None:
 TOKENIZE_NICE = 10
 
 
+COUNT_CHUNK_CHARS = 1 << 16
+"""A prompt longer than this is first counted in chunks of it (see ``PromptEncoder._count_at_least``)."""
+
+COUNT_SLACK_PER_CUT = 16
+
+
 class PromptTooLong(InvalidArgument):
     """The prompt has more tokens than fit the context with the tokens asked for."""
 
-    def __init__(self, num_tokens: int) -> None:
-        super().__init__(f"the prompt has {num_tokens} tokens")
+    def __init__(self, num_tokens: int, at_least: bool = False) -> None:
+        super().__init__(f"the prompt has {'at least ' if at_least else ''}{num_tokens} tokens")
         self.num_tokens = num_tokens
+        self.at_least = at_least
 
 
-def context_error(num_prompt_tokens: int, max_new_tokens: int, limits: PromptLimits) -> InvalidArgument:
+def context_error(
+    num_prompt_tokens: int, max_new_tokens: int, limits: PromptLimits, at_least: bool = False
+) -> InvalidArgument:
     return InvalidArgument(
-        f"the prompt has {num_prompt_tokens} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
+        f"the prompt has {'at least ' if at_least else ''}{num_prompt_tokens} tokens; with "
+        f"max_new_tokens={max_new_tokens} that exceeds the "
         f"model's context of {limits.max_session_tokens} tokens: shorten the prompt or ask for fewer tokens"
     )
 

@@ -97,7 +97,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 request.prompt, chat, limits.max_session_tokens - request.max_new_tokens
             )
         except PromptTooLong as exc:
-            raise context_error(exc.num_tokens, request.max_new_tokens, limits) from exc
+            raise context_error(exc.num_tokens, request.max_new_tokens, limits, exc.at_least) from exc
         return build_request(prompt_ids, request.max_new_tokens, sampling, stop, limits)
 
     async def Generate(

@@ -284,9 +284,10 @@ def describe(values: list[float]) -> str:
 def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCluster) -> None:
     """While a 4 MB prompt is tokenized (seconds) and a 100k-message chat refused, the event loop keeps serving.
 
-    Asserted: the coordinator's health-check latency (its event loop's responsiveness) at the 99th percentile
-    grows by at most 50 ms, and no check waits 1 s (tokenizing on the loop froze it for the whole encode,
-    2.6 s and more); the running stream keeps getting chunks. The stream's chunk gaps are printed: on a
+    Asserted: while the 4 MB prompt is tokenized, the coordinator's health-check latency (its event loop's
+    responsiveness) at the 99th percentile grows by at most 50 ms, and no check waits 1 s (tokenizing on the
+    loop froze it for the whole encode, 2.6 s and more); the chat is refused within 1 s; the running stream
+    keeps getting chunks. The stream's chunk gaps are printed: on a
     loaded 2-core machine the verifier's rounds themselves vary by hundreds of ms, so they are not asserted
     to 50 ms.
     """
@@ -299,7 +300,9 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
         Background(edge_cluster.coordinator_address) as background,
     ):
         deadline = time.monotonic() + 60
-        while len(background.gaps.spans) < 4 and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            len(background.gaps.spans) < 8 or time.perf_counter() - background.gaps.spans[0][0] < 2.0
+        ):
             time.sleep(0.2)
         baseline_start = background.gaps.spans[0][0] if background.gaps.spans else time.perf_counter() - 1
         baseline_end = time.perf_counter()
@@ -317,7 +320,7 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
                 assert "exceeds the model's context" in details  # tokenized, then refused
             else:
                 assert f"the chat has 100000 messages; at most {MAX_CHAT_MESSAGES}" in details
-                assert end - start < 2.0
+                assert end - start < 1.0  # refused on the count: 100k messages froze the loop for 2 s before
         time.sleep(0.5)
     assert not background.errors, background.errors
     base_pings = background.pings.within(baseline_start, baseline_end)
@@ -332,7 +335,8 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
         gaps = background.gaps.within(start, end)
         print(f"during the {name} ({end - start:.1f} s): stream gaps {describe(gaps)}; health checks {describe(pings)}")
         assert pings, name
-        assert quantile(pings, 0.99) - quantile(base_pings, 0.99) <= 0.050, name
         assert max(pings) < 1.0, name
+        if len(pings) >= 50:  # a window of a few health checks (the refused chat: 0.1 s) has no p99 to speak of
+            assert quantile(pings, 0.99) - quantile(base_pings, 0.99) <= 0.050, name
     start, end = windows["4 MB prompt"]
     assert background.gaps.within(start, end), "the stream got no chunk while the 4 MB prompt was tokenized"

@@ -129,3 +129,18 @@ def test_too_many_tokens_are_counted_not_listed(smollm2_tokenizer: Any) -> None:
         return await encoder.encode("word " * 10, None, max_tokens=50)
 
     assert asyncio.run(off_the_loop()) == smollm2_tokenizer("word " * 10)["input_ids"]
+
+
+def test_a_huge_prompt_is_refused_on_a_chunked_count_that_never_exceeds_the_exact_one(smollm2_tokenizer: Any) -> None:
+    from coordinator.prompts import COUNT_CHUNK_CHARS
+
+    encoder = PromptEncoder(smollm2_tokenizer)
+    text = ("Some words, <|im_start|> 12345 and   spaces\n" * 10_000)[: 5 * COUNT_CHUNK_CHARS]
+    exact = len(smollm2_tokenizer(text)["input_ids"])
+    at_least = encoder._count_at_least(text, literal=False)
+    assert exact - 500 < at_least <= exact
+    with pytest.raises(PromptTooLong, match="the prompt has at least") as raised:
+        encoder.encode_sync(text, None, max_tokens=8000)
+    assert raised.value.num_tokens == at_least
+    # One that may fit is tokenized exactly.
+    assert encoder.encode_sync(text, None, max_tokens=exact) == smollm2_tokenizer(text)["input_ids"]
