@@ -294,6 +294,12 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
     big_prompt = ("The quick brown fox jumps over the lazy dog. " * 100_000)[:4_000_000]
     big_chat = generation_pb2.GenerateRequest(max_new_tokens=1)
     big_chat.chat.messages.extend([generation_pb2.ChatMessage(role="user", content="hi")] * 100_000)
+    # Serialized up front: the test process reads the stream too, and must not hold its GIL meanwhile.
+    big_requests = {
+        "4 MB prompt": generation_pb2.GenerateRequest(prompt=big_prompt, max_new_tokens=1).SerializeToString(),
+        "100k-message chat": big_chat.SerializeToString(),
+    }
+    del big_chat
     windows: dict[str, tuple[float, float]] = {}
     with (
         grpc.insecure_channel(edge_cluster.coordinator_address) as channel,
@@ -306,12 +312,9 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
             time.sleep(0.2)
         baseline_start = background.gaps.spans[0][0] if background.gaps.spans else time.perf_counter() - 1
         baseline_end = time.perf_counter()
-        for name, request in (
-            ("4 MB prompt", generation_pb2.GenerateRequest(prompt=big_prompt, max_new_tokens=1)),
-            ("100k-message chat", big_chat),
-        ):
+        for name, raw in big_requests.items():
             start = time.perf_counter()
-            code, details, _ = send(channel, request.SerializeToString())
+            code, details, _ = send(channel, raw)
             end = time.perf_counter()
             windows[name] = (start, end)
             print(f"{name}: {code.name} after {end - start:.2f} s: {details}")
