@@ -23,6 +23,10 @@ class CoordinatorConfig:
     model: str = "smollm2"  # where the tokenizer and chat template come from
     cache_dir: str | None = None
     max_new_tokens_limit: int = 4096
+    max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of a prompt, or of a chat's contents together
+    max_chat_messages: int = 1024
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
     draft_max_nodes: int = 16  # most tree nodes asked of the drafter each round (it sizes trees to pay off)
     successors_top_k: int = 4  # target top tokens per scored position returned for Token Recycling (0: off)
     draft_timeout_ms: int = 1000  # ceiling of the draft timeout; a slower drafter is dropped for the request
@@ -75,4 +79,21 @@ def admission_limits(config: CoordinatorConfig) -> AdmissionLimits:
 
 
 def prompt_limits(config: CoordinatorConfig, verifier: VerifierInfo) -> PromptLimits:
-    return PromptLimits(config.max_new_tokens_limit, verifier.max_session_tokens)
+    return PromptLimits(
+        config.max_new_tokens_limit,
+        verifier.max_session_tokens,
+        max_prompt_bytes=config.max_prompt_bytes,
+        max_chat_messages=config.max_chat_messages,
+        max_stop_strings=config.max_stop_strings,
+        max_stop_string_bytes=config.max_stop_string_bytes,
+    )
+
+
+REQUEST_OVERHEAD_BYTES = 1 << 20
+"""Room above --max-prompt-bytes in the largest request the coordinator receives: protobuf framing of up to
+--max-chat-messages messages, the stop strings and the other fields. A prompt somewhat over the limit still
+arrives and gets the clear INVALID_ARGUMENT; a request far over it is refused by gRPC (RESOURCE_EXHAUSTED)."""
+
+
+def max_receive_message_bytes(config: CoordinatorConfig) -> int:
+    return config.max_prompt_bytes + REQUEST_OVERHEAD_BYTES

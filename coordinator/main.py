@@ -16,7 +16,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from coordinator.admission import AdmissionController
-from coordinator.config import CoordinatorConfig, admission_limits, internal_tls, prompt_limits, round_policy
+from coordinator.config import (
+    CoordinatorConfig,
+    admission_limits,
+    internal_tls,
+    max_receive_message_bytes,
+    prompt_limits,
+    round_policy,
+)
 from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
@@ -39,6 +46,7 @@ from specserve.model_loading import (
     vocab_fingerprint,
 )
 from specserve.rpc import add_health, channel_options, mark_serving, server_options
+from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -71,6 +79,20 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     )
     parser.add_argument("--cache-dir", default=env("SPECSERVE_CACHE_DIR", ""))
     parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens_limit)
+    parser.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=defaults.max_prompt_bytes,
+        help="most UTF-8 bytes in a prompt, or in a chat's message contents together (INVALID_ARGUMENT beyond)",
+    )
+    parser.add_argument("--max-chat-messages", type=int, default=defaults.max_chat_messages)
+    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
+    parser.add_argument(
+        "--max-stop-string-bytes",
+        type=int,
+        default=defaults.max_stop_string_bytes,
+        help="most UTF-8 bytes in each stop string",
+    )
     parser.add_argument("--draft-max-nodes", type=int, default=defaults.draft_max_nodes)
     parser.add_argument(
         "--draft-timeout-ms",
@@ -287,8 +309,11 @@ async def serve(config: CoordinatorConfig) -> None:
         internal_metadata(config)  # the token file is readable and not empty
     except (ExposureError, KeyFileError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
-    interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
-    server = grpc.aio.server(options=server_options(), interceptors=interceptors)
+    # Errors are mapped outermost, so a refused key is as clean a status as anything else.
+    interceptors: list[grpc.aio.ServerInterceptor] = [AioErrorInterceptor()]
+    interceptors += [ApiKeyInterceptor(keys)] if keys is not None else []
+    options = [*server_options(), ("grpc.max_receive_message_length", max_receive_message_bytes(config))]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -11,10 +11,18 @@ import grpc
 from coordinator.admission import AdmissionController
 from coordinator.deadlines import deadline_scope
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.prompts import ChatTurn, PromptLimits, build_request, encode_prompt
+from coordinator.prompts import (
+    ChatTurn,
+    PromptEncoder,
+    PromptLimits,
+    PromptTooLong,
+    build_request,
+    check_chat_count,
+    check_input,
+    context_error,
+)
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, TextChunk
-from specserve.errors import SpecserveError, Unavailable
-from specserve.rpc import status_code
+from specserve.errors import Unavailable
 from specserve.sampling import SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -55,6 +63,10 @@ class GenerationBackend:
     tokenizer: Any
     limits: PromptLimits
     new_generation: Callable[[GenerationRequest], Generation]
+    encoder: PromptEncoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "encoder", PromptEncoder(self.tokenizer))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -79,35 +91,43 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def attach(self, backend: GenerationBackend) -> None:
         self._backend = backend
 
-    def _request(self, backend: GenerationBackend, request: generation_pb2.GenerateRequest) -> GenerationRequest:
+    async def _request(self, backend: GenerationBackend, request: generation_pb2.GenerateRequest) -> GenerationRequest:
+        """The request checked against the limits first (cheap), then tokenized off the event loop."""
+        limits = backend.limits
+        if request.HasField("chat"):  # counted before 100k messages become 100k objects on the event loop
+            check_chat_count(len(request.chat.messages), limits)
         chat = [ChatTurn(m.role, m.content) for m in request.chat.messages] if request.HasField("chat") else None
-        prompt_ids = encode_prompt(backend.tokenizer, request.prompt, chat)
         sampling = SamplingParams(
             temperature=request.temperature,
             top_p=request.top_p or 1.0,
             top_k=request.top_k,
             seed=request.seed if request.HasField("seed") else None,
         )
-        return build_request(prompt_ids, request.max_new_tokens, sampling, list(request.stop), backend.limits)
+        check_input(request.prompt, chat, request.max_new_tokens, sampling, request.stop, limits)
+        stop = list(request.stop)  # counted first: a 5 MB request holds millions of empty strings
+        try:
+            prompt_ids = await backend.encoder.encode(
+                request.prompt, chat, limits.max_session_tokens - request.max_new_tokens
+            )
+        except PromptTooLong as exc:
+            raise context_error(exc.num_tokens, request.max_new_tokens, limits, exc.at_least) from exc
+        return build_request(prompt_ids, request.max_new_tokens, sampling, stop, limits)
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        try:
-            backend = self._backend
-            if backend is None:
-                raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
-            generation = backend.new_generation(self._request(backend, request))
-            with deadline_scope(context.time_remaining()):
-                async with self._admission.slot(current_tenant()) as slot:
-                    generation.stats.queue_ns = round(slot.queue_s * 1e9)
-                    async for event in generation.stream():
-                        if isinstance(event, TextChunk):
-                            delta = generation_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
-                            yield generation_pb2.GenerateResponse(delta=delta)
-                        else:
-                            if self._metrics is not None:
-                                self._metrics.observe(event)
-                            yield generation_pb2.GenerateResponse(stats=stats_to_proto(event))
-        except SpecserveError as exc:
-            await context.abort(status_code(exc), str(exc), trailing_metadata=exc.metadata)
+        backend = self._backend
+        if backend is None:
+            raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
+        generation = backend.new_generation(await self._request(backend, request))
+        with deadline_scope(context.time_remaining()):
+            async with self._admission.slot(current_tenant()) as slot:
+                generation.stats.queue_ns = round(slot.queue_s * 1e9)
+                async for event in generation.stream():
+                    if isinstance(event, TextChunk):
+                        delta = generation_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+                        yield generation_pb2.GenerateResponse(delta=delta)
+                    else:
+                        if self._metrics is not None:
+                            self._metrics.observe(event)
+                        yield generation_pb2.GenerateResponse(stats=stats_to_proto(event))

@@ -34,6 +34,7 @@ from specserve.model_loading import (
 )
 from specserve.ngram_pool import PoolShape
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, server_options
+from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -166,7 +167,7 @@ async def serve(config: DrafterConfig) -> None:
         except DraftHeadError as exc:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)
-    server = grpc.aio.server(options=server_options(), interceptors=checks)
+    server = grpc.aio.server(options=server_options(), interceptors=[AioErrorInterceptor(), *checks])
     drain = Drain(config.shutdown_grace_s)
     servicer = DrafterServicer(drafter, pools, drain, config.stream_idle_timeout_s)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)

@@ -16,7 +16,7 @@ from draft_service.pools import PoolRegistry
 from specserve import errors
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import Drain
-from specserve.rpc import refused_while_draining, status_code
+from specserve.rpc import refused_while_draining
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 from specserve.wire import features_from_proto, tree_to_proto
 
@@ -144,7 +144,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         if first is None:
             return
         if first.WhichOneof("action") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Draft stream must be `start`")
+            raise errors.InvalidArgument("the first message of a Draft stream must be `start`")
         start = first.start
         try:
             session = self._drafter.open_session(
@@ -155,7 +155,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 start.pool_namespace,
             )
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise errors.FailedPrecondition(str(exc)) from exc
         self._num_active_sessions += 1
         ahead = FeaturesAhead()
         work: asyncio.Future[None] | None = None  # working ahead (pre-drafting) while the coordinator verifies
@@ -164,22 +164,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             async for request in request_iterator:
                 if request.WhichOneof("action") == "features":
                     # Part of the next propose's features: kept, not answered.
-                    try:
-                        ahead.add(request.features)
-                    except errors.SpecserveError as exc:
-                        await context.abort(status_code(exc), str(exc))
+                    ahead.add(request.features)
                     continue
                 if request.WhichOneof("action") != "propose":
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, "only the first message of a Draft stream may be `start`"
-                    )
+                    raise errors.InvalidArgument("only the first message of a Draft stream may be `start`")
                 propose = request.propose
                 try:
                     features = ahead.take(features_from_proto(propose.features))
                 except ValueError as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"propose.features: {exc}")
-                except errors.SpecserveError as exc:
-                    await context.abort(status_code(exc), str(exc))
+                    raise errors.InvalidArgument(f"propose.features: {exc}") from exc
                 feedback = DraftFeedback(
                     tuple(propose.new_token_ids),
                     tuple((s.token_id, tuple(s.next_token_ids)) for s in propose.successors),

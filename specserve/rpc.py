@@ -1,4 +1,4 @@
-"""gRPC plumbing shared by the three servers: status mapping, health, graceful shutdown."""
+"""gRPC plumbing shared by the three servers: health, graceful shutdown, options (errors: ``specserve.rpc_errors``)."""
 
 from __future__ import annotations
 
@@ -24,19 +24,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def status_code(error: SpecserveError) -> grpc.StatusCode:
     return grpc.StatusCode[error.status]
-
-
-def maps_domain_errors(method: F) -> F:
-    """Turn a SpecserveError raised by a sync servicer method into its gRPC status."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, request, context)
-        except SpecserveError as exc:
-            context.abort(status_code(exc), str(exc))
-
-    return wrapper  # type: ignore[return-value]
 
 
 def add_health(server: grpc.Server | grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:

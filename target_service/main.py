@@ -25,6 +25,7 @@ from specserve.model_loading import (
     vocab_fingerprint,
 )
 from specserve.rpc import add_health, drain_on_signals, mark_draining, mark_serving, server_options, stop_when_drained
+from specserve.rpc_errors import ErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers),
         options=server_options(),
-        interceptors=interceptors(config),
+        interceptors=[ErrorInterceptor(), *interceptors(config)],
     )
     metrics = VerifierMetrics()
     drain = Drain(config.shutdown_grace_s)

@@ -10,7 +10,6 @@ import grpc
 from specserve.auth.internal import session_owner
 from specserve.drain import Drain
 from specserve.errors import Unavailable
-from specserve.rpc import maps_domain_errors
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from specserve.wire import features_to_proto, sampling_from_proto, tree_from_proto
 from target_service.metrics import VerifierMetrics
@@ -51,7 +50,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             raise Unavailable("the verifier is still loading its model; retry shortly")
         return self._loaded
 
-    @maps_domain_errors
     def Prefill(
         self, request: verifier_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.PrefillResponse:
@@ -69,7 +67,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self._metrics.sessions(self._verifier.num_active_sessions)
         return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
 
-    @maps_domain_errors
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         tree = tree_from_proto(request.tree)
         with self._metrics.in_flight(), self._drain.in_flight():
@@ -96,7 +93,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             queue_ns=result.queue_ns,
         )
 
-    @maps_domain_errors
     def Release(
         self, request: verifier_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.ReleaseResponse:
@@ -104,7 +100,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self._metrics.sessions(self._verifier.num_active_sessions)
         return verifier_pb2.ReleaseResponse(released=released)
 
-    @maps_domain_errors
     def Info(self, request: verifier_pb2.InfoRequest, context: grpc.ServicerContext) -> verifier_pb2.InfoResponse:
         limits = self._verifier.limits
         stats = self._verifier.stats()

@@ -697,6 +697,12 @@ class Verifier:
         if error is not None:
             _fail(call, error)
 
+    def _drop(self, session_id: str, session: _Session) -> None:
+        """Forget a session whose step failed, and give its KV cache memory back."""
+        if self._sessions.peek(session_id) is session:
+            self._sessions.pop(session_id)
+            self._arena.free(session.region)
+
     def _release_now(self, call: _ReleaseCall) -> None:
         session = self._sessions.pop(call.session_id)
         if session is not None:
@@ -769,8 +775,16 @@ class Verifier:
             return 0
         try:
             acceptance = self._accept(tree, logits, session)
-        except (ValueError, RuntimeError) as exc:  # e.g. no probability mass left after top-k/top-p
-            _fail(call, InvalidArgument(f"cannot sample with this session's parameters: {exc}"))
+        except Exception:  # e.g. no probability mass left after top-k/top-p: this session only
+            log.exception("sampling failed for session %s; releasing it", call.session_id)
+            self._drop(call.session_id, session)
+            _fail(
+                call,
+                InvalidArgument(
+                    f"session {call.session_id!r}: its sampling parameters left no token to sample; the session "
+                    "was released (prefill again with other temperature/top_p/top_k)"
+                ),
+            )
             return 0
         cached = len(session.committed) - 1
         # Keep the pending token and the accepted path; rejected branches leave no trace.

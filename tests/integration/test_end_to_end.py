@@ -73,7 +73,7 @@ def test_cli_streams_text_and_ends_with_stats(cluster: LocalCluster) -> None:
         ({"prompt": "hi", "max_new_tokens": 0}, "max_new_tokens must be between 1 and"),
         ({"prompt": "hi", "max_new_tokens": 100_000}, "max_new_tokens must be between 1 and"),
         ({"prompt": "word " * 9000}, "exceeds the model's context"),
-        ({"prompt": "hi", "temperature": -1.0}, "temperature must be >= 0"),
+        ({"prompt": "hi", "temperature": -1.0}, "temperature must be 0 (greedy) or between"),
         ({"chat": [("robot", "hi")]}, "role 'robot'"),
     ],
 )

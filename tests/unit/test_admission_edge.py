@@ -6,13 +6,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import pytest
 
 from coordinator.admission import AdmissionController, AdmissionLimits
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import GenerationRequest, GenerationStats, TextChunk
 from coordinator.server import GenerationBackend, GenerationServicer
+from specserve.errors import ResourceExhausted
 from specserve.v1 import generation_pb2
 
 
@@ -29,21 +29,12 @@ class HeldGeneration:
         yield self.stats
 
 
-class Aborted(Exception):
-    pass
-
-
 class FakeContext:
     def __init__(self, time_remaining: float | None = None) -> None:
         self._time_remaining = time_remaining
-        self.aborted: tuple[grpc.StatusCode, str, Any] | None = None
 
     def time_remaining(self) -> float | None:
         return self._time_remaining
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
-        self.aborted = (code, details, trailing_metadata)
-        raise Aborted
 
 
 def tokenizer(text: str, **_: object) -> dict[str, list[int]]:
@@ -69,13 +60,11 @@ def test_the_edge_holds_a_slot_per_stream_and_refuses_with_retry_after() -> None
         first = asyncio.create_task(call(FakeContext()))
         queued = asyncio.create_task(call(FakeContext(time_remaining=30.0)))
         await asyncio.sleep(0.05)
-        refused = FakeContext()
-        with pytest.raises(Aborted):
-            await call(refused)
-        assert refused.aborted is not None
-        code, details, metadata = refused.aborted
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert f"retry after {dict(metadata)['retry-after-ms']} ms" in details
+        # The edge raises; specserve.rpc_errors turns it into the status and trailing metadata (tested there).
+        with pytest.raises(ResourceExhausted) as refused:
+            await call(FakeContext())
+        metadata = dict(refused.value.metadata)
+        assert f"retry after {metadata['retry-after-ms']} ms" in str(refused.value)
         finish.set()
         responses = await first
         assert responses[-1].stats.queue_ns == 0

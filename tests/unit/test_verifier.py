@@ -114,11 +114,48 @@ def test_malformed_trees_are_invalid(tree: TokenTree, message: str) -> None:
         ([1] * 300, SamplingParams(), "do not fit the context"),
         ([1, 2], SamplingParams(temperature=-1), "temperature"),
         ([1, 2], SamplingParams(temperature=1, top_p=2), "top_p"),
+        ([1, 2], SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
+        ([1, 2], SamplingParams(temperature=1e-40), "temperature must not be a subnormal"),
+        ([1, 2], SamplingParams(temperature=1, top_p=float("inf")), "top_p must be a finite number"),
     ],
 )
 def test_bad_prefills_are_invalid(tokens: list[int], sampling: SamplingParams, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         new_verifier().prefill("s", tokens, sampling)
+
+
+def test_refused_prefill_leaves_no_session() -> None:
+    verifier = new_verifier()
+    with pytest.raises(InvalidArgument):
+        verifier.prefill("s", [1, 2], SamplingParams(temperature=float("nan")))
+    assert verifier.num_active_sessions == 0
+    assert verifier.stats().kv_used_bytes == 0
+
+
+def test_a_session_whose_sampling_fails_is_dropped_and_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine raising for one session's sampling releases that session (its cache freed), and only it."""
+    import target_service.verifier as engine
+
+    verifier = new_verifier()
+    verifier.prefill("ok", [1, 2, 3], SamplingParams())
+    verifier.prefill("bad", [1, 2, 3], SamplingParams(temperature=1.0, seed=1))
+    used_by_two = verifier.stats().kv_used_bytes
+
+    def no_mass(*args: object) -> object:
+        raise ValueError("cannot sample from a distribution with no mass")
+
+    monkeypatch.setattr(engine, "accept_sampled", no_mass)
+    with verifier.paused():  # both in one engine step
+        bad = verifier.submit_verify("bad", 3, TokenTree.chain([4]))
+        ok = verifier.submit_verify("ok", 3, TokenTree.chain([4]))
+    with pytest.raises(InvalidArgument, match="was released") as raised:
+        bad.result()
+    assert "no mass" not in str(raised.value)
+    assert ok.result().bonus_token >= 0
+    assert verifier.num_active_sessions == 1
+    assert verifier.stats().kv_used_bytes < used_by_two
+    with pytest.raises(NotFound):
+        verifier.verify("bad", 3, TokenTree())
 
 
 def test_context_limit_is_resource_exhausted() -> None:
