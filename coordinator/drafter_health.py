@@ -37,8 +37,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from coordinator.ports import DrafterFailed, DrafterPort, DrafterSkipped, DraftStream
+from coordinator.ports import DrafterPort, DraftStream
 from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.errors import DrafterFailed, DrafterSkipped
 
 log = logging.getLogger(__name__)
 

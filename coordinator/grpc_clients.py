@@ -9,11 +9,12 @@ import grpc
 import numpy as np
 
 from coordinator import deadlines
-from coordinator.ports import DrafterFailed, ReplicaUnreachable, VerifierInfo
+from coordinator.ports import VerifierInfo
 from specserve import errors
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.errors import DrafterFailed, ReplicaUnreachable
 from specserve.sampling import SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree

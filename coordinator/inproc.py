@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from coordinator.ports import DrafterFailed, VerifierInfo
+from coordinator.ports import VerifierInfo
 from draft_service.drafter import Drafter, DraftSession
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.errors import DrafterFailed
 from specserve.sampling import SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree

@@ -9,7 +9,7 @@ the session must be prefilled again, Unavailable when it cannot be reached
 (ReplicaUnreachable when the connection itself failed; SessionMoved when a
 router moved the session to another replica, where it must be prefilled
 again), DeadlineExceeded when the request's deadline passed; a draft stream
-raises DrafterFailed for anything that makes it unusable.
+raises DrafterFailed for anything that makes it unusable (all in specserve.errors).
 """
 
 from __future__ import annotations
@@ -20,27 +20,8 @@ from typing import Protocol
 
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import SpecserveError, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
-
-
-class DrafterFailed(SpecserveError):
-    """The drafter cannot serve this session any more; decoding goes on without it."""
-
-    status = "UNAVAILABLE"
-
-
-class DrafterSkipped(DrafterFailed):
-    """The drafter failed recently and is skipped until a probe finds it healthy (the message says until when)."""
-
-
-class ReplicaUnreachable(Unavailable):
-    """A verifier replica could not be reached (connection refused or reset): it went down with its sessions."""
-
-
-class SessionMoved(Unavailable):
-    """The session's replica failed and the session now belongs to another replica: prefill it again there."""
 
 
 @dataclass(frozen=True)

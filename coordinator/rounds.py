@@ -38,20 +38,21 @@ from typing import Any
 import numpy as np
 
 from coordinator import deadlines
-from coordinator.ports import (
-    DrafterFailed,
-    DrafterMonitor,
-    DrafterPort,
-    DrafterSkipped,
-    DraftStream,
-    SessionMoved,
-    VerifierPort,
-)
+from coordinator.ports import DrafterMonitor, DrafterPort, DraftStream, VerifierPort
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tree_checks import TreeLimits, tree_problem
 from specserve.acceptance import VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from specserve.errors import (
+    DeadlineExceeded,
+    DrafterFailed,
+    DrafterSkipped,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    SessionMoved,
+    Unavailable,
+)
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 

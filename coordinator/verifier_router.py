@@ -26,9 +26,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from coordinator.ports import ReplicaUnreachable, SessionMoved, VerifierInfo, VerifierPort
+from coordinator.ports import VerifierInfo, VerifierPort
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.errors import Unavailable
+from specserve.errors import ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 

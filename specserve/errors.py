@@ -50,3 +50,25 @@ class PermissionDenied(SpecserveError):
 
 class DeadlineExceeded(SpecserveError):
     status = "DEADLINE_EXCEEDED"
+
+
+# The coordinator's failures of its workers: handled by the round loop (a dropped drafter, a re-prefill on
+# another replica); a client sees them only as UNAVAILABLE when nothing is left to fall back on.
+
+
+class DrafterFailed(SpecserveError):
+    """The drafter cannot serve this session any more; decoding goes on without it."""
+
+    status = "UNAVAILABLE"
+
+
+class DrafterSkipped(DrafterFailed):
+    """The drafter failed recently and is skipped until a probe finds it healthy (the message says until when)."""
+
+
+class ReplicaUnreachable(Unavailable):
+    """A verifier replica could not be reached (connection refused or reset): it went down with its sessions."""
+
+
+class SessionMoved(Unavailable):
+    """The session's replica failed and the session now belongs to another replica: prefill it again there."""

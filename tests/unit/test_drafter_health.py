@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import pytest
 
 from coordinator.drafter_health import DraftLatency, HealthCheckedDrafter
-from coordinator.ports import DrafterFailed, DrafterSkipped
 from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.errors import DrafterFailed, DrafterSkipped
 from specserve.token_tree import TokenTree
 
 

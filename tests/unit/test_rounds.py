@@ -8,13 +8,13 @@ import pytest
 
 from coordinator.deadlines import deadline_scope
 from coordinator.inproc import InProcessDrafter, InProcessVerifier
-from coordinator.ports import DrafterFailed, DraftStream, ReplicaUnreachable
+from coordinator.ports import DraftStream
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
 from coordinator.verifier_router import StickyVerifierRouter
 from draft_service.drafter import Drafter
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import DeadlineExceeded
+from specserve.errors import DeadlineExceeded, DrafterFailed, ReplicaUnreachable
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree

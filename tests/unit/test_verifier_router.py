@@ -5,10 +5,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from coordinator.ports import ReplicaUnreachable, SessionMoved, VerifierInfo
+from coordinator.ports import VerifierInfo
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from specserve.errors import DeadlineExceeded, InvalidArgument, ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
