@@ -14,7 +14,8 @@ from specserve import errors
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import DrafterFailed, ReplicaUnreachable
+from specserve.drain import DRAINING_METADATA
+from specserve.errors import DrafterFailed, ReplicaDraining, ReplicaUnreachable
 from specserve.sampling import SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
@@ -47,6 +48,12 @@ RELEASE_TIMEOUT_S = 5.0
 """Most a Release waits. Not bounded by the request's deadline: releasing is the clean-up after it passed."""
 
 
+def _draining(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the refusal came from a server that is shutting down (``specserve.drain``)."""
+    trailing = exc.trailing_metadata() or ()
+    return any((key, value) in DRAINING_METADATA for key, value in trailing)
+
+
 class GrpcVerifier:
     """``metadata()``: sent with every call (the internal token and the tenant of the request being served)."""
 
@@ -71,6 +78,8 @@ class GrpcVerifier:
                 f"verifier at {self._target} did not answer within the request's deadline "
                 "(or --verifier-timeout-s): give the request a longer deadline"
             )
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
+            return ReplicaDraining(f"verifier at {self._target} is shutting down: {exc.details()}")
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             return ReplicaUnreachable(f"verifier at {self._target} is unreachable: {exc.details()}")
         return errors.Unavailable(f"verifier at {self._target} failed: {exc.code().name}: {exc.details()}")

@@ -28,7 +28,7 @@ from typing import TypeVar
 
 from coordinator.ports import VerifierInfo, VerifierPort
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.errors import ReplicaUnreachable, SessionMoved, Unavailable
+from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
@@ -74,6 +74,8 @@ class StickyVerifierRouter:
         self._replicas: dict[str, VerifierPort] = {}
         self._pinned: dict[str, str] = {}  # session id -> replica address
         self._down_until: dict[str, float] = {}  # replica address -> when it may get sessions again
+        # Replicas that are shutting down: they serve the sessions they hold, but get no new ones until then.
+        self._closed_until: dict[str, float] = {}
         self._next_refresh = 0.0
 
     @property
@@ -109,7 +111,8 @@ class StickyVerifierRouter:
 
     def _pin(self, session_id: str) -> str:
         """Pin ``session_id`` to the replica that is up with the fewest sessions pinned here."""
-        load = {a: 0 for a in self._replicas if self._is_up(a)}
+        now = self._clock()
+        load = {a: 0 for a in self._replicas if self._is_up(a) and self._closed_until.get(a, 0.0) <= now}
         if not load:
             raise self._no_replica()
         for pinned in self._pinned.values():
@@ -137,6 +140,17 @@ class StickyVerifierRouter:
         address = self._address_for(session_id, creating)
         try:
             return await call(self._replicas[address])
+        except ReplicaDraining as exc:
+            if not creating:
+                raise
+            # Shutting down: this replica keeps its sessions, but this new one must start elsewhere.
+            self._closed_until[address] = self._clock() + self._down_s
+            self._pinned.pop(session_id, None)
+            try:
+                self._pin(session_id)
+            except Unavailable:
+                raise Unavailable(str(exc)) from exc
+            raise SessionMoved(f"{exc}; the session moved to another replica") from exc
         except ReplicaUnreachable as exc:
             self._down_until[address] = self._clock() + self._down_s
             self._pinned.pop(session_id, None)

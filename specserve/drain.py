@@ -24,6 +24,9 @@ from contextlib import contextmanager
 
 from specserve.errors import Unavailable
 
+DRAINING_METADATA = (("specserve-draining", "1"),)
+"""Trailing metadata of a refusal by a draining server."""
+
 DEFAULT_GRACE_S = 30.0
 
 
@@ -80,9 +83,16 @@ class Drain:
             callback()
 
     def refuse_new(self, what: str = "new requests") -> None:
-        """Raise Unavailable while draining: ``what`` is not taken any more."""
+        """Raise Unavailable while draining: ``what`` is not taken any more.
+
+        The refusal carries ``DRAINING_METADATA``, so a caller can tell a replica that is shutting down (its
+        work in hand goes on) from one that cannot be reached (its work is lost).
+        """
         if self.draining:
-            raise Unavailable(f"this replica is shutting down and takes no {what}; retry (another replica serves it)")
+            raise Unavailable(
+                f"this replica is shutting down and takes no {what}; retry (another replica serves it)",
+                metadata=DRAINING_METADATA,
+            )
 
     @contextmanager
     def in_flight(self) -> Iterator[None]:

@@ -70,5 +70,9 @@ class ReplicaUnreachable(Unavailable):
     """A verifier replica could not be reached (connection refused or reset): it went down with its sessions."""
 
 
+class ReplicaDraining(Unavailable):
+    """A verifier replica is shutting down: it serves the sessions it holds but takes no new one."""
+
+
 class SessionMoved(Unavailable):
     """The session's replica failed and the session now belongs to another replica: prefill it again there."""

@@ -60,7 +60,7 @@ def refused_while_draining(what: str) -> Callable[[F], F]:
             try:
                 drain.refuse_new(what)
             except SpecserveError as exc:
-                await context.abort(status_code(exc), str(exc))
+                await context.abort(status_code(exc), str(exc), trailing_metadata=exc.metadata)
             with drain.in_flight():
                 async with contextlib.aclosing(method(self, request, context)) as stream:
                     async for item in stream:

@@ -8,7 +8,14 @@ import pytest
 from coordinator.ports import VerifierInfo
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.errors import DeadlineExceeded, InvalidArgument, ReplicaUnreachable, SessionMoved, Unavailable
+from specserve.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    ReplicaDraining,
+    ReplicaUnreachable,
+    SessionMoved,
+    Unavailable,
+)
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
@@ -18,6 +25,7 @@ class FakeReplica:
         self.address = address
         self.calls: list[tuple[str, str]] = []
         self.failure: Exception | None = None  # raised by every call while set
+        self.prefill_failure: Exception | None = None  # raised by prefills only (a draining replica)
 
     def _fail(self) -> None:
         if self.failure is not None:
@@ -30,6 +38,8 @@ class FakeReplica:
         self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
     ) -> PrefillResult:
         self._fail()
+        if self.prefill_failure is not None:
+            raise self.prefill_failure
         self.calls.append(("prefill", session_id))
         return PrefillResult(0)
 
@@ -187,3 +197,30 @@ def test_errors_that_are_not_a_replica_failure_keep_the_session_in_place(error: 
     replicas[first].failure = None
     asyncio.run(router.verify("s", 1, TokenTree()))
     assert replicas[first].calls[-1] == ("verify", "s")
+
+
+def test_a_draining_replica_keeps_its_sessions_while_new_ones_start_elsewhere() -> None:
+    replicas: dict[str, FakeReplica] = {}
+    router = StickyVerifierRouter(
+        lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)), 1000.0, Clock(), down_s=5.0
+    )
+    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    first = next(a for a, r in replicas.items() if r.calls)
+    other = next(a for a in replicas if a != first)
+    replicas[first].prefill_failure = ReplicaDraining(f"verifier at {first} is shutting down")
+    asyncio.run(router.prefill("t", [1], SamplingParams()))  # the least loaded: pinned to `other`
+    with pytest.raises(SessionMoved, match="shutting down"):
+        asyncio.run(router.prefill("u", [1], SamplingParams()))  # tried `first`, which refused it
+    asyncio.run(router.prefill("u", [1], SamplingParams()))
+    asyncio.run(router.verify("s", 1, TokenTree()))
+    assert replicas[first].calls == [("prefill", "s"), ("verify", "s")]  # the session it holds stays
+    assert replicas[other].calls == [("prefill", "t"), ("prefill", "u")]
+
+
+def test_with_every_replica_draining_a_new_session_is_refused_with_the_replicas_reason() -> None:
+    replica = FakeReplica("a:1")
+    replica.prefill_failure = ReplicaDraining("verifier at a:1 is shutting down: retry")
+    router = StickyVerifierRouter(lambda: ["a:1"], lambda a: replica, 1000.0, Clock(), down_s=5.0)
+    with pytest.raises(Unavailable, match="shutting down") as refused:
+        asyncio.run(router.prefill("s", [1], SamplingParams()))
+    assert not isinstance(refused.value, SessionMoved)
