@@ -8,7 +8,6 @@ coordinator).
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -156,23 +155,4 @@ def test_a_killed_verifier_replica_costs_no_token(cluster: LocalCluster, referen
     assert stats.num_reprefills >= 1
 
 
-def test_sigterm_lets_running_streams_finish_and_refuses_new_ones(cluster: LocalCluster, reference: list[int]) -> None:
-    max_new = 32
-    tokens: list[int] = []
-    stats: Stats | None = None
-    late: Outcome | None = None
-    coordinator = cluster.processes["coordinator"]
-    with SpecserveClient(cluster.coordinator_address, timeout_s=120) as client:
-        for event in client.generate_chat([("user", PROMPT)], GenerationParams(max_new_tokens=max_new)):
-            if isinstance(event, TextChunk):
-                tokens += event.token_ids
-                if late is None:
-                    coordinator.send_signal(signal.SIGTERM)
-                    time.sleep(0.3)
-                    late = generate(cluster.coordinator_address, max_new_tokens=4, timeout_s=10)
-            else:
-                stats = event
-    assert stats is not None and tokens == reference[:max_new]  # the running stream finished
-    assert late is not None and isinstance(late.error, grpc.Call)
-    assert late.error.code() == grpc.StatusCode.UNAVAILABLE, late.error.details()
-    assert coordinator.wait(timeout=30) == 0
+# The coordinator's SIGTERM drain (running streams finish, new ones are refused) is tests/integration/test_drain.py.

@@ -191,7 +191,7 @@ def test_sixteen_concurrent_streams_are_each_identical_to_plain_greedy(cluster: 
     results: dict[int, tuple[list[int], str, Stats]] = {}
 
     def run(index: int) -> None:
-        results[index] = generate(cluster.coordinator_address, prompts[index], 32)
+        results[index] = generate(cluster.coordinator_address, prompts[index], 16)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
     for thread in threads:
@@ -201,7 +201,7 @@ def test_sixteen_concurrent_streams_are_each_identical_to_plain_greedy(cluster: 
     assert sorted(results) == list(range(16))
     for index, text in enumerate(prompts):
         tokens, _, stats = results[index]
-        assert tokens == target.greedy(target.chat_ids(text), 32), text[:60]
+        assert tokens == target.greedy(target.chat_ids(text), 16), text[:60]
         assert stats.num_generated_tokens == len(tokens)
     with grpc.insecure_channel(cluster.verifier_address) as channel:
         info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(verifier_pb2.InfoRequest(), timeout=10)
