@@ -16,7 +16,8 @@ Pure asyncio: the gRPC edge opens ``slot()`` around the stream, and the slot is 
 stream ends (finished, failed, cancelled by the client).
 
 Shutdown: ``drain()`` refuses new and queued streams with UNAVAILABLE (a client retries them on another
-coordinator) while the running ones go on; ``wait_idle()`` waits for them to finish.
+coordinator) while the running ones go on; the server's ``specserve.drain.Drain`` waits for ``running`` to
+reach 0.
 """
 
 from __future__ import annotations
@@ -109,13 +110,6 @@ class AdmissionController:
         for waiter in self._queue:
             waiter.granted.set_exception(self._shutting_down())
         self._queue.clear()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every running stream to end; whether they all did."""
-        deadline = self.clock() + timeout_s
-        while self.running and self.clock() < deadline:
-            await asyncio.sleep(0.05)
-        return not self.running
 
     @staticmethod
     def _shutting_down() -> Unavailable:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -13,7 +12,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import HealthServicer
 
 from coordinator.admission import AdmissionController
 from coordinator.config import (
@@ -37,6 +35,7 @@ from specserve.auth.interceptors import ApiKeyInterceptor
 from specserve.auth.internal import InternalCredentials, Metadata
 from specserve.auth.keys import ApiKeys, KeyFileError
 from specserve.auth.tls import ExposureError, add_port, aio_channel, check_exposure
+from specserve.drain import Drain
 from specserve.model_loading import (
     default_cache_root,
     load_generation_config,
@@ -45,7 +44,7 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, channel_options, mark_serving, server_options
+from specserve.rpc import add_health, channel_options, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -318,9 +317,14 @@ async def serve(config: CoordinatorConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     admission = AdmissionController(admission_limits(config), metrics)
+    # On SIGTERM (specserve.drain): health NOT_SERVING, new and queued streams refused, running ones finish.
+    drain = Drain(config.shutdown_grace_s)
+    drain.count_busy(lambda: admission.running)
+    drain.on_begin(admission.drain)
     servicer = GenerationServicer(metrics=metrics, admission=admission)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
+    drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     await server.start()
@@ -345,31 +349,7 @@ async def serve(config: CoordinatorConfig) -> None:
         f"coordinator listening on {address} ({auth}, {tls}; verifier {config.verifier}, drafter {config.drafter})",
         flush=True,
     )
-    await drain_on_signal(server, health, admission, config.shutdown_grace_s)
-
-
-async def drain_on_signal(
-    server: grpc.aio.Server, health: HealthServicer, admission: AdmissionController, grace_s: float
-) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: running streams finish (within ``grace_s``), new ones go elsewhere.
-
-    Health turns NOT_SERVING at once, so Kubernetes takes the pod out of the Service; new and queued streams are
-    refused with UNAVAILABLE (clients retry them on another replica); after the running streams have ended, or
-    ``grace_s`` has passed, the server stops and cancels what is left.
-    """
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    started = loop.time()
-    log.info("draining: %d streams running, %d queued (grace %.0f s)", admission.running, admission.queued, grace_s)
-    health.enter_graceful_shutdown()
-    admission.drain()
-    if not await admission.wait_idle(grace_s):
-        log.warning("stopping with %d streams still running after %.0f s", admission.running, grace_s)
-    await server.stop(grace=max(0.0, grace_s - (loop.time() - started)))
-    log.info("stopped")
+    await serve_until_signal(server, drain)
 
 
 def main(argv: list[str] | None = None) -> None:
