@@ -18,6 +18,7 @@ from specserve.drain import DEFAULT_GRACE_S
 class CoordinatorConfig:
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000  # the OpenAI-compatible HTTP API (coordinator.openai_api) on --host; 0: off
     verifier: str = "127.0.0.1:50053"  # gRPC target, e.g. dns:///specserve-verifier:50053
     drafter: str | None = "127.0.0.1:50052"  # None: verifier-only decoding
     model: str = "smollm2"  # where the tokenizer and chat template come from

@@ -62,6 +62,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     parser = argparse.ArgumentParser(prog="coordinator", description="specserve coordinator (public API)")
     add_common_flags(parser, defaults.port)
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("SPECSERVE_HTTP_PORT", str(defaults.http_port))),
+        help="port of the OpenAI-compatible HTTP API on --host, with --tls-cert/--tls-key when set (0: off)",
+    )
+    parser.add_argument(
         "--verifier",
         default=env("SPECSERVE_VERIFIER_ADDR", defaults.verifier),
         help="gRPC target of the verifier tier, e.g. dns:///specserve-verifier:50053",
