@@ -27,6 +27,8 @@ from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.frontend import GenerationBackend, GenerationFrontend
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.openai_api.app import create_app
+from coordinator.openai_api.serve import HttpServer, HttpStartError
 from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
 from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
@@ -315,6 +317,25 @@ def api_keys(config: CoordinatorConfig) -> ApiKeys | None:
     return ApiKeys(Path(config.api_keys_file), config.api_keys_reload_s)
 
 
+async def start_http(
+    config: CoordinatorConfig, frontend: GenerationFrontend, keys: ApiKeys | None, drain: Drain
+) -> HttpServer | None:
+    """The OpenAI-compatible HTTP API on --host:--http-port, with the gRPC port's TLS, keys and drain (None: off).
+
+    It listens before the workers are connected: /health says 503 until the coordinator serves. The exposure
+    rule checked for --host in ``api_keys`` covers this port too.
+    """
+    if not config.http_port:
+        return None
+    app = create_app(frontend, keys, drain, config.max_prompt_bytes)
+    http = HttpServer(app, config.host, config.http_port, config.security.tls)
+    try:
+        await http.start()
+    except HttpStartError as exc:
+        raise StartupError(str(exc)) from exc
+    return http
+
+
 async def serve(config: CoordinatorConfig) -> None:
     try:
         keys = api_keys(config)
@@ -341,6 +362,7 @@ async def serve(config: CoordinatorConfig) -> None:
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     await server.start()
+    http = await start_http(config, frontend, keys, drain)  # /health: 503 until the workers are connected
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
     tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
@@ -358,11 +380,14 @@ async def serve(config: CoordinatorConfig) -> None:
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"
+    where = address if http is None else f"{address} and {http.scheme}://{config.host}:{http.port}/v1"
     print(
-        f"coordinator listening on {address} ({auth}, {tls}; verifier {config.verifier}, drafter {config.drafter})",
+        f"coordinator listening on {where} ({auth}, {tls}; verifier {config.verifier}, drafter {config.drafter})",
         flush=True,
     )
     await serve_until_signal(server, drain)
+    if http is not None:  # after the drain: its streams have finished, new requests got 503 meanwhile
+        await http.stop(now=drain.forced)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -223,7 +223,8 @@ def test_completion_whole_and_its_defaults() -> None:
 
 
 def test_speculation_off_and_finish_reasons() -> None:
-    frontend = FakeFrontend(final=stats(speculation=SpeculationMode.OFF, max_draft_tokens=0, finish_reason=FinishReason.STOP))
+    final = stats(speculation=SpeculationMode.OFF, max_draft_tokens=0, finish_reason=FinishReason.STOP)
+    frontend = FakeFrontend(final=final)
     body = {**CHAT, "speculation": {"mode": "off"}}
     response = client(frontend).post("/v1/chat/completions", json=body)
     assert frontend.request.speculation == Speculation(SpeculationMode.OFF)
