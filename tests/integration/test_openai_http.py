@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,14 +22,14 @@ import pytest
 
 from client import GenerationParams, SpecserveClient, Stats
 from specserve.auth.keys import key_entry, new_key
-from specserve.local_cluster import LocalCluster, free_port
+from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from tests.integration.conftest import FP32_VERIFIER
 
 pytestmark = pytest.mark.integration
 
 KEY = new_key()
 MODEL = "smollm2"  # --model of LocalCluster; GET /v1/models names it
-TOKENS = 24
+TOKENS = 16
 QUESTION = "Name three rivers in Europe."
 PROMPT = "The three largest rivers of Europe are"
 
@@ -55,6 +56,18 @@ class Served:
         self._grpc[prompt, chat] = "".join(e.text for e in events[:-1] if not isinstance(e, Stats)), stats
         return self._grpc[prompt, chat]
 
+    def wait_drafting(self, timeout_s: float = 60) -> None:
+        """Until a request drafts: the coordinator starts once the verifier is up, the drafter may come later."""
+        wait_serving(self.cluster.drafter_address, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        with SpecserveClient(self.cluster.coordinator_address, timeout_s=120, api_key=KEY) as c:
+            while time.monotonic() < deadline:
+                stats = list(c.generate("Warm up:", GenerationParams(max_new_tokens=8)))[-1]
+                if isinstance(stats, Stats) and stats.num_draft_tokens:
+                    return
+                time.sleep(0.5)
+        raise TimeoutError(f"no request drafted within {timeout_s:.0f} s: is the drafter up?")
+
     def request_lines(self) -> list[dict[str, object]]:
         text = (self.logs / "coordinator.log").read_text()
         return [json.loads(line) for line in text.splitlines() if line.startswith('{"ts"')]
@@ -68,9 +81,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     logs = directory / "logs"
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs, http_port=free_port())
     cluster.extra_verifier_args = [*FP32_VERIFIER, "--no-profile-cost"]  # every round drafts (see conftest)
-    cluster.extra_coordinator_args = ["--api-keys-file", str(keys)]
+    # A drafter that is not up yet when the first request comes is skipped briefly, not for the default 5 s.
+    cluster.extra_coordinator_args = ["--api-keys-file", str(keys), "--drafter-backoff-ms", "500"]
     with cluster:
-        yield Served(cluster, logs)
+        served = Served(cluster, logs)
+        served.wait_drafting()
+        yield served
 
 
 def test_models_names_the_served_model(served: Served) -> None:
@@ -192,3 +208,32 @@ def test_a_client_that_goes_away_ends_its_generation(served: Served) -> None:
         time.sleep(0.2)
     assert mine and mine[0]["status"] == "CANCELLED" and mine[0]["api"] == "openai.completions"
     assert mine[0]["total_s"] < 20  # ended when the client left, not after 400 tokens
+
+
+def test_on_sigterm_running_streams_finish_and_new_requests_get_503(served: Served) -> None:
+    """Last in the module: the coordinator drains and exits (uvicorn left the signal to the coordinator)."""
+    expected, _ = served.grpc_text(prompt=PROMPT)
+    coordinator = served.cluster.processes["coordinator"]
+    base = served.cluster.http_base_url
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0, "stream": True}
+    texts: list[str] = []
+    with httpx.stream("POST", f"{base}/completions", json=body, headers=auth, timeout=120) as response:
+        lines = (line for line in response.iter_lines() if line.startswith("data: "))
+        texts.append(json.loads(next(lines).removeprefix("data: "))["choices"][0]["text"])
+        coordinator.send_signal(signal.SIGTERM)
+        health = httpx.get(base.removesuffix("/v1") + "/health")
+        for _ in range(50):
+            if health.status_code == 503:
+                break
+            time.sleep(0.05)
+            health = httpx.get(base.removesuffix("/v1") + "/health")
+        assert health.json() == {"status": "draining"}
+        refused = httpx.post(f"{base}/completions", json={**body, "stream": False}, headers=auth)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+    texts += [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == expected and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert coordinator.wait(timeout=30) == 0
