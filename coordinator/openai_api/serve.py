@@ -91,6 +91,7 @@ class HttpServer:
         while not self._server.started:
             if self._task.done():
                 exc = self._task.exception()
+                self._socket.close()
                 raise HttpStartError(f"the HTTP API on {self.host}:{self._config.port} did not start: {exc}")
             await asyncio.sleep(0.01)
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", self.scheme, self.host, self.port)
