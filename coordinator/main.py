@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator import request_log
 from coordinator.admission import AdmissionController
 from coordinator.config import (
     CoordinatorConfig,
@@ -23,12 +24,13 @@ from coordinator.config import (
     round_policy,
 )
 from coordinator.drafter_health import HealthCheckedDrafter
+from coordinator.frontend import GenerationBackend, GenerationFrontend
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
 from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
-from coordinator.server import GenerationBackend, GenerationServicer
+from coordinator.server import GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import ApiKeyInterceptor
@@ -75,6 +77,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
         "--model",
         default=env("SPECSERVE_MODEL", defaults.model),
         help="model whose tokenizer and chat template to use (must match the verifier's)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=env("SPECSERVE_SERVED_MODEL_NAME", defaults.served_model_name),
+        help="the model name clients use (the HTTP API's `model`); empty: --model",
     )
     parser.add_argument("--cache-dir", default=env("SPECSERVE_CACHE_DIR", ""))
     parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens_limit)
@@ -317,12 +324,13 @@ async def serve(config: CoordinatorConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     admission = AdmissionController(admission_limits(config), metrics)
+    metrics.track_admission(admission)
     # On SIGTERM (specserve.drain): health NOT_SERVING, new and queued streams refused, running ones finish.
     drain = Drain(config.shutdown_grace_s)
     drain.count_busy(lambda: admission.running)
     drain.on_begin(admission.drain)
-    servicer = GenerationServicer(metrics=metrics, admission=admission)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    frontend = GenerationFrontend(config.served_model_name or config.model, admission, metrics)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
     health = add_health(server, [SERVICE_NAME])
     drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
@@ -341,7 +349,7 @@ async def serve(config: CoordinatorConfig) -> None:
         return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy, drafter_monitor=drafter)
 
     limits = prompt_limits(config, info)
-    servicer.attach(GenerationBackend(tokenizer, limits, new_generation))
+    frontend.attach(GenerationBackend(tokenizer, limits, new_generation))
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"
@@ -355,6 +363,7 @@ async def serve(config: CoordinatorConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config, log_level = parse_config(argv)
     setup_logging(log_level, "coordinator")
+    request_log.configure()
     try:
         asyncio.run(serve(config))
     except StartupError as exc:
