@@ -55,8 +55,8 @@ class CoordinatorMetrics:
             ["finished_reason"],
             registry=r,
         )
-        for reason in FinishReason:
-            self.request_success.labels(reason.value)
+        for finish in FinishReason:
+            self.request_success.labels(finish.value)
         self.request_errors = Counter(
             "specserve_request_errors",
             "Requests that ended with an error, by gRPC status name (HTTP errors map to the same names)",
