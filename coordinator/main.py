@@ -351,6 +351,7 @@ async def serve(config: CoordinatorConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     admission = AdmissionController(admission_limits(config), metrics)
+    metrics.track_admission(admission)
     # On SIGTERM (specserve.drain): health NOT_SERVING, new and queued streams refused, running ones finish.
     drain = Drain(config.shutdown_grace_s)
     drain.count_busy(lambda: admission.running)
