@@ -13,6 +13,7 @@ import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -131,9 +132,11 @@ class GenerationFrontend:
                 raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
             with tenant_scope(call.tenant), deadline_scope(call.time_remaining_s):
                 generation = backend.new_generation(await self._generation_request(backend, request))
-                async with self._admission.slot(call.tenant) as slot:
+                record.prompt_tokens = generation.stats.num_prompt_tokens
+                # aclosing: a client that hangs up mid-stream has its session released now, not by the finalizer.
+                async with self._admission.slot(call.tenant) as slot, aclosing(generation.stream()) as events:
                     generation.stats.queue_ns = round(slot.queue_s * 1e9)
-                    async for event in generation.stream():
+                    async for event in events:
                         now = time.monotonic()
                         if isinstance(event, TextChunk):
                             self._streamed(record, now - (started if last_chunk is None else last_chunk), last_chunk)

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -157,7 +157,7 @@ class Generation:
         self.stats.speculation = self.request.speculation.mode
         self.stats.max_draft_tokens = self.request.speculation.draft_limit(self.policy.draft_max_nodes)
 
-    async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
+    async def stream(self) -> AsyncGenerator[TextChunk | GenerationStats, None]:
         start = time.perf_counter_ns()
         try:
             await self._open_drafter()

@@ -28,14 +28,18 @@ class ScriptedGeneration:
         self.request = request
         self.stats = GenerationStats(num_prompt_tokens=len(request.prompt_ids), speculation=request.speculation.mode)
         self._chunks = chunks
+        self.closed = False  # a real Generation releases its verifier session when its stream closes
 
     async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
-        for text in self._chunks:
-            await asyncio.sleep(0.01)
-            yield TextChunk(text, [1])
-        self.stats.num_generated_tokens = len(self._chunks)
-        self.stats.finish_reason = FinishReason.EOS
-        yield self.stats
+        try:
+            for text in self._chunks:
+                await asyncio.sleep(0.01)
+                yield TextChunk(text, [1])
+            self.stats.num_generated_tokens = len(self._chunks)
+            self.stats.finish_reason = FinishReason.EOS
+            yield self.stats
+        finally:
+            self.closed = True
 
 
 class RecordingMetrics:
@@ -182,14 +186,15 @@ def test_a_stream_closed_from_another_context_ends_cleanly(log_lines: Any) -> No
     """gRPC leaves a finished stream to asyncio's finalizer, which closes it in a task of its own context."""
 
     async def run(stop_after: int) -> None:
-        front, _ = frontend(["a", "b"])
+        front, made = frontend(["a", "b"])
         stream = front.generate(EdgeRequest(prompt="hi", max_new_tokens=4), CALL)
         for _ in range(stop_after):
             await anext(stream)
         await asyncio.create_task(stream.aclose(), context=contextvars.Context())
+        assert made[0].closed  # at once: the generation's session is released with the stream
 
     asyncio.run(run(stop_after=3))  # both chunks and the stats: complete
     asyncio.run(run(stop_after=1))  # one chunk: the client went away
     complete, abandoned = log_lines()
     assert (complete["status"], complete["finish_reason"]) == ("OK", "eos")
-    assert (abandoned["status"], abandoned["finish_reason"]) == ("CANCELLED", "")
+    assert (abandoned["status"], abandoned["finish_reason"], abandoned["prompt_tokens"]) == ("CANCELLED", "", 2)
