@@ -230,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter-port", type=int, default=50052)
     parser.add_argument("--verifier-port", type=int, default=50053)
     parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API (0: off)")
+    parser.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=9100,
+        help="Prometheus /metrics of the coordinator, drafter and verifier on base+1, +2, +3 (0: off)",
+    )
     args = parser.parse_args(argv)
     cluster = LocalCluster(
         args.coordinator_port,
@@ -239,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         redis_url=args.redis_url,
         http_port=args.http_port,
     )
+    metrics = ""
+    if args.metrics_port_base:
+        ports = {name: args.metrics_port_base + i for i, name in enumerate(("coordinator", "drafter", "verifier"), 1)}
+        cluster.extra_coordinator_args = ["--metrics-port", str(ports["coordinator"])]
+        cluster.extra_drafter_args = ["--metrics-port", str(ports["drafter"])]
+        cluster.extra_verifier_args = ["--metrics-port", str(ports["verifier"])]
+        metrics = "metrics: " + ", ".join(f"{name} http://127.0.0.1:{port}/metrics" for name, port in ports.items())
+        metrics += "\n"
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
@@ -246,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"specserve is up: coordinator {cluster.coordinator_address}, drafter {cluster.drafter_address}, "
             f"verifier {cluster.verifier_address} (n-gram pool: {args.redis_url or 'in-memory'})\n"
-            f"{http}"
+            f"{http}{metrics}"
             "auth is off: no API keys, no TLS, loopback only (see the README's Privacy model to turn it on)\n"
             'try:  specserve generate "Write a haiku about the sea"    (Ctrl-C stops all three)',
             flush=True,
