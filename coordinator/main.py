@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from coordinator.admission import AdmissionController
 from coordinator.config import (
@@ -51,6 +52,7 @@ from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 class StartupError(RuntimeError):
@@ -286,6 +288,15 @@ def health_checked(
     )
 
 
+def add_reflection(server: grpc.aio.Server) -> None:
+    """gRPC server reflection, so grpcurl and buf curl find the services without the .proto files.
+
+    Reflection answers with the schema only, but it sits behind the API key like every call except health:
+    a caller without a key learns nothing about the server (send the key with ``grpcurl -H``).
+    """
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+
 def api_keys(config: CoordinatorConfig) -> ApiKeys | None:
     """The API keys callers must present, after the exposure rule: None (no auth) only on loopback or --insecure."""
     check_exposure(
@@ -324,6 +335,7 @@ async def serve(config: CoordinatorConfig) -> None:
     servicer = GenerationServicer(metrics=metrics, admission=admission)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     health = add_health(server, [SERVICE_NAME])
+    add_reflection(server)
     drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
