@@ -41,6 +41,9 @@ class DrafterConfig:
     # the least recently used sessions' draft-head state is freed (they go on with n-gram drafting).
     max_memory_mib: int = 1024
     stream_idle_timeout_s: float = 300.0  # a Draft stream silent this long is closed and its state freed
+    # A client connection older than this is asked to reconnect (GOAWAY; its open streams finish): coordinators
+    # then resolve the drafter Service's DNS name again, so drafter pods added by a scale-up get new sessions.
+    max_connection_age_s: float = 30.0
 
 
 POOL_SHARE = 0.25

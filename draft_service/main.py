@@ -7,6 +7,7 @@ import asyncio
 import logging
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -95,6 +96,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         default=defaults.stream_idle_timeout_s,
         help="a Draft stream that sends nothing this long is closed (DEADLINE_EXCEEDED) and its state freed",
     )
+    parser.add_argument(
+        "--max-connection-age-s",
+        type=float,
+        default=defaults.max_connection_age_s,
+        help="clients reconnect after this long (open streams finish first), and so resolve the drafter "
+        "Service's DNS name again: new drafter pods get sessions within about this long",
+    )
     args = parser.parse_args(argv)
     try:
         args.security = security_from_args(args)
@@ -146,6 +154,16 @@ def load_head(config: DrafterConfig) -> DraftHead:
     return head
 
 
+def drafter_server_options(config: DrafterConfig) -> list[tuple[str, Any]]:
+    """The shared server options, plus a connection age limit.
+
+    gRPC clients resolve a dns:/// target again only when a connection ends, never on a timer: without an age
+    limit a coordinator would keep its Draft streams on the drafter pods it first found, and pods added by a
+    scale-up would get no sessions. The grace is unlimited (gRPC's default), so open Draft streams finish.
+    """
+    return [*server_options(), ("grpc.max_connection_age_ms", round(config.max_connection_age_s * 1000))]
+
+
 def interceptors(config: DrafterConfig) -> list[grpc.aio.ServerInterceptor]:
     """The internal token check, after the exposure rule (SystemExit with what to pass when it fails)."""
     try:
@@ -167,7 +185,7 @@ async def serve(config: DrafterConfig) -> None:
         except DraftHeadError as exc:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)
-    server = grpc.aio.server(options=server_options(), interceptors=[AioErrorInterceptor(), *checks])
+    server = grpc.aio.server(options=drafter_server_options(config), interceptors=[AioErrorInterceptor(), *checks])
     drain = Drain(config.shutdown_grace_s)
     servicer = DrafterServicer(drafter, pools, drain, config.stream_idle_timeout_s)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)

@@ -657,23 +657,20 @@ def test_redis_can_be_left_out(helm: str) -> None:
     assert check_network_policy_coverage(objs) == []
 
 
-def test_variants_render_keda_rbac_and_init_container(rendered: dict[str, list[Obj]]) -> None:
+def test_variants_render_keda_service_account_and_init_container(rendered: dict[str, list[Obj]]) -> None:
     objs = rendered["variants"]
     assert not [
         h for h in of_kind(objs, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == "llm-verifier"
     ]
     assert named(objs, "ScaledObject", "llm-verifier")["spec"]["scaleTargetRef"]["name"] == "llm-verifier"
-    role = named(objs, "Role", "llm-coordinator-endpointslices")
-    assert role["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
-    ]
     coordinator = pod_template(named(objs, "Deployment", "llm-coordinator"))["spec"]
-    assert coordinator["serviceAccountName"] == "llm-coordinator"
-    assert coordinator["automountServiceAccountToken"] is True
     assert [c["name"] for c in coordinator["initContainers"]] == ["fetch-model"]
     drafter = pod_template(named(objs, "Deployment", "llm-drafter"))["spec"]
-    assert drafter["automountServiceAccountToken"] is False
     assert "@sha256:" in drafter["containers"][0]["image"]
+    for tier in TIERS:
+        spec = pod_template(named(objs, "Deployment", f"llm-{tier}"))["spec"]
+        assert spec["serviceAccountName"] == "specserve-runtime", tier
+        assert spec["automountServiceAccountToken"] is False, tier
 
 
 # ------------------------------------------------------- trust boundaries --
