@@ -31,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument(
+        "--speculation",
+        choices=("auto", "off"),
+        default="auto",
+        help="off: plain decoding, no drafting (the output is the same either way)",
+    )
+    gen.add_argument("--max-draft-tokens", type=int, default=0, help="cap on draft tokens per round; 0: the server's")
     gen.add_argument("--timeout-s", type=float, default=300.0, help="deadline of the whole request")
     gen.add_argument(
         "--api-key",
@@ -102,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k,
         seed=args.seed,
         stop=args.stop,
+        speculation=args.speculation,
+        max_draft_tokens=args.max_draft_tokens,
     )
     chat = [("system", args.system)] if args.system else []
     chat.append(("user", args.prompt))

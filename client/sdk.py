@@ -21,6 +21,9 @@ class GenerationParams:
     top_k: int = 0
     seed: int | None = None
     stop: Sequence[str] = field(default_factory=tuple)
+    # "auto": the server drafts as much as pays; "off": plain decoding (same output, no drafting).
+    speculation: str = "auto"
+    max_draft_tokens: int = 0  # cap on draft tokens per round under "auto"; 0: the server's limit
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,11 @@ class Stats:
     num_predraft_hits: int = 0  # of those, trees drafted ahead while the verifier worked
     predraft_hidden_s: float = 0.0  # their drafting time, hidden behind verification
     queue_s: float = 0.0  # time waiting for a stream slot on the coordinator (not in total_s)
+    speculation: str = "auto"  # what the request ran with: "auto" or "off"
+    max_draft_tokens: int = 0  # its cap on draft tokens per round (0 when off)
+    num_drafts: int = 0  # rounds whose tree held at least one draft token
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()  # entry i: rounds whose accepted path reached depth i + 1
+    request_id: str = ""  # the id the coordinator logged the request under
 
     @property
     def tau(self) -> float:
@@ -70,6 +78,8 @@ class Stats:
         )
         if self.queue_s:
             line += f" | queued {self.queue_s:.2f}s"
+        if self.speculation == "off":
+            line += " | speculation off"
         if self.drafter_error:
             line += f" | {self.drafter_error}"
         return line
@@ -99,7 +109,15 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         num_predraft_hits=s.num_predraft_hits,
         predraft_hidden_s=s.predraft_hidden_ns / 1e9,
         queue_s=s.queue_ns / 1e9,
+        speculation="off" if s.speculation_mode == generation_pb2.SPECULATION_MODE_OFF else "auto",
+        max_draft_tokens=s.max_draft_tokens,
+        num_drafts=s.num_drafts,
+        num_accepted_tokens_per_pos=tuple(s.num_accepted_tokens_per_pos),
+        request_id=s.request_id,
     )
+
+
+_SPECULATION_MODES = {"auto": generation_pb2.SPECULATION_MODE_AUTO, "off": generation_pb2.SPECULATION_MODE_OFF}
 
 
 def build_request(
@@ -112,12 +130,22 @@ def build_request(
         top_k=params.top_k,
         seed=params.seed,
         stop=list(params.stop),
+        speculation=generation_pb2.SpeculationControl(
+            mode=_speculation_mode(params.speculation), max_draft_tokens=params.max_draft_tokens
+        ),
     )
     if chat is not None:
         request.chat.messages.extend(generation_pb2.ChatMessage(role=r, content=c) for r, c in chat)
     else:
         request.prompt = prompt or ""
     return request
+
+
+def _speculation_mode(name: str) -> generation_pb2.SpeculationMode:
+    try:
+        return _SPECULATION_MODES[name]
+    except KeyError:
+        raise ValueError(f"speculation must be 'auto' or 'off', got {name!r}") from None
 
 
 def _event(response: generation_pb2.GenerateResponse) -> TextChunk | Stats:

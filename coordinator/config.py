@@ -21,6 +21,7 @@ class CoordinatorConfig:
     verifier: str = "127.0.0.1:50053"  # gRPC target, e.g. dns:///specserve-verifier:50053
     drafter: str | None = "127.0.0.1:50052"  # None: verifier-only decoding
     model: str = "smollm2"  # where the tokenizer and chat template come from
+    served_model_name: str = ""  # the name clients use for the model (the HTTP API's `model`); empty: `model`
     cache_dir: str | None = None
     max_new_tokens_limit: int = 4096
     max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of a prompt, or of a chat's contents together

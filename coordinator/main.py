@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from coordinator import request_log
 from coordinator.admission import AdmissionController
 from coordinator.config import (
     CoordinatorConfig,
@@ -24,12 +25,13 @@ from coordinator.config import (
     round_policy,
 )
 from coordinator.drafter_health import HealthCheckedDrafter
+from coordinator.frontend import GenerationBackend, GenerationFrontend
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
 from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
-from coordinator.server import GenerationBackend, GenerationServicer
+from coordinator.server import GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import ApiKeyInterceptor
@@ -77,6 +79,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
         "--model",
         default=env("SPECSERVE_MODEL", defaults.model),
         help="model whose tokenizer and chat template to use (must match the verifier's)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=env("SPECSERVE_SERVED_MODEL_NAME", defaults.served_model_name),
+        help="the model name clients use (the HTTP API's `model`); empty: --model",
     )
     parser.add_argument("--cache-dir", default=env("SPECSERVE_CACHE_DIR", ""))
     parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens_limit)
@@ -332,8 +339,8 @@ async def serve(config: CoordinatorConfig) -> None:
     drain = Drain(config.shutdown_grace_s)
     drain.count_busy(lambda: admission.running)
     drain.on_begin(admission.drain)
-    servicer = GenerationServicer(metrics=metrics, admission=admission)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    frontend = GenerationFrontend(config.served_model_name or config.model, admission, metrics)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
     health = add_health(server, [SERVICE_NAME])
     add_reflection(server)
     drain.on_begin(lambda: mark_draining(health))
@@ -353,7 +360,7 @@ async def serve(config: CoordinatorConfig) -> None:
         return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy, drafter_monitor=drafter)
 
     limits = prompt_limits(config, info)
-    servicer.attach(GenerationBackend(tokenizer, limits, new_generation))
+    frontend.attach(GenerationBackend(tokenizer, limits, new_generation))
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"
@@ -367,6 +374,7 @@ async def serve(config: CoordinatorConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     config, log_level = parse_config(argv)
     setup_logging(log_level, "coordinator")
+    request_log.configure()
     try:
         asyncio.run(serve(config))
     except StartupError as exc:

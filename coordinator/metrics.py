@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from coordinator.admission import AdmissionController
 from coordinator.rounds import GenerationStats
 
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -50,6 +52,28 @@ class CoordinatorMetrics:
             registry=r,
         )
 
+        self.first_token_seconds = Histogram(
+            "specserve_time_to_first_token_seconds",
+            "From a request's arrival to its first streamed text",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.inter_token_seconds = Histogram(
+            "specserve_inter_token_latency_seconds",
+            "Gap between successive streamed chunks of a request (a chunk may hold several tokens)",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            "specserve_e2e_request_latency_seconds",
+            "From a request's arrival to its end",
+            buckets=E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "specserve_request_errors", "Requests that ended with an error, by gRPC status name", ["code"], registry=r
+        )
+
     def track_admission(self, admission: AdmissionController) -> None:
         """Read the running and queued gauges from ``admission`` at each scrape."""
         self.running_streams.set_function(lambda: admission.running)
@@ -65,7 +89,17 @@ class CoordinatorMetrics:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
         start_http_server(port, addr=host, registry=self.registry)
 
-    def observe(self, stats: GenerationStats) -> None:
+    def observe_first_token(self, seconds: float) -> None:
+        self.first_token_seconds.observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self.inter_token_seconds.observe(seconds)
+
+    def observe_request_error(self, code: str) -> None:
+        self.request_errors.labels(code).inc()
+
+    def observe_finished(self, stats: GenerationStats, e2e_seconds: float) -> None:
+        self.e2e_seconds.observe(e2e_seconds)
         self.requests.labels(stats.finish_reason.value).inc()
         self.generated_tokens.inc(stats.num_generated_tokens)
         self.rounds.inc(stats.num_rounds)

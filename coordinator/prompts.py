@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coordinator.rounds import GenerationRequest
+from coordinator.speculation import Speculation
 from specserve.errors import InvalidArgument
 from specserve.sampling import SamplingParams
 
@@ -312,6 +313,7 @@ def build_request(
     sampling: SamplingParams,
     stop: Sequence[str],
     limits: PromptLimits,
+    speculation: Speculation = Speculation(),
 ) -> GenerationRequest:
     if not prompt_ids:
         raise InvalidArgument("the prompt encodes to no tokens")
@@ -323,7 +325,7 @@ def build_request(
         sampling.validate()
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
-    return GenerationRequest(prompt_ids, max_new_tokens, sampling, tuple(stop))
+    return GenerationRequest(prompt_ids, max_new_tokens, sampling, tuple(stop), speculation)
 
 
 def eos_token_ids(tokenizer: Any, generation_config: Any | None = None) -> frozenset[int]:

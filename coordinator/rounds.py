@@ -39,6 +39,7 @@ import numpy as np
 
 from coordinator import deadlines
 from coordinator.ports import DrafterMonitor, DrafterPort, DraftStream, VerifierPort
+from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tree_checks import TreeLimits, tree_problem
 from specserve.acceptance import VerifyResult
@@ -69,6 +70,7 @@ class GenerationRequest:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    speculation: Speculation = Speculation()
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,11 @@ class GenerationStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_rounds: int = 0
+    num_drafts: int = 0  # rounds whose tree held at least one draft token (vLLM's num_drafts)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Entry i: rounds whose accepted path reached depth i + 1 (vLLM's num_accepted_tokens_per_pos).
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     num_rounds_without_drafter: int = 0
     num_reprefills: int = 0
     num_rounds_budget_off: int = 0  # rounds where the verifier's load budget left no room for drafts
@@ -96,6 +101,8 @@ class GenerationStats:
     queue_ns: int = 0  # waiting for an admission slot before the stream started (not in total_ns)
     drafter_error: str = ""
     finish_reason: FinishReason = FinishReason.LENGTH
+    speculation: SpeculationMode = SpeculationMode.AUTO  # what the request ran with
+    max_draft_tokens: int = 0  # its cap on draft tokens per round: the request's, within the server's (0: off)
 
     @property
     def coordination_ns(self) -> int:
@@ -147,6 +154,8 @@ class Generation:
         self._num_new = 0  # tokens committed after the prompt (EOS included)
         self._finished = False
         self.stats.num_prompt_tokens = len(self.request.prompt_ids)
+        self.stats.speculation = self.request.speculation.mode
+        self.stats.max_draft_tokens = self.request.speculation.draft_limit(self.policy.draft_max_nodes)
 
     async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
         start = time.perf_counter_ns()
@@ -198,7 +207,7 @@ class Generation:
         """One propose -> verify -> commit; returns the new text for the client."""
         remaining = self.request.max_new_tokens - self._num_new
         room = self.policy.max_session_tokens - len(self._committed) - 1
-        max_nodes = max(0, min(self.policy.draft_max_nodes, remaining - 1, room))
+        max_nodes = max(0, min(self.stats.max_draft_tokens, remaining - 1, room))
         if self._draft_budget is not None and self._draft_budget < max_nodes:
             max_nodes = self._draft_budget
             self.stats.num_rounds_budget_off += max_nodes == 0
@@ -212,16 +221,27 @@ class Generation:
             self._successors = [(t, tuple(top)) for t, top in zip(positions, result.top_tokens, strict=True)]
         if drafted:  # the drafter learns which of its nodes were taken, in its own tree's indices
             self._accepted_nodes = tuple(result.accepted_nodes)
-        self.stats.num_rounds += 1
-        self.stats.num_draft_tokens += len(tree)
-        self.stats.num_accepted_tokens += len(result.accepted_tokens)
+        self._count_round(len(tree), len(result.accepted_tokens))
         before = len(self._committed)
         chunk = self._commit(result.committed)
         # Row i is the feature at the position before new token i: one row per committed token.
         self._keep_features(result.features, len(self._committed) - before)
         return chunk
 
+    def _count_round(self, num_draft: int, num_accepted: int) -> None:
+        stats = self.stats
+        stats.num_rounds += 1
+        stats.num_drafts += num_draft > 0
+        stats.num_draft_tokens += num_draft
+        stats.num_accepted_tokens += num_accepted
+        per_pos = stats.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for depth in range(num_accepted):
+            per_pos[depth] += 1
+
     async def _open_drafter(self) -> None:
+        if self.request.speculation.mode is SpeculationMode.OFF:
+            return  # the caller asked for plain decoding: no drafter, no draft stream, no drafting cost
         if self.drafter is None:
             self.stats.drafter_error = "no drafter configured"
             return
@@ -239,6 +259,8 @@ class Generation:
 
     async def _propose(self, max_nodes: int) -> tuple[TokenTree, bool]:
         """The round's tree, and whether it is the drafter's (an empty tree when there is none)."""
+        if self.request.speculation.mode is SpeculationMode.OFF:
+            return TokenTree(), False
         if max_nodes == 0 and self._draft is not None:
             # Nothing to draft this round: the commit report waits for the next request (or the final one).
             return TokenTree(), False

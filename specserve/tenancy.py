@@ -7,6 +7,7 @@ With auth off (``make run`` on loopback) every request belongs to ``ANONYMOUS``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -39,8 +40,11 @@ def current_tenant() -> Tenant:
 
 @contextmanager
 def tenant_scope(tenant: Tenant) -> Iterator[Tenant]:
+    """Run the block as ``tenant``'s. Inside a streaming handler the scope may end in another context: a
+    stream the client abandoned is closed by asyncio's finalizer task, where there is nothing to restore."""
     token = _current.set(tenant)
     try:
         yield tenant
     finally:
-        _current.reset(token)
+        with contextlib.suppress(ValueError):  # "created in a different Context": see the docstring
+            _current.reset(token)

@@ -17,7 +17,15 @@ import pytest
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from specserve.local_cluster import LocalCluster
 from specserve.sampling import SamplingParams
-from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specserve.v1 import (
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 from tests.integration.conftest import Target, spec_bench_prompts
 
 pytestmark = pytest.mark.integration
@@ -212,6 +220,61 @@ def test_sixteen_concurrent_streams_are_each_identical_to_plain_greedy(cluster: 
     assert info.dtype == "float32"
     assert info.num_active_sessions == 0 and info.kv_cache_used_bytes == 0 and info.num_queued_requests == 0
     assert info.kv_cache_capacity_bytes > 0
+
+
+def generate_with(address: str, text: str, params: GenerationParams) -> tuple[list[int], Stats]:
+    tokens: list[int] = []
+    with SpecserveClient(address) as client:
+        for event in client.generate_chat([("user", text)], params):
+            if isinstance(event, TextChunk):
+                tokens += event.token_ids
+            else:
+                return tokens, event
+    raise AssertionError("the stream ended without stats")
+
+
+def test_speculation_off_or_capped_gives_the_same_tokens_and_the_stats_say_so(
+    cluster: LocalCluster, target: Target
+) -> None:
+    text = "List the planets of the solar system, one per line."
+    expected = target.greedy(target.chat_ids(text), 32)
+    runs = {
+        name: generate_with(cluster.coordinator_address, text, GenerationParams(max_new_tokens=32, **kwargs))
+        for name, kwargs in (("auto", {}), ("off", {"speculation": "off"}), ("cap2", {"max_draft_tokens": 2}))
+    }
+    for name, (tokens, _) in runs.items():
+        assert tokens == expected, name
+    auto, off, cap2 = (runs[name][1] for name in ("auto", "off", "cap2"))
+    assert (off.speculation, off.max_draft_tokens, off.num_drafts, off.num_draft_tokens) == ("off", 0, 0, 0)
+    assert off.num_rounds == len(expected) and off.drafter_error == ""
+    assert auto.speculation == "auto" and auto.num_drafts > 0
+    assert sum(auto.num_accepted_tokens_per_pos) == auto.num_accepted_tokens
+    assert cap2.max_draft_tokens == 2 and cap2.num_draft_tokens <= 2 * cap2.num_drafts
+    assert len(cap2.num_accepted_tokens_per_pos) <= 2
+    # Each request is one JSON line in the coordinator's log, under the id its stats carry.
+    assert cluster.log_dir is not None
+    lines = [
+        json.loads(line) for line in (cluster.log_dir / "coordinator.log").read_text().splitlines() if line[:1] == "{"
+    ]
+    logged = {line["request_id"]: line for line in lines if line.get("event") == "request"}
+    for tokens, stats in runs.values():
+        line = logged[stats.request_id]
+        assert (line["status"], line["speculation"], line["completion_tokens"]) == (
+            "OK",
+            stats.speculation,
+            len(tokens),
+        )
+
+
+def test_the_client_request_id_comes_back_in_the_initial_metadata(cluster: LocalCluster) -> None:
+    request = generation_pb2.GenerateRequest(prompt="Hello", max_new_tokens=2)
+    with grpc.insecure_channel(cluster.coordinator_address) as channel:
+        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+            request, metadata=(("x-request-id", "it-42"),), timeout=60
+        )
+        responses = list(call)
+        assert ("x-request-id", "it-42") in call.initial_metadata()
+    assert responses[-1].stats.request_id == "it-42"
 
 
 def find_grpcurl() -> str:

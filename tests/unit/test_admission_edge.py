@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from coordinator.admission import AdmissionController, AdmissionLimits
+from coordinator.frontend import GenerationBackend, GenerationFrontend
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import GenerationRequest, GenerationStats, TextChunk
-from coordinator.server import GenerationBackend, GenerationServicer
+from coordinator.server import GenerationServicer
 from specserve.errors import ResourceExhausted
 from specserve.v1 import generation_pb2
 
@@ -33,8 +34,16 @@ class FakeContext:
     def __init__(self, time_remaining: float | None = None) -> None:
         self._time_remaining = time_remaining
 
+        self.initial_metadata: tuple[tuple[str, str], ...] = ()
+
     def time_remaining(self) -> float | None:
         return self._time_remaining
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("x-request-id", "req-7"),)
+
+    async def send_initial_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.initial_metadata = metadata
 
 
 def tokenizer(text: str, **_: object) -> dict[str, list[int]]:
@@ -49,9 +58,8 @@ def test_the_edge_holds_a_slot_per_stream_and_refuses_with_retry_after() -> None
             return HeldGeneration(finish)
 
         admission = AdmissionController(AdmissionLimits(max_running=1, max_queued=1))
-        servicer = GenerationServicer(
-            GenerationBackend(tokenizer, PromptLimits(16, 64), new_generation), None, admission
-        )
+        backend = GenerationBackend(tokenizer, PromptLimits(16, 64), new_generation)
+        servicer = GenerationServicer(GenerationFrontend("test-model", admission, backend=backend))
         request = generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=4)
 
         async def call(context: FakeContext) -> list[generation_pb2.GenerateResponse]:
@@ -68,6 +76,7 @@ def test_the_edge_holds_a_slot_per_stream_and_refuses_with_retry_after() -> None
         finish.set()
         responses = await first
         assert responses[-1].stats.queue_ns == 0
+        assert responses[-1].stats.request_id == "req-7"  # the client's id, also in the initial metadata
         responses = await queued
         assert responses[-1].stats.queue_ns > 0
         assert (admission.running, admission.queued) == (0, 0)

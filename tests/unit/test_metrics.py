@@ -8,8 +8,8 @@ def test_coordinator_counts_spec_decode_figures() -> None:
     stats = GenerationStats(num_generated_tokens=12, num_rounds=5, num_draft_tokens=20, num_accepted_tokens=7)
     stats.finish_reason = FinishReason.EOS
     stats.drafter_error = "drafter dropped: no answer within 1000 ms"
-    metrics.observe(stats)
-    metrics.observe(GenerationStats(num_generated_tokens=3, num_rounds=3))
+    metrics.observe_finished(stats, 1.0)
+    metrics.observe_finished(GenerationStats(num_generated_tokens=3, num_rounds=3), 1.0)
     value = metrics.registry.get_sample_value
     assert value("specserve_requests_total", {"finish_reason": "eos"}) == 1
     assert value("specserve_requests_total", {"finish_reason": "length"}) == 1

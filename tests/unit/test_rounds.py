@@ -3,6 +3,7 @@
 import asyncio
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -10,6 +11,7 @@ from coordinator.deadlines import deadline_scope
 from coordinator.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.ports import DraftStream
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
+from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.verifier_router import StickyVerifierRouter
 from draft_service.drafter import Drafter
 from specserve.acceptance import PrefillResult, VerifyResult
@@ -101,6 +103,72 @@ def test_without_a_drafter_every_round_is_plain_decoding() -> None:
     tokens, _, stats = run(g)
     assert tokens == plain_greedy(MODEL, prompt, 10)
     assert (stats.num_rounds, stats.num_rounds_without_drafter, stats.num_draft_tokens) == (10, 10, 0)
+
+
+class CountingDrafter:
+    """The in-process drafter, counting the draft sessions opened on it."""
+
+    def __init__(self) -> None:
+        self._inner = drafter()
+        self.opened = 0
+
+    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream:
+        self.opened += 1
+        return await self._inner.open(session_id, prompt_tokens, vocab_fingerprint)
+
+
+def test_speculation_off_decodes_plainly_without_opening_the_drafter() -> None:
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    counting = CountingDrafter()
+    off = GenerationRequest(prompt, 30, speculation=Speculation(SpeculationMode.OFF))
+    tokens, _, stats = run(generation(off, draft=counting))
+    assert tokens == plain_greedy(MODEL, prompt, 30)
+    assert counting.opened == 0
+    assert (stats.num_rounds, stats.num_drafts, stats.num_draft_tokens) == (30, 0, 0)
+    assert (stats.speculation, stats.max_draft_tokens, stats.drafter_error) == (SpeculationMode.OFF, 0, "")
+    assert stats.num_rounds_without_drafter == 0  # no drafter was missing: none was wanted
+
+
+class TreeSizeRecorder(InProcessVerifier):
+    """Records the size of every tree it verifies."""
+
+    def __init__(self) -> None:
+        super().__init__(Verifier(MODEL, "fp"))
+        self.tree_sizes: list[int] = []
+
+    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, *rest: Any) -> VerifyResult:
+        self.tree_sizes.append(len(tree))
+        return await super().verify(session_id, num_committed, tree, *rest)
+
+
+@pytest.mark.parametrize("cap", [3, 4])  # below 3 nodes the drafter finds no tree worth its cost on this model
+def test_a_cap_bounds_the_draft_tokens_of_every_round(cap: int) -> None:
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    recorder = TreeSizeRecorder()
+    capped = GenerationRequest(prompt, 30, speculation=Speculation(max_draft_tokens=cap))
+    tokens, _, stats = run(generation(capped, verifier=recorder))
+    assert tokens == plain_greedy(MODEL, prompt, 30)
+    assert stats.max_draft_tokens == cap
+    assert stats.num_drafts > 0
+    assert max(recorder.tree_sizes) <= cap
+    assert stats.num_drafts == sum(size > 0 for size in recorder.tree_sizes)
+    assert len(stats.num_accepted_tokens_per_pos) <= cap
+
+
+def test_a_cap_above_the_servers_limit_is_the_servers_limit() -> None:
+    capped = GenerationRequest([1, 2, 3], 4, speculation=Speculation(max_draft_tokens=100))
+    _, _, stats = run(generation(capped))
+    assert stats.max_draft_tokens == 6  # RoundPolicy(draft_max_nodes=6)
+
+
+def test_auto_reports_the_servers_limit_and_acceptance_by_position() -> None:
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    _, _, stats = run(generation(GenerationRequest(prompt, 40)))
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert (stats.speculation, stats.max_draft_tokens) == (SpeculationMode.AUTO, 6)
+    assert sum(per_pos) == stats.num_accepted_tokens
+    assert per_pos == sorted(per_pos, reverse=True)  # reaching depth 2 means having reached depth 1
+    assert per_pos[0] <= stats.num_drafts <= stats.num_rounds
 
 
 class ForgetfulVerifier(InProcessVerifier):

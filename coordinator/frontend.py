@@ -1,0 +1,189 @@
+"""The coordinator's edge core, shared by the gRPC API and the OpenAI-compatible HTTP API.
+
+Both edges turn their request into an ``EdgeRequest`` and stream what ``GenerationFrontend.generate`` yields:
+the checks (cheap limits first, then tokenization off the event loop), the admission slot, the client's
+deadline, the latency metrics and the request's one log line happen here once, whatever the transport.
+Failures are ``specserve.errors`` exceptions; each edge maps them to its own status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from coordinator.admission import AdmissionController
+from coordinator.deadlines import deadline_scope
+from coordinator.prompts import (
+    ChatTurn,
+    PromptEncoder,
+    PromptLimits,
+    PromptTooLong,
+    build_request,
+    check_chat_count,
+    check_input,
+    context_error,
+)
+from coordinator.request_log import RequestRecord
+from coordinator.rounds import Generation, GenerationRequest, GenerationStats, TextChunk
+from coordinator.speculation import Speculation
+from specserve.errors import SpecserveError, Unavailable
+from specserve.sampling import SamplingParams
+from specserve.tenancy import Tenant, tenant_scope
+
+_SANE_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def request_id(client_value: str | None) -> str:
+    """The client's request id when it is sane (1-128 printable ASCII characters, no spaces), else a new one.
+
+    Honouring the caller's id lets one id follow a request through a gateway, the coordinator's log and back.
+    """
+    if client_value and _SANE_REQUEST_ID.fullmatch(client_value):
+        return client_value
+    return secrets.token_hex(16)
+
+
+@dataclass(frozen=True)
+class EdgeRequest:
+    """A generation request as either API states it, before tokenization."""
+
+    prompt: str | None = None  # exactly one of prompt and chat
+    chat: tuple[ChatTurn, ...] | None = None
+    max_new_tokens: int | None = None  # None: as many as fit (the server's limit, or the context left)
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    speculation: Speculation = Speculation()
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """Who asks, through which API, and for how long the answer is worth waiting."""
+
+    request_id: str
+    api: str  # "grpc", "openai.chat", "openai.completions"
+    tenant: Tenant
+    time_remaining_s: float | None = None  # the client's deadline; None: none
+
+
+@dataclass(frozen=True)
+class GenerationBackend:
+    """What the frontend needs once the coordinator has connected to its workers."""
+
+    tokenizer: Any
+    limits: PromptLimits
+    new_generation: Callable[[GenerationRequest], Generation]
+    encoder: PromptEncoder = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "encoder", PromptEncoder(self.tokenizer))
+
+
+class FrontendMetrics(Protocol):
+    """What the frontend reports per request (coordinator.metrics.CoordinatorMetrics)."""
+
+    def observe_first_token(self, seconds: float) -> None: ...
+
+    def observe_inter_token(self, seconds: float) -> None: ...
+
+    def observe_finished(self, stats: GenerationStats, e2e_seconds: float) -> None: ...
+
+    def observe_request_error(self, code: str) -> None: ...
+
+
+class GenerationFrontend:
+    """Checks a request, runs its Generation in an admission slot and streams TextChunks, then the stats.
+
+    Until ``attach`` (tokenizer loaded, verifier connected) every request is UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        served_model: str,
+        admission: AdmissionController,
+        metrics: FrontendMetrics | None = None,
+        backend: GenerationBackend | None = None,
+    ) -> None:
+        self.served_model = served_model
+        self._admission = admission
+        self._metrics = metrics
+        self._backend = backend
+
+    def attach(self, backend: GenerationBackend) -> None:
+        self._backend = backend
+
+    @property
+    def ready(self) -> bool:
+        return self._backend is not None
+
+    async def generate(self, request: EdgeRequest, call: CallInfo) -> AsyncIterator[TextChunk | GenerationStats]:
+        """Stream the request's chunks, then its stats; raises ``SpecserveError`` before or during the stream."""
+        record = RequestRecord(call.request_id, call.api, call.tenant.name)
+        started = time.monotonic()
+        last_chunk: float | None = None
+        try:
+            backend = self._backend
+            if backend is None:
+                raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
+            with tenant_scope(call.tenant), deadline_scope(call.time_remaining_s):
+                generation = backend.new_generation(await self._generation_request(backend, request))
+                async with self._admission.slot(call.tenant) as slot:
+                    generation.stats.queue_ns = round(slot.queue_s * 1e9)
+                    async for event in generation.stream():
+                        now = time.monotonic()
+                        if isinstance(event, TextChunk):
+                            self._streamed(record, now - (started if last_chunk is None else last_chunk), last_chunk)
+                            last_chunk = now
+                        else:
+                            record.finished(event, now - started)
+                            if self._metrics is not None:
+                                self._metrics.observe_finished(event, now - started)
+                        yield event
+        except SpecserveError as exc:
+            self._failed(record, exc.status, str(exc))
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if not record.finish_reason:  # after the stats the client has everything, whenever it hangs up
+                self._failed(record, "CANCELLED", "the client went away")
+            raise
+        except Exception as exc:
+            self._failed(record, "INTERNAL", type(exc).__name__)
+            raise
+        finally:
+            record.total_s = time.monotonic() - started
+            record.log()
+
+    def _streamed(self, record: RequestRecord, gap_s: float, last_chunk: float | None) -> None:
+        """A chunk went out ``gap_s`` after the request arrived (the first) or after the previous chunk."""
+        if last_chunk is None:
+            record.first_token_s = gap_s
+            if self._metrics is not None:
+                self._metrics.observe_first_token(gap_s)
+        elif self._metrics is not None:
+            self._metrics.observe_inter_token(gap_s)
+
+    def _failed(self, record: RequestRecord, code: str, message: str) -> None:
+        record.status, record.error = code, message
+        if self._metrics is not None:
+            self._metrics.observe_request_error(code)
+
+    async def _generation_request(self, backend: GenerationBackend, request: EdgeRequest) -> GenerationRequest:
+        """The request checked against the limits first (cheap), then tokenized off the event loop."""
+        limits = backend.limits
+        if request.chat is not None:  # counted before 100k messages become 100k objects on the event loop
+            check_chat_count(len(request.chat), limits)
+        # "As many as fit" (None) is checked as one token now and resolved once the prompt's length is known.
+        asked = 1 if request.max_new_tokens is None else request.max_new_tokens
+        check_input(request.prompt, request.chat, asked, request.sampling, request.stop, limits)
+        try:
+            prompt_ids = await backend.encoder.encode(request.prompt, request.chat, limits.max_session_tokens - asked)
+        except PromptTooLong as exc:
+            raise context_error(exc.num_tokens, asked, limits, exc.at_least) from exc
+        max_new_tokens = request.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = min(limits.max_new_tokens, limits.max_session_tokens - len(prompt_ids))
+        return build_request(prompt_ids, max_new_tokens, request.sampling, request.stop, limits, request.speculation)

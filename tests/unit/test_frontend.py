@@ -1,0 +1,195 @@
+"""The edge core both APIs share: request ids, defaults, speculation control, metrics hooks, the request log."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import io
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from coordinator import request_log
+from coordinator.admission import AdmissionController
+from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend, request_id
+from coordinator.prompts import ChatTurn, PromptLimits
+from coordinator.rounds import FinishReason, GenerationRequest, GenerationStats, TextChunk
+from coordinator.speculation import Speculation, SpeculationMode
+from specserve.errors import InvalidArgument, Unavailable
+from specserve.tenancy import Tenant
+
+
+class ScriptedGeneration:
+    """Streams the given chunks, then stats as a real Generation would report them."""
+
+    def __init__(self, request: GenerationRequest, chunks: list[str]) -> None:
+        self.request = request
+        self.stats = GenerationStats(num_prompt_tokens=len(request.prompt_ids), speculation=request.speculation.mode)
+        self._chunks = chunks
+
+    async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
+        for text in self._chunks:
+            await asyncio.sleep(0.01)
+            yield TextChunk(text, [1])
+        self.stats.num_generated_tokens = len(self._chunks)
+        self.stats.finish_reason = FinishReason.EOS
+        yield self.stats
+
+
+class RecordingMetrics:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def observe_first_token(self, seconds: float) -> None:
+        assert seconds > 0
+        self.events.append("first")
+
+    def observe_inter_token(self, seconds: float) -> None:
+        assert seconds > 0
+        self.events.append("inter")
+
+    def observe_finished(self, stats: GenerationStats, e2e_seconds: float) -> None:
+        self.events.append(f"finished:{stats.finish_reason.value}")
+
+    def observe_request_error(self, code: str) -> None:
+        self.events.append(f"error:{code}")
+
+    def admitted(self, queue_s: float) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+
+def tokenizer(text: str, **_: object) -> dict[str, list[int]]:
+    return {"input_ids": list(range(len(text)))}  # one token per character
+
+
+LIMITS = PromptLimits(max_new_tokens=100, max_session_tokens=64)
+CALL = CallInfo("req-1", "grpc", Tenant("acme"))
+
+
+def frontend(chunks: list[str], metrics: RecordingMetrics | None = None) -> tuple[GenerationFrontend, list[Any]]:
+    made: list[Any] = []
+
+    def new_generation(request: GenerationRequest) -> Any:
+        made.append(ScriptedGeneration(request, chunks))
+        return made[-1]
+
+    backend = GenerationBackend(tokenizer, LIMITS, new_generation)
+    return GenerationFrontend("smollm2", AdmissionController(), metrics, backend), made
+
+
+def collect(front: GenerationFrontend, request: EdgeRequest, call: CallInfo = CALL) -> list[Any]:
+    async def run() -> list[Any]:
+        return [event async for event in front.generate(request, call)]
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def log_lines() -> Any:
+    stream = io.StringIO()
+    request_log.configure(stream)
+    yield lambda: [json.loads(line) for line in stream.getvalue().splitlines()]
+    request_log.configure()
+
+
+def test_a_sane_client_request_id_is_kept_and_anything_else_replaced() -> None:
+    assert request_id("abc-123_XYZ") == "abc-123_XYZ"
+    for bad in (None, "", "has space", "x" * 129, "naïve", "line\nbreak"):
+        fresh = request_id(bad)
+        assert fresh != bad and len(fresh) == 32 and int(fresh, 16) >= 0
+
+
+def test_chunks_then_stats_with_latency_hooks_and_one_json_log_line(log_lines: Any) -> None:
+    metrics = RecordingMetrics()
+    front, _ = frontend(["a", "b", "c"], metrics)
+    events = collect(front, EdgeRequest(prompt="hello", max_new_tokens=8))
+    assert [e.text for e in events[:-1]] == ["a", "b", "c"]
+    assert isinstance(events[-1], GenerationStats)
+    assert metrics.events == ["first", "inter", "inter", "finished:eos"]
+    (line,) = log_lines()
+    assert line["request_id"] == "req-1" and line["tenant"] == "acme" and line["api"] == "grpc"
+    assert (line["status"], line["finish_reason"], line["prompt_tokens"], line["completion_tokens"]) == (
+        "OK",
+        "eos",
+        5,
+        3,
+    )
+    assert 0 < line["first_token_s"] <= line["total_s"]
+    assert "hello" not in json.dumps(line)  # text is never logged
+
+
+def test_a_refused_request_is_logged_and_counted_with_its_status(log_lines: Any) -> None:
+    metrics = RecordingMetrics()
+    front, made = frontend(["a"], metrics)
+    with pytest.raises(InvalidArgument, match="role"):
+        collect(front, EdgeRequest(chat=(ChatTurn("wizard", "hi"),), max_new_tokens=8))
+    assert made == []  # refused before any generation started
+    assert metrics.events == ["error:INVALID_ARGUMENT"]
+    (line,) = log_lines()
+    assert line["status"] == "INVALID_ARGUMENT" and "wizard" in line["error"]
+
+
+def test_unattached_frontend_is_unavailable() -> None:
+    front = GenerationFrontend("smollm2", AdmissionController())
+    assert not front.ready
+    with pytest.raises(Unavailable, match="retry"):
+        collect(front, EdgeRequest(prompt="hi", max_new_tokens=1))
+
+
+def test_no_max_new_tokens_means_as_many_as_fit() -> None:
+    front, made = frontend(["a"])
+    collect(front, EdgeRequest(prompt="x" * 10))
+    assert made[0].request.max_new_tokens == 64 - 10  # the context left, below the server's limit of 100
+    front, made = frontend(["a"])
+    collect(front, EdgeRequest(prompt="x" * 10, max_new_tokens=5))
+    assert made[0].request.max_new_tokens == 5
+
+
+def test_zero_max_new_tokens_is_refused_not_taken_as_unset() -> None:
+    front, _ = frontend(["a"])
+    with pytest.raises(InvalidArgument, match="max_new_tokens must be between 1 and 100"):
+        collect(front, EdgeRequest(prompt="hi", max_new_tokens=0))
+
+
+def test_speculation_reaches_the_generation() -> None:
+    front, made = frontend(["a"])
+    off = Speculation(SpeculationMode.OFF)
+    events = collect(front, EdgeRequest(prompt="hi", max_new_tokens=3, speculation=off))
+    assert made[0].request.speculation == off
+    assert events[-1].speculation is SpeculationMode.OFF
+
+
+def test_speculation_settings_are_checked() -> None:
+    assert Speculation.parse("off") == Speculation(SpeculationMode.OFF)
+    assert Speculation.parse("auto", 4).draft_limit(16) == 4
+    assert Speculation.parse("auto", 40).draft_limit(16) == 16
+    assert Speculation().draft_limit(16) == 16
+    assert Speculation(SpeculationMode.OFF).draft_limit(16) == 0
+    with pytest.raises(InvalidArgument, match="'auto', 'off'"):
+        Speculation.parse("fast")
+    with pytest.raises(InvalidArgument, match=r"0 .* or more"):
+        Speculation(max_draft_tokens=-1)
+    with pytest.raises(InvalidArgument, match="speculation is off"):
+        Speculation(SpeculationMode.OFF, 3)
+
+
+def test_a_stream_closed_from_another_context_ends_cleanly(log_lines: Any) -> None:
+    """gRPC leaves a finished stream to asyncio's finalizer, which closes it in a task of its own context."""
+
+    async def run(stop_after: int) -> None:
+        front, _ = frontend(["a", "b"])
+        stream = front.generate(EdgeRequest(prompt="hi", max_new_tokens=4), CALL)
+        for _ in range(stop_after):
+            await anext(stream)
+        await asyncio.create_task(stream.aclose(), context=contextvars.Context())
+
+    asyncio.run(run(stop_after=3))  # both chunks and the stats: complete
+    asyncio.run(run(stop_after=1))  # one chunk: the client went away
+    complete, abandoned = log_lines()
+    assert (complete["status"], complete["finish_reason"]) == ("OK", "eos")
+    assert (abandoned["status"], abandoned["finish_reason"]) == ("CANCELLED", "")
