@@ -64,7 +64,7 @@ class StartupError(RuntimeError):
 def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     defaults = CoordinatorConfig()
     parser = argparse.ArgumentParser(prog="coordinator", description="specserve coordinator (public API)")
-    add_common_flags(parser, defaults.port)
+    add_common_flags(parser, defaults)
     parser.add_argument(
         "--verifier",
         default=env("SPECSERVE_VERIFIER_ADDR", defaults.verifier),
@@ -101,7 +101,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
         default=defaults.max_stop_string_bytes,
         help="most UTF-8 bytes in each stop string",
     )
-    parser.add_argument("--draft-max-nodes", type=int, default=defaults.draft_max_nodes)
+    parser.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=defaults.max_draft_tokens,
+        help="most draft tokens (tree nodes) asked of the drafter each round; a request's max_draft_tokens may "
+        "only lower it",
+    )
     parser.add_argument(
         "--draft-timeout-ms",
         type=int,
@@ -122,10 +128,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     )
     parser.add_argument("--drafter-max-backoff-ms", type=int, default=defaults.drafter_max_backoff_ms)
     parser.add_argument(
-        "--successors-top-k",
+        "--num-successors",
         type=int,
-        default=defaults.successors_top_k,
-        help="target top tokens per scored position sent to the drafter (Token Recycling; 0: off)",
+        default=defaults.num_successors,
+        help="the target's likeliest next tokens per scored position, returned by each Verify and sent to the "
+        "drafter (Token Recycling; 0: off)",
     )
     parser.add_argument("--verifier-timeout-s", type=float, default=defaults.verifier_timeout_s)
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)

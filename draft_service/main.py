@@ -46,7 +46,7 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     defaults = DrafterConfig()
     parser = argparse.ArgumentParser(prog="draft_service", description="specserve drafter")
-    add_common_flags(parser, defaults.port)
+    add_common_flags(parser, defaults)
     parser.add_argument(
         "--redis-url",
         default=env("SPECSERVE_REDIS_URL", ""),
@@ -76,7 +76,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
     parser.add_argument("--tree-beam", type=int, default=defaults.tree_beam)
-    parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
+    parser.add_argument(
+        "--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", str(defaults.torch_threads)))
+    )
     parser.add_argument(
         "--predraft-outcomes",
         type=int,

@@ -22,6 +22,9 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.model_loading import DEFAULT_MODEL
+from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, VERIFIER_PORT
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -64,10 +67,10 @@ def wait_serving(
 class LocalCluster:
     """Verifier, drafter and coordinator as child processes (context manager)."""
 
-    coordinator_port: int = 50051
-    drafter_port: int = 50052
-    verifier_port: int = 50053
-    model: str = "smollm2"
+    coordinator_port: int = COORDINATOR_PORT
+    drafter_port: int = DRAFTER_PORT
+    verifier_port: int = VERIFIER_PORT
+    model: str = DEFAULT_MODEL
     redis_url: str | None = None
     with_drafter: bool = True
     # Verifier replicas: the first listens on verifier_port (process "verifier"), replica i on
@@ -191,11 +194,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="run coordinator, drafter and verifier locally")
-    parser.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL", "smollm2"))
+    parser.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL", DEFAULT_MODEL))
     parser.add_argument("--redis-url", default=os.environ.get("SPECSERVE_REDIS_URL") or None)
-    parser.add_argument("--coordinator-port", type=int, default=50051)
-    parser.add_argument("--drafter-port", type=int, default=50052)
-    parser.add_argument("--verifier-port", type=int, default=50053)
+    parser.add_argument("--coordinator-port", type=int, default=COORDINATOR_PORT)
+    parser.add_argument("--drafter-port", type=int, default=DRAFTER_PORT)
+    parser.add_argument("--verifier-port", type=int, default=VERIFIER_PORT)
     args = parser.parse_args(argv)
     cluster = LocalCluster(
         args.coordinator_port, args.drafter_port, args.verifier_port, model=args.model, redis_url=args.redis_url

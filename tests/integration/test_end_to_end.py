@@ -128,7 +128,7 @@ def test_verifier_rejects_unknown_sessions_and_malformed_trees(cluster: LocalClu
                 stub.Verify(verifier_pb2.VerifyRequest(session_id="t", num_committed_tokens=3, tree=tree), timeout=30)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in error.value.details()
-        info = stub.Info(verifier_pb2.InfoRequest(), timeout=30)
+        info = stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), timeout=30)
         assert info.vocab_size == 49152 and info.max_session_tokens == 8192 and info.vocab_fingerprint
         assert info.supports_branching and info.max_tree_depth > 0
         assert stub.Release(verifier_pb2.ReleaseRequest(session_id="t"), timeout=30).released
@@ -216,7 +216,9 @@ def test_sixteen_concurrent_streams_are_each_identical_to_plain_greedy(cluster: 
         assert tokens == target.greedy(target.chat_ids(text), 16), text[:60]
         assert stats.num_generated_tokens == len(tokens)
     with grpc.insecure_channel(cluster.verifier_address) as channel:
-        info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(verifier_pb2.InfoRequest(), timeout=10)
+        info = verifier_pb2_grpc.VerifierServiceStub(channel).VerifierInfo(
+            verifier_pb2.VerifierInfoRequest(), timeout=10
+        )
     assert info.dtype == "float32"
     assert info.num_active_sessions == 0 and info.kv_cache_used_bytes == 0 and info.num_queued_requests == 0
     assert info.kv_cache_capacity_bytes > 0
