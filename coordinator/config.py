@@ -13,13 +13,14 @@ from specserve.auth.config import ServerSecurity
 from specserve.auth.tls import ClientTLS
 from specserve.drain import DEFAULT_GRACE_S
 from specserve.model_loading import DEFAULT_MODEL
-from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, LOOPBACK, VERIFIER_PORT
+from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, LOOPBACK, VERIFIER_PORT
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
     host: str = LOOPBACK
     port: int = COORDINATOR_PORT
+    http_port: int = HTTP_PORT  # the OpenAI-compatible HTTP API (coordinator.openai_api) on --host; 0: off
     verifier: str = f"{LOOPBACK}:{VERIFIER_PORT}"  # gRPC target, e.g. dns:///specserve-verifier:50053
     drafter: str | None = f"{LOOPBACK}:{DRAFTER_PORT}"  # None: verifier-only decoding
     model: str = DEFAULT_MODEL  # where the tokenizer and chat template come from

@@ -28,6 +28,8 @@ from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.frontend import GenerationBackend, GenerationFrontend
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.openai_api.app import create_app
+from coordinator.openai_api.serve import HttpServer, HttpStartError
 from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
 from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
@@ -65,6 +67,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     defaults = CoordinatorConfig()
     parser = argparse.ArgumentParser(prog="coordinator", description="specserve coordinator (public API)")
     add_common_flags(parser, defaults)
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=int(env("SPECSERVE_HTTP_PORT", str(defaults.http_port))),
+        help="port of the OpenAI-compatible HTTP API on --host, with --tls-cert/--tls-key when set (0: off)",
+    )
     parser.add_argument(
         "--verifier",
         default=env("SPECSERVE_VERIFIER_ADDR", defaults.verifier),
@@ -327,6 +335,25 @@ def api_keys(config: CoordinatorConfig) -> ApiKeys | None:
     return ApiKeys(Path(config.api_keys_file), config.api_keys_reload_s)
 
 
+async def start_http(
+    config: CoordinatorConfig, frontend: GenerationFrontend, keys: ApiKeys | None, drain: Drain
+) -> HttpServer | None:
+    """The OpenAI-compatible HTTP API on --host:--http-port, with the gRPC port's TLS, keys and drain (None: off).
+
+    It listens before the workers are connected: /health says 503 until the coordinator serves. The exposure
+    rule checked for --host in ``api_keys`` covers this port too.
+    """
+    if not config.http_port:
+        return None
+    app = create_app(frontend, keys, drain, config.max_prompt_bytes)
+    http = HttpServer(app, config.host, config.http_port, config.security.tls)
+    try:
+        await http.start()
+    except HttpStartError as exc:
+        raise StartupError(str(exc)) from exc
+    return http
+
+
 async def serve(config: CoordinatorConfig) -> None:
     try:
         keys = api_keys(config)
@@ -342,6 +369,7 @@ async def serve(config: CoordinatorConfig) -> None:
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
     admission = AdmissionController(admission_limits(config), metrics)
+    metrics.track_admission(admission)
     # On SIGTERM (specserve.drain): health NOT_SERVING, new and queued streams refused, running ones finish.
     drain = Drain(config.shutdown_grace_s)
     drain.count_busy(lambda: admission.running)
@@ -354,6 +382,7 @@ async def serve(config: CoordinatorConfig) -> None:
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     await server.start()
+    http = await start_http(config, frontend, keys, drain)  # /health: 503 until the workers are connected
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
     tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
@@ -371,11 +400,14 @@ async def serve(config: CoordinatorConfig) -> None:
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"
+    where = address if http is None else f"{address} and {http.scheme}://{config.host}:{http.port}/v1"
     print(
-        f"coordinator listening on {address} ({auth}, {tls}; verifier {config.verifier}, drafter {config.drafter})",
+        f"coordinator listening on {where} ({auth}, {tls}; verifier {config.verifier}, drafter {config.drafter})",
         flush=True,
     )
     await serve_until_signal(server, drain)
+    if http is not None:  # after the drain: its streams have finished, new requests got 503 meanwhile
+        await http.stop(now=drain.forced)
 
 
 def main(argv: list[str] | None = None) -> None:

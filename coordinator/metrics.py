@@ -1,4 +1,17 @@
-"""Prometheus metrics of the coordinator, named after vLLM's spec-decode metrics.
+"""Prometheus metrics of the coordinator: vLLM's names with the ``specserve_`` prefix where vLLM has one.
+
+The coordinator sees every request whole, so the request-level figures live
+here: latency histograms (TTFT, inter-token, end to end, queue), request and
+token counters, and vLLM's spec-decode counters (``num_drafts``,
+``num_draft_tokens``, ``num_accepted_tokens``, ``num_accepted_tokens_per_pos``),
+which give the acceptance rate and the mean acceptance length:
+
+    rate(specserve_spec_decode_num_accepted_tokens_total[5m])
+      / rate(specserve_spec_decode_num_draft_tokens_total[5m])          acceptance rate
+    1 + rate(specserve_spec_decode_num_accepted_tokens_total[5m])
+      / rate(specserve_spec_decode_num_drafts_total[5m])                tokens per drafted round
+    rate(specserve_generation_tokens_total[5m]) / rate(specserve_rounds_total[5m])
+                                                                        tau: tokens per target forward
 
 Owned by the instance (its own registry), not module globals.
 """
@@ -8,26 +21,134 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from coordinator.admission import AdmissionController
-from coordinator.rounds import GenerationStats
+from coordinator.rounds import FinishReason, GenerationStats
 
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
-E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-QUEUE_BUCKETS_S = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Time to first token: tens of milliseconds on a GPU, seconds for a long prompt on a CPU or behind a queue.
+TTFT_BUCKETS_S = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+# Gap between streamed chunks: one round, a few ms on a GPU to a few hundred ms on a CPU.
+ITL_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.5, 5.0,
+)  # fmt: skip
+E2E_BUCKETS_S = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0,
+    600.0,
+)  # fmt: skip
+QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Admission's refusals (coordinator.admission), so their series exist at zero before the first one.
+REJECTION_REASONS = ("queue_full", "tenant_queue_full", "queue_timeout", "deadline")
 
 
 class CoordinatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "specserve_requests", "Finished generations by finish reason", ["finish_reason"], registry=r
+
+        # Requests
+        self.request_success = Counter(
+            "specserve_request_success",
+            "Requests that finished, by finish reason (length, stop, eos)",
+            ["finished_reason"],
+            registry=r,
         )
-        self.generated_tokens = Counter("specserve_generated_tokens", "Tokens streamed to clients", registry=r)
-        self.rounds = Counter("specserve_rounds", "Target forward passes after prefill", registry=r)
-        self.num_draft_tokens = Counter("specserve_num_draft_tokens", "Draft tokens proposed", registry=r)
-        self.num_accepted_tokens = Counter("specserve_num_accepted_tokens", "Draft tokens accepted", registry=r)
-        self.reprefills = Counter("specserve_reprefills", "Verifier sessions rebuilt after loss", registry=r)
-        self.drafter_drops = Counter("specserve_drafter_drops", "Requests that lost their drafter", registry=r)
+        for finish in FinishReason:
+            self.request_success.labels(finish.value)
+        self.request_errors = Counter(
+            "specserve_request_errors",
+            "Requests that ended with an error, by gRPC status name (HTTP errors map to the same names)",
+            ["code"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "specserve_prompt_tokens", "Prompt tokens of finished requests (after the chat template)", registry=r
+        )
+        self.generation_tokens = Counter(
+            "specserve_generation_tokens", "Tokens generated and streamed to clients", registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "specserve_time_to_first_token_seconds",
+            "From a request's arrival (queue time included) to its first streamed chunk",
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "specserve_inter_token_latency_seconds",
+            "Gap between successive streamed chunks of a request; a chunk holds every token of one round, "
+            "so with speculation a gap may cover several tokens",
+            buckets=ITL_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "specserve_e2e_request_latency_seconds",
+            "From a request's arrival to its last chunk and stats, for requests that finished",
+            buckets=E2E_BUCKETS_S,
+            registry=r,
+        )
+        self.request_queue_time = Histogram(
+            "specserve_request_queue_time_seconds",
+            "Time an admitted request waited for a generation slot",
+            buckets=QUEUE_BUCKETS_S,
+            registry=r,
+        )
+        self.num_requests_running = Gauge(
+            "specserve_num_requests_running", "Requests holding a generation slot", registry=r
+        )
+        self.num_requests_waiting = Gauge(
+            "specserve_num_requests_waiting", "Requests queued for a generation slot", registry=r
+        )
+        self.admission_rejections = Counter(
+            "specserve_admission_rejections",
+            "Requests refused by admission, by reason: " + ", ".join(REJECTION_REASONS),
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECTION_REASONS:
+            self.admission_rejections.labels(reason)
+
+        # Speculative decoding (vLLM's spec_decode_* counters) and rounds
+        self.rounds = Counter(
+            "specserve_rounds", "Verifier forwards of a request after its prefill, drafted or not", registry=r
+        )
+        self.num_drafts = Counter(
+            "specserve_spec_decode_num_drafts", "Rounds whose tree held at least one draft token", registry=r
+        )
+        self.num_draft_tokens = Counter(
+            "specserve_spec_decode_num_draft_tokens", "Draft tokens sent to the verifier", registry=r
+        )
+        self.num_accepted_tokens = Counter(
+            "specserve_spec_decode_num_accepted_tokens", "Draft tokens the verifier accepted", registry=r
+        )
+        self.num_accepted_tokens_per_pos = Counter(
+            "specserve_spec_decode_num_accepted_tokens_per_pos",
+            "Rounds whose accepted path reached draft position `position` + 1 (0: the first draft token)",
+            ["position"],
+            registry=r,
+        )
+        self.reprefills = Counter(
+            "specserve_reprefills", "Verifier sessions rebuilt from the committed tokens after loss", registry=r
+        )
+
+        # The drafter: pre-drafting and failures
+        self.drafter_trees = Counter(
+            "specserve_drafter_trees", "Rounds whose tree the drafter was asked for and gave", registry=r
+        )
+        self.predraft_hits = Counter(
+            "specserve_predraft_hits",
+            "Of those, trees the drafter had ready: drafted while the verifier checked the previous round",
+            registry=r,
+        )
+        self.predraft_hidden_seconds = Counter(
+            "specserve_predraft_hidden_seconds",
+            "Drafting time of pre-drafted trees, hidden behind verification",
+            registry=r,
+        )
+        self.drafter_drops = Counter(
+            "specserve_drafter_drops", "Requests that lost their drafter and finished without it", registry=r
+        )
         self.drafter_skips = Counter(
             "specserve_drafter_skips", "Requests that did not use the drafter: its circuit was open", registry=r
         )
@@ -40,76 +161,57 @@ class CoordinatorMetrics:
             "specserve_drafter_circuit_open", "1 while requests skip the drafter after a failure", registry=r
         )
 
-        self.queue_seconds = Histogram(
-            "specserve_queue_seconds", "Time admitted streams waited for a slot", buckets=QUEUE_BUCKETS_S, registry=r
-        )
-        self.running_streams = Gauge("specserve_running_streams", "Streams holding a slot", registry=r)
-        self.queued_streams = Gauge("specserve_queued_streams", "Streams waiting for a slot", registry=r)
-        self.rejected_streams = Counter(
-            "specserve_rejected_streams",
-            "Streams refused by admission: queue_full, tenant_queue_full, queue_timeout, deadline",
-            ["reason"],
-            registry=r,
-        )
-
-        self.first_token_seconds = Histogram(
-            "specserve_time_to_first_token_seconds",
-            "From a request's arrival to its first streamed text",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.inter_token_seconds = Histogram(
-            "specserve_inter_token_latency_seconds",
-            "Gap between successive streamed chunks of a request (a chunk may hold several tokens)",
-            buckets=LATENCY_BUCKETS_S,
-            registry=r,
-        )
-        self.e2e_seconds = Histogram(
-            "specserve_e2e_request_latency_seconds",
-            "From a request's arrival to its end",
-            buckets=E2E_BUCKETS_S,
-            registry=r,
-        )
-        self.request_errors = Counter(
-            "specserve_request_errors", "Requests that ended with an error, by gRPC status name", ["code"], registry=r
-        )
-
-    def track_admission(self, admission: AdmissionController) -> None:
-        """Read the running and queued gauges from ``admission`` at each scrape."""
-        self.running_streams.set_function(lambda: admission.running)
-        self.queued_streams.set_function(lambda: admission.queued)
-
-    def admitted(self, queue_s: float) -> None:
-        self.queue_seconds.observe(queue_s)
-
-    def rejected(self, reason: str) -> None:
-        self.rejected_streams.labels(reason).inc()
-
     def serve(self, port: int, host: str) -> None:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
         start_http_server(port, addr=host, registry=self.registry)
 
+    # ---- admission (coordinator.admission.AdmissionObserver) ----
+
+    def track_admission(self, admission: AdmissionController) -> None:
+        """Read the running and waiting gauges from ``admission`` at each scrape."""
+        self.num_requests_running.set_function(lambda: admission.running)
+        self.num_requests_waiting.set_function(lambda: admission.queued)
+
+    def admitted(self, queue_s: float) -> None:
+        self.request_queue_time.observe(queue_s)
+
+    def rejected(self, reason: str) -> None:
+        self.admission_rejections.labels(reason).inc()
+
+    # ---- requests (coordinator.frontend.FrontendMetrics) ----
+
     def observe_first_token(self, seconds: float) -> None:
-        self.first_token_seconds.observe(seconds)
+        self.time_to_first_token.observe(seconds)
 
     def observe_inter_token(self, seconds: float) -> None:
-        self.inter_token_seconds.observe(seconds)
+        self.inter_token_latency.observe(seconds)
 
     def observe_request_error(self, code: str) -> None:
+        """A request ended with ``code``, a gRPC status name such as "INVALID_ARGUMENT" or "CANCELLED"."""
         self.request_errors.labels(code).inc()
 
     def observe_finished(self, stats: GenerationStats, e2e_seconds: float) -> None:
-        self.e2e_seconds.observe(e2e_seconds)
-        self.requests.labels(stats.finish_reason.value).inc()
-        self.generated_tokens.inc(stats.num_generated_tokens)
+        self.e2e_request_latency.observe(e2e_seconds)
+        self.request_success.labels(stats.finish_reason.value).inc()
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generated_tokens)
         self.rounds.inc(stats.num_rounds)
+        self.num_drafts.inc(stats.num_drafts)
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            if count:
+                self.num_accepted_tokens_per_pos.labels(str(position)).inc(count)
         self.reprefills.inc(stats.num_reprefills)
+        self.drafter_trees.inc(stats.num_drafter_trees)
+        self.predraft_hits.inc(stats.num_predraft_hits)
+        self.predraft_hidden_seconds.inc(stats.predraft_hidden_ns / 1e9)
         if stats.drafter_error.startswith("drafter dropped"):
             self.drafter_drops.inc()
         elif stats.drafter_error.startswith("drafter skipped"):
             self.drafter_skips.inc()
+
+    # ---- the drafter's health check (coordinator.drafter_health) ----
 
     def drafter_failed(self, reason: str) -> None:
         self.drafter_failures.inc()

@@ -46,6 +46,14 @@ NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingPro
 ALL_SOURCES = (*NGRAM_SOURCES, HeadProposer.name)
 
 
+@dataclass
+class PredraftCounts:
+    """Pre-drafting's totals over every session since the drafter started (read by metrics)."""
+
+    drafted: int = 0  # trees drafted ahead for a likely outcome of the tree being verified
+    used: int = 0  # of those, trees answered at once because their outcome happened
+
+
 @dataclass(frozen=True)
 class _Predraft:
     tree: DraftTree
@@ -73,8 +81,10 @@ class DraftSession:
         predraft_outcomes: int = 0,
         vocab_size: int = 0,
         memory: SessionMemory | None = None,
+        predraft_counts: PredraftCounts | None = None,
     ) -> None:
         self.session_id = session_id
+        self._predraft_counts = predraft_counts if predraft_counts is not None else PredraftCounts()
         self._memory = memory  # where this session's bytes are counted (and its sources' state may be freed)
         self._vocab_size = vocab_size  # the target's: draft tokens outside it are dropped (0: unknown)
         self.tokens = list(prompt_tokens)
@@ -144,6 +154,7 @@ class DraftSession:
             self._pending_outcomes = []
             return DraftReply(TokenTree(), time.perf_counter_ns() - start)
         if ready is not None:
+            self._predraft_counts.used += 1
             self._last = _cut(ready.tree, max_nodes)
         else:
             self._last = self._draft(self.tokens, max_nodes)
@@ -165,6 +176,7 @@ class DraftSession:
         if bonus is not None:
             tree = self._draft([*context, bonus], self._max_nodes)
             self._predrafts[(*accepted, bonus)] = _Predraft(tree, time.perf_counter_ns() - start)
+            self._predraft_counts.drafted += 1
         return True
 
     def _guess_bonus(self, context: list[int], accepted: tuple[int, ...]) -> int | None:
@@ -238,6 +250,7 @@ class Drafter:
         self.predraft_outcomes = predraft_outcomes
         # Open sessions' bytes, bounded (--max-memory-mib): the least recently used ones' head state goes first.
         self.memory = memory if memory is not None else SessionMemory(max_bytes=UNBOUNDED)
+        self.predraft_counts = PredraftCounts()
 
     @property
     def wants_features(self) -> bool:
@@ -283,7 +296,15 @@ class Drafter:
         builder = TreeBuilder(AcceptanceStats(parent=shared), self._cost)
         proposers = [available[name] for name in self.sources]
         session = DraftSession(
-            session_id, prompt_tokens, pool, proposers, builder, self.predraft_outcomes, vocab_size, self.memory
+            session_id,
+            prompt_tokens,
+            pool,
+            proposers,
+            builder,
+            self.predraft_outcomes,
+            vocab_size,
+            self.memory,
+            self.predraft_counts,
         )
         self.memory.opened(session)
         return session

@@ -198,7 +198,7 @@ async def serve(config: DrafterConfig) -> None:
     await server.start()
     mark_serving(health, [SERVICE_NAME])
     if config.metrics_port:
-        DrafterMetrics(drafter.memory, pools).serve(config.metrics_port, config.host)
+        DrafterMetrics(drafter.memory, pools, drafter.predraft_counts).serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
     await serve_until_signal(server, drain)
 

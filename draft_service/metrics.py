@@ -1,9 +1,11 @@
-"""Prometheus metrics of the drafter: its memory (bounded by --max-memory-mib) and the process.
+"""Prometheus metrics of the drafter: its memory (bounded by --max-memory-mib), pre-drafting, the process.
 
 Owned by the instance (its own registry), not module globals.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from prometheus_client import (
     GC_COLLECTOR,
@@ -13,13 +15,43 @@ from prometheus_client import (
     Gauge,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from draft_service.drafter import PredraftCounts
 from draft_service.pools import PoolRegistry
 from draft_service.session_memory import SessionMemory
 
 
+class _Totals(Collector):
+    """Counters kept as running totals by the drafter, read at each scrape."""
+
+    def __init__(self, memory: SessionMemory, predraft: PredraftCounts) -> None:
+        self._memory = memory
+        self._counts = predraft
+
+    def collect(self) -> Iterable[Metric]:
+        return [
+            CounterMetricFamily(
+                "specserve_drafter_sessions_forgotten",
+                "Times a session's draft-head state was freed to stay within the memory bound",
+                value=self._memory.num_forgotten,
+            ),
+            CounterMetricFamily(
+                "specserve_drafter_predrafts",
+                "Trees drafted ahead, while the verifier checked the last one, for one of its likely outcomes",
+                value=self._counts.drafted,
+            ),
+            CounterMetricFamily(
+                "specserve_drafter_predraft_hits",
+                "Pre-drafted trees answered at once because their outcome happened",
+                value=self._counts.used,
+            ),
+        ]
+
+
 class DrafterMetrics:
-    def __init__(self, memory: SessionMemory, pools: PoolRegistry) -> None:
+    def __init__(self, memory: SessionMemory, pools: PoolRegistry, predraft: PredraftCounts) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # what the default registry had
@@ -35,12 +67,8 @@ class DrafterMetrics:
         Gauge(
             "specserve_drafter_sessions_memory_limit_bytes", "Bound of the per-session state", registry=r
         ).set_function(lambda: memory.max_bytes)
-        Gauge(
-            "specserve_drafter_sessions_forgotten",
-            "Times a session's draft-head state was freed to stay within the memory bound",
-            registry=r,
-        ).set_function(lambda: memory.num_forgotten)
         Gauge("specserve_drafter_open_sessions", "Draft streams open", registry=r).set_function(lambda: len(memory))
+        r.register(_Totals(memory, predraft))
 
     def serve(self, port: int, host: str) -> None:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""

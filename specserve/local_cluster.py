@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.model_loading import DEFAULT_MODEL
-from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, VERIFIER_PORT
+from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, VERIFIER_PORT
 
 
 def free_port() -> int:
@@ -63,6 +65,23 @@ def wait_serving(
     raise TimeoutError(f"{address} did not become ready within {timeout_s:.0f} s")
 
 
+def wait_http_ready(url: str, timeout_s: float, *watched: subprocess.Popen[bytes]) -> None:
+    """Block until ``GET url`` (the coordinator's HTTP /health) answers 200; fail when a ``watched`` process exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for process in watched:
+            if process.poll() is not None:
+                raise RuntimeError(f"{process.args!r} exited with code {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
 @dataclass
 class LocalCluster:
     """Verifier, drafter and coordinator as child processes (context manager)."""
@@ -86,10 +105,19 @@ class LocalCluster:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # TLS roots (and client certificate) to health-check a coordinator started with --tls-cert; None: plaintext.
     coordinator_credentials: grpc.ChannelCredentials | None = None
+    # The coordinator's OpenAI-compatible HTTP API (--http-port); 0: off. Waited for (plaintext only) at start.
+    http_port: int = 0
 
     @property
     def coordinator_address(self) -> str:
         return f"127.0.0.1:{self.coordinator_port}"
+
+    @property
+    def http_base_url(self) -> str:
+        """The OpenAI-compatible API's base URL (``base_url`` of the OpenAI client)."""
+        if not self.http_port:
+            raise RuntimeError("the HTTP API is off: start the cluster with an http_port")
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     @property
     def drafter_address(self) -> str:
@@ -144,6 +172,8 @@ class LocalCluster:
                 *self.processes.values(),
                 credentials=self.coordinator_credentials,
             )
+            if self.http_port and self.coordinator_credentials is None:
+                wait_http_ready(f"http://127.0.0.1:{self.http_port}/health", timeout_s, *self.processes.values())
         except BaseException:
             self.stop()
             raise
@@ -153,6 +183,7 @@ class LocalCluster:
         verifiers = ",".join(self.verifier_addresses.values())  # the coordinator pins sessions to replicas
         coordinator_args = ["--port", str(self.coordinator_port), "--verifier", verifiers]
         coordinator_args += ["--model", self.model, "--drafter", self.drafter_address if self.with_drafter else ""]
+        coordinator_args += ["--http-port", str(self.http_port)]
         self._spawn("coordinator", "coordinator", [*coordinator_args, *self.extra_coordinator_args])
 
     def restart_coordinator(self, timeout_s: float = 120.0) -> None:
@@ -162,6 +193,8 @@ class LocalCluster:
             raise RuntimeError("the coordinator is still running: stop it first")
         self._spawn_coordinator()
         wait_serving(self.coordinator_address, timeout_s, *self.processes.values())
+        if self.http_port and self.coordinator_credentials is None:
+            wait_http_ready(f"http://127.0.0.1:{self.http_port}/health", timeout_s, *self.processes.values())
 
     def kill(self, name: str) -> None:
         """Kill one service abruptly (SIGKILL), as a crash would: "verifier-1" is the second verifier replica."""
@@ -199,18 +232,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coordinator-port", type=int, default=COORDINATOR_PORT)
     parser.add_argument("--drafter-port", type=int, default=DRAFTER_PORT)
     parser.add_argument("--verifier-port", type=int, default=VERIFIER_PORT)
+    parser.add_argument("--http-port", type=int, default=HTTP_PORT, help="the OpenAI-compatible HTTP API (0: off)")
     args = parser.parse_args(argv)
     cluster = LocalCluster(
-        args.coordinator_port, args.drafter_port, args.verifier_port, model=args.model, redis_url=args.redis_url
+        args.coordinator_port,
+        args.drafter_port,
+        args.verifier_port,
+        model=args.model,
+        redis_url=args.redis_url,
+        http_port=args.http_port,
     )
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start()
+        http = f"OpenAI-compatible HTTP API: {cluster.http_base_url}\n" if args.http_port else ""
         print(
             f"specserve is up: coordinator {cluster.coordinator_address}, drafter {cluster.drafter_address}, "
             f"verifier {cluster.verifier_address} (n-gram pool: {args.redis_url or 'in-memory'})\n"
+            f"{http}"
             "auth is off: no API keys, no TLS, loopback only (see the README's Privacy model to turn it on)\n"
-            f'try:  specserve generate "Write a haiku about the sea"    (Ctrl-C stops all three)',
+            'try:  specserve generate "Write a haiku about the sea"    (Ctrl-C stops all three)',
             flush=True,
         )
         while all(process.poll() is None for process in cluster.processes.values()):

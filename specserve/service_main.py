@@ -13,6 +13,7 @@ LOOPBACK = "127.0.0.1"
 COORDINATOR_PORT = 50051
 DRAFTER_PORT = 50052
 VERIFIER_PORT = 50053
+HTTP_PORT = 8000  # the coordinator's OpenAI-compatible HTTP API
 """The services' default ports: their config dataclasses, the coordinator's default targets and the local cluster."""
 
 

@@ -1,4 +1,11 @@
-"""Prometheus metrics of the verifier (names follow vLLM's spec-decode metrics).
+"""Prometheus metrics of the verifier, named after vLLM's engine metrics where one exists.
+
+Per engine step (fed by ``Verifier.observe_steps``): tokens and sessions in
+the forward, and how long each call queued before its first step. Engine
+state (sessions, queue, KV cache use) is read from the verifier at each
+scrape, so it is never stale. Spec-decode counts (drafts, draft and accepted
+tokens) are the coordinator's: it sees every tree and every request, and one
+name per concept keeps dashboards from summing the same drafts twice.
 
 Metrics live in a registry owned by the instance, not in module globals, so
 tests and several verifiers in one process do not collide.
@@ -6,58 +13,103 @@ tests and several verifiers in one process do not collide.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from target_service.verifier import EngineStats
+    from target_service.verifier import EngineStep, Verifier
+
+# Tokens in one forward: a single decode token up to a long prefill chunk (--max-batch-tokens).
+ITERATION_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Sessions in one forward (up to --max-batch-sessions, 64 by default).
+ITERATION_SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+# Engine queue time: sub-millisecond on an idle GPU, seconds behind long prefills or a full KV cache on a CPU.
+QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _EngineState(Collector):
+    """Engine gauges read from the attached verifier at each scrape (nothing before the model has loaded)."""
+
+    def __init__(self) -> None:
+        self.verifier: Verifier | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        verifier = self.verifier
+        if verifier is None:
+            return []
+        stats = verifier.stats()
+        usage = stats.kv_used_bytes / stats.kv_capacity_bytes if stats.kv_capacity_bytes else 0.0
+        return [
+            GaugeMetricFamily(
+                "specserve_verifier_active_sessions", "Sessions holding a KV cache", value=stats.num_sessions
+            ),
+            GaugeMetricFamily(
+                "specserve_verifier_num_requests_waiting",
+                "Prefill and Verify calls queued for the engine, not yet in a step",
+                value=stats.num_queued,
+            ),
+            GaugeMetricFamily(
+                "specserve_verifier_kv_cache_usage_perc",
+                "Fraction of the preallocated KV cache reserved by sessions (1 means full)",
+                value=usage,
+            ),
+            GaugeMetricFamily(
+                "specserve_verifier_kv_cache_capacity_bytes",
+                "Bytes preallocated for the KV cache (--kv-cache-gib)",
+                value=stats.kv_capacity_bytes,
+            ),
+            CounterMetricFamily(
+                "specserve_verifier_session_evictions",
+                "Sessions evicted (idle, TTL, session count or KV cache pressure); each one's next Verify re-prefills",
+                value=stats.num_evicted,
+            ),
+        ]
 
 
 class VerifierMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._active_sessions = Gauge(
-            "specserve_verifier_active_sessions", "Sessions holding a KV cache", registry=self.registry
-        )
+        r = self.registry
+        self._engine = _EngineState()
+        r.register(self._engine)
         self._in_flight = Gauge(
-            "specserve_verifier_inflight_requests", "Prefill/Verify calls in progress or queued", registry=self.registry
+            "specserve_verifier_inflight_requests", "Prefill and Verify calls in progress or queued", registry=r
         )
-        self._num_drafts = Counter("specserve_verifier_num_drafts", "Trees verified", registry=self.registry)
-        self._num_draft_tokens = Counter(
-            "specserve_verifier_num_draft_tokens", "Draft tokens verified", registry=self.registry
+        self._iteration_tokens = Histogram(
+            "specserve_verifier_iteration_tokens_total",
+            "Tokens per engine step: each Verify's pending token and tree nodes plus prefill chunks",
+            buckets=ITERATION_TOKENS_BUCKETS,
+            registry=r,
         )
-        self._num_accepted_tokens = Counter(
-            "specserve_verifier_num_accepted_tokens", "Draft tokens accepted", registry=self.registry
+        self._iteration_sessions = Histogram(
+            "specserve_verifier_iteration_sessions",
+            "Sessions per engine step (the batch size): Verify calls plus prefill chunks sharing one forward",
+            buckets=ITERATION_SESSIONS_BUCKETS,
+            registry=r,
         )
-
-        self._kv_used = Gauge(
-            "specserve_verifier_kv_cache_used_bytes", "KV cache bytes reserved by sessions", registry=self.registry
+        self._queue_time = Histogram(
+            "specserve_verifier_request_queue_time_seconds",
+            "Time a call waited for its first engine step, by call (verify, prefill); _count: calls served",
+            ["call"],
+            buckets=QUEUE_BUCKETS_S,
+            registry=r,
         )
-        self._kv_capacity = Gauge(
-            "specserve_verifier_kv_cache_capacity_bytes", "Preallocated KV cache bytes", registry=self.registry
-        )
-        self._queued = Gauge(
-            "specserve_verifier_queued_requests", "Calls waiting for the engine", registry=self.registry
-        )
-        self._batch_sessions = Histogram(
-            "specserve_verifier_batch_sessions",
-            "Sessions sharing the forward of each Verify",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
-            registry=self.registry,
-        )
-        self._queue_seconds = Histogram(
-            "specserve_verifier_queue_seconds",
-            "Time a Verify waited for the engine",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
-            registry=self.registry,
-        )
+        for call in ("verify", "prefill"):
+            self._queue_time.labels(call)  # both series exist from the start, at zero
 
     def serve(self, port: int, host: str) -> None:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
         start_http_server(port, addr=host, registry=self.registry)
+
+    def track(self, verifier: Verifier) -> None:
+        """Observe ``verifier``'s engine steps and read its state at each scrape."""
+        self._engine.verifier = verifier
+        verifier.observe_steps(self.engine_step)
 
     @contextmanager
     def in_flight(self) -> Iterator[None]:
@@ -67,17 +119,8 @@ class VerifierMetrics:
         finally:
             self._in_flight.dec()
 
-    def sessions(self, count: int) -> None:
-        self._active_sessions.set(count)
-
-    def verified(self, num_draft: int, num_accepted: int) -> None:
-        self._num_drafts.inc()
-        self._num_draft_tokens.inc(num_draft)
-        self._num_accepted_tokens.inc(num_accepted)
-
-    def engine(self, stats: EngineStats, batch_sessions: int, queue_ns: int) -> None:
-        self._kv_used.set(stats.kv_used_bytes)
-        self._kv_capacity.set(stats.kv_capacity_bytes)
-        self._queued.set(stats.num_queued)
-        self._batch_sessions.observe(batch_sessions)
-        self._queue_seconds.observe(queue_ns / 1e9)
+    def engine_step(self, step: EngineStep) -> None:
+        self._iteration_tokens.observe(step.num_tokens)
+        self._iteration_sessions.observe(step.num_sessions)
+        for call, seconds in step.queued_s:
+            self._queue_time.labels(call).observe(seconds)

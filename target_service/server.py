@@ -37,11 +37,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     """
 
     def __init__(self, metrics: VerifierMetrics, verifier: Verifier | None = None, drain: Drain | None = None) -> None:
-        self._loaded = verifier
+        self._loaded: Verifier | None = None
         self._metrics = metrics
         self._drain = drain or Drain()
+        if verifier is not None:
+            self.attach(verifier)
 
     def attach(self, verifier: Verifier) -> None:
+        self._metrics.track(verifier)
         self._loaded = verifier
 
     @property
@@ -64,7 +67,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 owner=_owner(context),
             )
             result = _wait(submitted, context)
-        self._metrics.sessions(self._verifier.num_active_sessions)
         return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
@@ -79,8 +81,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 owner=_owner(context),
             )
             result = _wait(submitted, context)
-        self._metrics.verified(num_draft=len(tree), num_accepted=len(result.accepted_tokens))
-        self._metrics.engine(self._verifier.stats(), result.batch_sessions, result.queue_ns)
         return verifier_pb2.VerifyResponse(
             accepted_token_ids=result.accepted_tokens,
             accepted_node_indices=result.accepted_nodes,
@@ -97,7 +97,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self, request: verifier_pb2.ReleaseRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.ReleaseResponse:
         released = self._verifier.release(request.session_id, owner=_owner(context))
-        self._metrics.sessions(self._verifier.num_active_sessions)
         return verifier_pb2.ReleaseResponse(released=released)
 
     def VerifierInfo(

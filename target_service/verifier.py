@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -102,6 +102,16 @@ class EngineStats:
     kv_used_bytes: int
     num_steps: int
     num_evicted: int
+
+
+@dataclass(frozen=True)
+class EngineStep:
+    """What one engine step served: what ``observe_steps`` observers (metrics) get after each forward."""
+
+    num_sessions: int  # Verify calls and prefill chunks in the one forward (the batch size)
+    num_tokens: int  # tokens in the forward: each Verify's pending token and tree nodes, each prefill chunk
+    # ("verify" or "prefill", seconds from submission to this step) of each call this step served first
+    queued_s: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(eq=False)
@@ -214,6 +224,7 @@ class Verifier:
         self._activity = _ActivityLog()
         self._guard = ThroughputGuard() if throughput_guard else _NeverProbe()
         self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
+        self._step_observers: list[Callable[[EngineStep], None]] = []
         self._thread = threading.Thread(target=self._loop, name="verifier-engine", daemon=True)
         self._thread.start()
 
@@ -261,6 +272,10 @@ class Verifier:
     @property
     def cost_curve(self) -> CostCurve:
         return self._budget.curve
+
+    def observe_steps(self, observer: Callable[[EngineStep], None]) -> None:
+        """Call ``observer`` on the engine thread after each step's forward (keep it cheap: it holds the engine)."""
+        self._step_observers.append(observer)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -502,8 +517,13 @@ class Verifier:
         if not work.verifies and not work.prefills:
             return False
         started = time.perf_counter_ns()
+        queued: list[tuple[str, float]] = []
         for call in [c for c, _ in work.verifies] + [c for c, _ in work.prefills]:
-            call.started_ns = call.started_ns or started
+            if not call.started_ns:
+                call.started_ns = started
+                queued.append(
+                    ("verify" if isinstance(call, _VerifyCall) else "prefill", (started - call.enqueued_ns) / 1e9)
+                )
         plan, input_ids, positions, score_rows, feature_rows = self._build_inputs(work)
         out = self._runner.forward(plan, input_ids, positions, score_rows, feature_rows)
         self._num_steps += 1
@@ -530,6 +550,9 @@ class Verifier:
                 feature_at += tokens
             self._advance_prefill(prefill, tokens)
         self._guard.observe(committed, len(self._sessions))
+        step = EngineStep(len(plan.segments), int(input_ids.numel()), tuple(queued))
+        for observer in self._step_observers:
+            observer(step)
         return True
 
     def _take_work(self) -> _Work:

@@ -108,7 +108,8 @@ def test_targets_run_as_non_root_and_expose_the_chart_ports() -> None:
         user = last(lineage, "USER")
         assert user is not None and user.split(":")[0].isdigit() and user.split(":")[0] != "0", target
         exposed = {int(p) for p in (last(lineage, "EXPOSE") or "").split()}
-        assert exposed == {values[tier]["port"], values["metrics"]["port"]}, target
+        http = {values[tier]["http"]["port"]} if "http" in values[tier] else set()  # the coordinator's OpenAI API
+        assert exposed == {values[tier]["port"], values["metrics"]["port"], *http}, target
         entrypoint = last(lineage, "ENTRYPOINT") or ""
         assert "tini" in entrypoint, f"{target}: PID 1 must forward SIGTERM"
 

@@ -126,12 +126,12 @@ def test_beyond_the_queue_is_resource_exhausted_with_retry_after() -> None:
         assert int(metadata["retry-after-ms"]) > 0
         assert f"retry after {metadata['retry-after-ms']} ms" in str(refused.value)
         value = metrics.registry.get_sample_value
-        assert value("specserve_rejected_streams_total", {"reason": "queue_full"}) == 1
-        assert (value("specserve_running_streams"), value("specserve_queued_streams")) == (1, 1)
+        assert value("specserve_admission_rejections_total", {"reason": "queue_full"}) == 1
+        assert (value("specserve_num_requests_running"), value("specserve_num_requests_waiting")) == (1, 1)
         streams.finish("s0")
         streams.finish("s1")
         await asyncio.gather(*tasks)
-        assert value("specserve_queue_seconds_count") == 2
+        assert value("specserve_request_queue_time_seconds_count") == 2
 
     run(test)
 
@@ -162,7 +162,9 @@ def test_queue_timeout_is_resource_exhausted() -> None:
             assert "retry-after-ms" in dict(refused.value.metadata)
             assert admission.queued == 0
         assert admission.running == 0
-        assert metrics.registry.get_sample_value("specserve_rejected_streams_total", {"reason": "queue_timeout"}) == 1
+        assert (
+            metrics.registry.get_sample_value("specserve_admission_rejections_total", {"reason": "queue_timeout"}) == 1
+        )
 
     run(test)
 
@@ -203,7 +205,7 @@ def test_the_deadline_bounds_the_wait_in_the_queue() -> None:
             async with admission.slot(B):
                 pass
         assert admission.running == 0
-        assert metrics.registry.get_sample_value("specserve_rejected_streams_total", {"reason": "deadline"}) == 1
+        assert metrics.registry.get_sample_value("specserve_admission_rejections_total", {"reason": "deadline"}) == 1
 
     run(test)
 

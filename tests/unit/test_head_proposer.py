@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from coordinator.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from draft_service.draft_head import DraftHead
-from draft_service.drafter import Drafter
+from draft_service.drafter import Drafter, PredraftCounts
 from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
 from draft_service.training.distill_data import features_of, greedy_responses
 from draft_service.training.train import TrainSettings, train
@@ -207,7 +207,8 @@ def generate(
     fingerprint: str = "fp",
     predraft_outcomes: int = 0,
     sources: tuple[str, ...] = ("draft_model",),
-) -> tuple[list[int], GenerationStats]:
+) -> tuple[list[int], GenerationStats, PredraftCounts]:
+    """Tokens and stats of ``request``, and the drafter's own pre-drafting totals (its metrics)."""
     head.target_fingerprint = fingerprint
     pool = InMemoryNgramPool()
     drafter = Drafter(lambda *_: pool, sources=sources, cost=FREE, draft_head=head, predraft_outcomes=predraft_outcomes)
@@ -221,13 +222,13 @@ def generate(
         RoundPolicy(max_draft_tokens=8),
     )
     tokens, _, stats = run_generation(generation)
-    return tokens, stats
+    return tokens, stats, drafter.predraft_counts
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=7)])
 def test_generation_with_the_draft_head_is_plain_decoding(head: DraftHead, sampling: SamplingParams) -> None:
     prompt = [2, 7, 1, 8, 2, 8]
-    tokens, stats = generate(head, GenerationRequest(prompt, 40, sampling))
+    tokens, stats, _ = generate(head, GenerationRequest(prompt, 40, sampling))
     assert tokens == plain_decode(TARGET, prompt, 40, sampling)
     assert not stats.drafter_error
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
@@ -251,16 +252,20 @@ def test_predrafted_and_fresh_trees_both_keep_plain_decoding(
     head: DraftHead, sampling: SamplingParams, sources: tuple[str, ...]
 ) -> None:
     prompt = [2, 7, 1, 8, 2, 8]
-    tokens, stats = generate(head, GenerationRequest(prompt, 48, sampling), predraft_outcomes=3, sources=sources)
+    tokens, stats, counts = generate(
+        head, GenerationRequest(prompt, 48, sampling), predraft_outcomes=3, sources=sources
+    )
     assert tokens == plain_decode(TARGET, prompt, 48, sampling)
     assert not stats.drafter_error
     # Both paths ran: trees drafted ahead for the outcome that happened, and trees drafted afresh after a miss.
     assert 0 < stats.num_predraft_hits < stats.num_drafter_trees
     assert stats.predraft_hidden_ns > 0
+    # The drafter counts the same hits (specserve_drafter_predraft_hits_total), and the trees it drafted ahead.
+    assert counts.used == stats.num_predraft_hits < counts.drafted
 
 
 def test_a_head_for_another_vocabulary_is_refused_per_session(head: DraftHead) -> None:
-    tokens, stats = generate(head, GenerationRequest([1, 2, 3], 8), fingerprint="other")
+    tokens, stats, _ = generate(head, GenerationRequest([1, 2, 3], 8), fingerprint="other")
     assert tokens == plain_decode(TARGET, [1, 2, 3], 8, SamplingParams())
     assert "trained for the vocabulary other" in stats.drafter_error
 

@@ -1,30 +1,143 @@
+"""Each tier's metrics: what is observed lands in the series named in the README's metrics table.
+
+Admission's series (running, waiting, queue time, rejections) are checked in test_admission.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.rounds import FinishReason, GenerationStats
+from draft_service.config import DrafterConfig
+from draft_service.drafter import NGRAM_SOURCES
+from draft_service.main import build_drafter
+from draft_service.metrics import DrafterMetrics
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
 from target_service.metrics import VerifierMetrics
+from target_service.verifier import Verifier
+from tests.conftest import tiny_llama
+
+GREEDY = SamplingParams()
 
 
-def test_coordinator_counts_spec_decode_figures() -> None:
+def test_finished_requests_count_under_vllm_spec_decode_names() -> None:
     metrics = CoordinatorMetrics()
-    stats = GenerationStats(num_generated_tokens=12, num_rounds=5, num_draft_tokens=20, num_accepted_tokens=7)
+    stats = GenerationStats(
+        num_prompt_tokens=9,
+        num_generated_tokens=12,
+        num_rounds=5,
+        num_drafts=4,
+        num_draft_tokens=20,
+        num_accepted_tokens=7,
+        num_accepted_tokens_per_pos=[4, 2, 1],
+        num_reprefills=1,
+        num_drafter_trees=4,
+        num_predraft_hits=3,
+        predraft_hidden_ns=250_000_000,
+    )
     stats.finish_reason = FinishReason.EOS
     stats.drafter_error = "drafter dropped: no answer within 1000 ms"
-    metrics.observe_finished(stats, 1.0)
-    metrics.observe_finished(GenerationStats(num_generated_tokens=3, num_rounds=3), 1.0)
+    metrics.observe_finished(stats, e2e_seconds=1.5)
+    metrics.observe_finished(GenerationStats(num_generated_tokens=3, num_rounds=3), e2e_seconds=0.2)
     value = metrics.registry.get_sample_value
-    assert value("specserve_requests_total", {"finish_reason": "eos"}) == 1
-    assert value("specserve_requests_total", {"finish_reason": "length"}) == 1
-    assert value("specserve_generated_tokens_total") == 15
-    assert value("specserve_num_accepted_tokens_total") == 7
+    assert value("specserve_request_success_total", {"finished_reason": "eos"}) == 1
+    assert value("specserve_request_success_total", {"finished_reason": "length"}) == 1
+    assert value("specserve_request_success_total", {"finished_reason": "stop"}) == 0  # exists before the first
+    assert value("specserve_prompt_tokens_total") == 9
+    assert value("specserve_generation_tokens_total") == 15
+    assert value("specserve_rounds_total") == 8
+    assert value("specserve_spec_decode_num_drafts_total") == 4
+    assert value("specserve_spec_decode_num_draft_tokens_total") == 20
+    assert value("specserve_spec_decode_num_accepted_tokens_total") == 7
+    per_pos = "specserve_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(per_pos, {"position": str(i)}) for i in range(4)] == [4, 2, 1, None]
+    assert value("specserve_reprefills_total") == 1
+    assert value("specserve_drafter_trees_total") == 4
+    assert value("specserve_predraft_hits_total") == 3
+    assert value("specserve_predraft_hidden_seconds_total") == pytest.approx(0.25)
     assert value("specserve_drafter_drops_total") == 1
+    assert value("specserve_drafter_skips_total") == 0
+    assert value("specserve_e2e_request_latency_seconds_count") == 2
+    assert value("specserve_e2e_request_latency_seconds_sum") == pytest.approx(1.7)
+    assert value("specserve_e2e_request_latency_seconds_bucket", {"le": "1.0"}) == 1
 
 
-def test_verifier_gauges_track_sessions_and_in_flight_calls() -> None:
+def test_latencies_and_errors_land_in_their_buckets() -> None:
+    metrics = CoordinatorMetrics()
+    metrics.observe_first_token(0.03)
+    for gap in (0.004, 0.004, 0.2):
+        metrics.observe_inter_token(gap)
+    metrics.observe_request_error("INVALID_ARGUMENT")
+    metrics.observe_request_error("INVALID_ARGUMENT")
+    metrics.observe_request_error("CANCELLED")
+    metrics.drafter_failed("timeout")
+    value = metrics.registry.get_sample_value
+    ttft = "specserve_time_to_first_token_seconds_bucket"
+    assert (value(ttft, {"le": "0.02"}), value(ttft, {"le": "0.04"})) == (0, 1)
+    itl = "specserve_inter_token_latency_seconds_bucket"
+    assert (value(itl, {"le": "0.0025"}), value(itl, {"le": "0.005"}), value(itl, {"le": "0.2"})) == (0, 2, 3)
+    assert value("specserve_inter_token_latency_seconds_count") == 3
+    assert value("specserve_request_errors_total", {"code": "INVALID_ARGUMENT"}) == 2
+    assert value("specserve_request_errors_total", {"code": "CANCELLED"}) == 1
+    assert value("specserve_drafter_failures_total") == 1
+
+
+def test_verifier_observes_every_engine_step_once() -> None:
+    verifier = Verifier(tiny_llama(vocab_size=48, seed=3), "fp", max_tree_nodes=8, kv_cache_bytes=2**20)
+    metrics = VerifierMetrics()
+    value = metrics.registry.get_sample_value
+    assert value("specserve_verifier_kv_cache_usage_perc") is None  # no engine yet: the model is loading
+    metrics.track(verifier)
+    try:
+        verifier.prefill("a", [1, 2, 3, 4, 5], GREEDY)  # a step of 4 tokens (the last one stays pending)
+        verifier.prefill("b", [1, 2, 3], GREEDY)  # a step of 2
+        with verifier.paused():
+            first = verifier.submit_verify("a", 5, TokenTree.chain([6, 7, 8]))  # pending token + 3 nodes
+            second = verifier.submit_verify("b", 3, TokenTree())  # pending token alone
+            time.sleep(0.05)  # both wait for the engine at least this long
+        first.result(timeout=30)
+        second.result(timeout=30)
+        assert value("specserve_verifier_iteration_tokens_total_count") == 3
+        assert value("specserve_verifier_iteration_tokens_total_sum") == 4 + 2 + 5
+        assert value("specserve_verifier_iteration_sessions_sum") == 1 + 1 + 2
+        assert value("specserve_verifier_iteration_sessions_bucket", {"le": "1.0"}) == 2
+        queue = "specserve_verifier_request_queue_time_seconds"
+        assert value(f"{queue}_count", {"call": "prefill"}) == 2
+        assert value(f"{queue}_count", {"call": "verify"}) == 2
+        assert (value(f"{queue}_sum", {"call": "verify"}) or 0) >= 0.1
+        stats = verifier.stats()
+        assert value("specserve_verifier_kv_cache_usage_perc") == stats.kv_used_bytes / stats.kv_capacity_bytes > 0
+        assert value("specserve_verifier_kv_cache_capacity_bytes") == stats.kv_capacity_bytes
+        assert value("specserve_verifier_active_sessions") == 2
+        assert value("specserve_verifier_num_requests_waiting") == 0
+        verifier.release("a")
+        assert value("specserve_verifier_active_sessions") == 1
+        assert value("specserve_verifier_session_evictions_total") == 0
+    finally:
+        verifier.close()
+
+
+def test_verifier_in_flight_gauge() -> None:
     metrics = VerifierMetrics()
     value = metrics.registry.get_sample_value
     with metrics.in_flight():
         assert value("specserve_verifier_inflight_requests") == 1
     assert value("specserve_verifier_inflight_requests") == 0
-    metrics.sessions(3)
-    metrics.verified(num_draft=8, num_accepted=2)
-    assert value("specserve_verifier_active_sessions") == 3
-    assert value("specserve_verifier_num_draft_tokens_total") == 8
+
+
+def test_drafter_exports_its_pre_drafting_totals_and_memory() -> None:
+    drafter, pools = build_drafter(DrafterConfig(sources=NGRAM_SOURCES))
+    metrics = DrafterMetrics(drafter.memory, pools, drafter.predraft_counts)
+    value = metrics.registry.get_sample_value
+    drafter.predraft_counts.drafted += 5
+    drafter.predraft_counts.used += 2
+    drafter.open_session("s", [1, 2, 3], "fp")
+    assert value("specserve_drafter_predrafts_total") == 5
+    assert value("specserve_drafter_predraft_hits_total") == 2
+    assert value("specserve_drafter_open_sessions") == 1
+    assert (value("specserve_drafter_memory_bytes", {"kind": "sessions"}) or 0) > 0
+    assert value("specserve_drafter_sessions_forgotten_total") == 0

@@ -117,6 +117,7 @@ Deployment of one tier. Extra keys:
             module, so the chart passes arguments only
   env     - rendered YAML list of tier-specific EnvVars (may be empty)
   serviceAccountName
+  ports   - extra container ports, a list of {name, port} (the coordinator's HTTP API)
 */}}
 {{- define "specserve.deployment" -}}
 {{- $root := .root }}
@@ -199,6 +200,11 @@ spec:
             - name: metrics
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
+            {{- range .ports }}
+            - name: {{ .name }}
+              containerPort: {{ .port }}
+              protocol: TCP
+            {{- end }}
           env:
             - name: POD_NAME
               valueFrom:
@@ -283,7 +289,8 @@ spec:
 Service of one tier. Extra key `headless`: drafter and verifier Services are
 headless so the coordinator's gRPC DNS resolver sees every pod and balances
 per call (round_robin); a ClusterIP would pin each long-lived HTTP/2 connection
-to a single pod.
+to a single pod. Extra key `ports`: more {name, port, appProtocol} ports (the
+coordinator's HTTP API), each aimed at the container port of the same name.
 */}}
 {{- define "specserve.service" -}}
 {{- $root := .root }}
@@ -319,6 +326,13 @@ spec:
       targetPort: metrics
       protocol: TCP
       appProtocol: http
+    {{- range .ports }}
+    - name: {{ .name }}
+      port: {{ .port }}
+      targetPort: {{ .name }}
+      protocol: TCP
+      appProtocol: {{ .appProtocol }}
+    {{- end }}
 {{- end }}
 
 {{/* CPU-utilisation HorizontalPodAutoscaler of one tier (coordinator, drafter). */}}

@@ -1,0 +1,236 @@
+"""OpenAI requests -> ``EdgeRequest``; ``GenerationStats`` -> ``usage`` and the speculation stats.
+
+Defaults follow OpenAI's API, not specserve's gRPC API: ``temperature`` 1 (the gRPC default is greedy), and
+``/v1/completions`` generates 16 tokens unless told (chat: as many as fit). A parameter specserve does not
+implement is refused with a 400 that names it, unless given its no-op value (``n: 1``, ``logprobs: false``,
+``presence_penalty: 0``, ``response_format: {"type": "text"}``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.frontend import EdgeRequest
+from coordinator.openai_api.errors import ApiError
+from coordinator.openai_api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationFields,
+    SpeculationStats,
+    Usage,
+)
+from coordinator.prompts import ChatTurn
+from coordinator.rounds import FinishReason, GenerationStats
+from coordinator.speculation import Speculation
+from specserve.errors import InvalidArgument
+from specserve.sampling import SamplingParams
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
+
+# Roles of the chat template; "developer" is OpenAI's newer name for "system".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_HARMLESS_SERVICE_TIERS = (None, "auto", "default")
+
+Rule = tuple[str, Callable[[Any], bool], str]
+
+_NO_TOOLS = "tool and function calling is not supported"
+_COMMON_RULES: list[Rule] = [
+    ("n", lambda v: v == 1, "n > 1 is not supported: specserve returns one choice per request (send n=1 or omit it)"),
+    ("presence_penalty", lambda v: v == 0, "presence_penalty is not supported (send 0 or omit it)"),
+    ("frequency_penalty", lambda v: v == 0, "frequency_penalty is not supported (send 0 or omit it)"),
+    ("logit_bias", lambda v: not v, "logit_bias is not supported (send {} or omit it)"),
+    ("store", lambda v: v is False, "store is not supported: specserve keeps no completions (send false or omit it)"),
+    (
+        "service_tier",
+        lambda v: v in _HARMLESS_SERVICE_TIERS,
+        "service_tier must be 'auto' or 'default': specserve has one tier",
+    ),
+]
+_CHAT_RULES: list[Rule] = [
+    *_COMMON_RULES,
+    ("logprobs", lambda v: v is False, "logprobs is not supported (send false or omit it)"),
+    ("top_logprobs", lambda v: v == 0, "top_logprobs is not supported (send 0 or omit it)"),
+    ("tools", lambda v: not v, _NO_TOOLS),
+    ("tool_choice", lambda v: v == "none", _NO_TOOLS),
+    ("functions", lambda v: not v, _NO_TOOLS),
+    ("function_call", lambda v: v == "none", _NO_TOOLS),
+    ("parallel_tool_calls", lambda v: False, _NO_TOOLS),
+    (
+        "response_format",
+        lambda v: v == {"type": "text"},
+        "only response_format {'type': 'text'} is supported: no JSON mode or schemas",
+    ),
+    ("modalities", lambda v: v == ["text"], "only the 'text' modality is supported"),
+    ("audio", lambda v: False, "audio output is not supported"),
+    ("prediction", lambda v: False, "predicted outputs are not supported"),
+    ("reasoning_effort", lambda v: False, "reasoning_effort is not supported: the model does not reason"),
+    ("verbosity", lambda v: False, "verbosity is not supported"),
+    ("web_search_options", lambda v: False, "web search is not supported"),
+]
+_COMPLETION_RULES: list[Rule] = [
+    *_COMMON_RULES,
+    ("logprobs", lambda v: False, "logprobs is not supported (omit it)"),
+    ("echo", lambda v: v is False, "echo is not supported (send false or omit it)"),
+    ("best_of", lambda v: v == 1, "best_of > 1 is not supported (send 1 or omit it)"),
+    ("suffix", lambda v: v == "", "suffix is not supported: specserve does not insert text (omit it)"),
+]
+
+
+def _refuse_unsupported(request: GenerationFields, rules: list[Rule]) -> None:
+    for name, harmless, why in rules:
+        value = getattr(request, name)
+        if value is not None and not harmless(value):
+            message = why if why.startswith(name) else f"{name}: {why}"
+            raise ApiError.invalid(message, param=name, code="unsupported_parameter")
+
+
+def _speculation(request: GenerationFields) -> Speculation:
+    if request.speculation is None:
+        return Speculation()
+    try:
+        return Speculation.parse(request.speculation.mode, request.speculation.max_draft_tokens)
+    except InvalidArgument as exc:
+        raise ApiError.invalid(str(exc), param="speculation") from exc
+
+
+def _sampling(request: GenerationFields) -> SamplingParams:
+    return SamplingParams(
+        temperature=OPENAI_DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0,
+        seed=request.seed,
+    )
+
+
+def _stop(request: GenerationFields) -> tuple[str, ...]:
+    if request.stop is None:
+        return ()
+    return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+
+
+def _check_stream_options(request: GenerationFields) -> None:
+    if request.stream_options is not None and not request.stream:
+        raise ApiError.invalid("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def include_usage(request: GenerationFields) -> bool:
+    """A stream ends with a chunk carrying ``usage`` (and every chunk before it has ``"usage": null``)."""
+    return bool(request.stream and request.stream_options and request.stream_options.include_usage)
+
+
+def _text_content(message: ChatMessage, i: int) -> str:
+    """A message's text: a string, or a list of text parts (joined with newlines, as vLLM does)."""
+    content = message.content
+    if content is None:
+        raise ApiError.invalid(f"messages[{i}] has no content: every message needs text", param=f"messages[{i}]")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        if part.get("type") != "text":
+            raise ApiError.invalid(
+                f"{where} is of type {part.get('type')!r}: only text parts are supported (no images, audio or files)",
+                param=where,
+            )
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            raise ApiError.invalid(f"{where} must be {{'type': 'text', 'text': <string>}}", param=where)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _turn(message: ChatMessage, i: int) -> ChatTurn:
+    role = _ROLES.get(message.role)
+    if role is None:
+        why = "tool and function messages are not supported" if message.role in ("tool", "function") else ""
+        raise ApiError.invalid(
+            f"messages[{i}] has role {message.role!r}: use system, developer, user or assistant"
+            + (f" ({why})" if why else ""),
+            param=f"messages[{i}].role",
+        )
+    for name in ("name", "tool_calls", "tool_call_id", "function_call", "audio"):
+        if getattr(message, name):
+            raise ApiError.invalid(
+                f"messages[{i}].{name} is not supported: the chat template has no place for it",
+                param=f"messages[{i}].{name}",
+                code="unsupported_parameter",
+            )
+    if message.refusal:
+        raise ApiError.invalid(f"messages[{i}].refusal is not supported", param=f"messages[{i}].refusal")
+    return ChatTurn(role, _text_content(message, i))
+
+
+def chat_request(request: ChatCompletionRequest) -> EdgeRequest:
+    _refuse_unsupported(request, _CHAT_RULES)
+    _check_stream_options(request)
+    if not request.messages:
+        raise ApiError.invalid("messages is empty: send at least one message", param="messages")
+    max_tokens = request.max_completion_tokens
+    if request.max_tokens is not None:
+        if max_tokens is not None and max_tokens != request.max_tokens:
+            raise ApiError.invalid(
+                "max_tokens and max_completion_tokens disagree: send one of them", param="max_completion_tokens"
+            )
+        max_tokens = request.max_tokens
+    return EdgeRequest(
+        chat=tuple(_turn(m, i) for i, m in enumerate(request.messages)),
+        max_new_tokens=max_tokens,
+        sampling=_sampling(request),
+        stop=_stop(request),
+        speculation=_speculation(request),
+    )
+
+
+def _prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise ApiError.invalid(
+            f"prompt is a list of {len(prompt)} strings: send one prompt per request", param="prompt"
+        )
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int | list) for p in prompt):
+        raise ApiError.invalid("token-id prompts are not supported: send the prompt as text", param="prompt")
+    raise ApiError.invalid("prompt must be a string (or a list of one string)", param="prompt")
+
+
+def completion_request(request: CompletionRequest) -> EdgeRequest:
+    _refuse_unsupported(request, _COMPLETION_RULES)
+    _check_stream_options(request)
+    return EdgeRequest(
+        prompt=_prompt_text(request.prompt),
+        max_new_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens,
+        sampling=_sampling(request),
+        stop=_stop(request),
+        speculation=_speculation(request),
+    )
+
+
+def finish_reason(stats: GenerationStats) -> str:
+    """OpenAI's finish_reason: "length" at the token limit, "stop" at a stop string or the end of text."""
+    return "length" if stats.finish_reason is FinishReason.LENGTH else "stop"
+
+
+def usage(stats: GenerationStats) -> Usage:
+    return Usage(
+        prompt_tokens=stats.num_prompt_tokens,
+        completion_tokens=stats.num_generated_tokens,
+        total_tokens=stats.num_prompt_tokens + stats.num_generated_tokens,
+    )
+
+
+def speculation_stats(stats: GenerationStats) -> SpeculationStats:
+    return SpeculationStats(
+        mode=stats.speculation.value,
+        max_draft_tokens=stats.max_draft_tokens,
+        num_rounds=stats.num_rounds,
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos),
+        acceptance_length=round(stats.tau, 4),
+    )
