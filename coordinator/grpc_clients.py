@@ -86,7 +86,9 @@ class GrpcVerifier:
 
     async def info(self) -> VerifierInfo:
         try:
-            r = await self._stub.Info(verifier_pb2.InfoRequest(), timeout=self._timeout_s, metadata=self._metadata())
+            r = await self._stub.VerifierInfo(
+                verifier_pb2.VerifierInfoRequest(), timeout=self._timeout_s, metadata=self._metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
         return VerifierInfo(
@@ -117,21 +119,27 @@ class GrpcVerifier:
         return PrefillResult(int(response.prefill_ns), self._features(response.features))
 
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         request = verifier_pb2.VerifyRequest(
             session_id=session_id,
             num_committed_tokens=num_committed,
             tree=tree_to_proto(tree),
-            top_k=top_k,
+            num_successors=num_successors,
             return_features=return_features,
         )
         try:
             r = await self._stub.Verify(request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata())
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
-        flat = list(r.top_token_ids)
-        rows = [flat[i : i + top_k] for i in range(0, len(flat), top_k)] if top_k > 0 else []
+        flat = list(r.successor_token_ids)
+        k = num_successors
+        rows = [flat[i : i + k] for i in range(0, len(flat), k)] if k > 0 else []
         return VerifyResult(
             list(r.accepted_token_ids),
             list(r.accepted_node_indices),

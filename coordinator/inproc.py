@@ -48,10 +48,15 @@ class InProcessVerifier:
         )
 
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         return await asyncio.wrap_future(
-            self._verifier.submit_verify(session_id, num_committed, tree, top_k, return_features)
+            self._verifier.submit_verify(session_id, num_committed, tree, num_successors, return_features)
         )
 
     async def release(self, session_id: str) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
 from coordinator import request_log
 from coordinator.admission import AdmissionController
@@ -55,6 +56,7 @@ from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("coordinator")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 class StartupError(RuntimeError):
@@ -64,7 +66,7 @@ class StartupError(RuntimeError):
 def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
     defaults = CoordinatorConfig()
     parser = argparse.ArgumentParser(prog="coordinator", description="specserve coordinator (public API)")
-    add_common_flags(parser, defaults.port)
+    add_common_flags(parser, defaults)
     parser.add_argument(
         "--http-port",
         type=int,
@@ -107,7 +109,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
         default=defaults.max_stop_string_bytes,
         help="most UTF-8 bytes in each stop string",
     )
-    parser.add_argument("--draft-max-nodes", type=int, default=defaults.draft_max_nodes)
+    parser.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=defaults.max_draft_tokens,
+        help="most draft tokens (tree nodes) asked of the drafter each round; a request's max_draft_tokens may "
+        "only lower it",
+    )
     parser.add_argument(
         "--draft-timeout-ms",
         type=int,
@@ -128,10 +136,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     )
     parser.add_argument("--drafter-max-backoff-ms", type=int, default=defaults.drafter_max_backoff_ms)
     parser.add_argument(
-        "--successors-top-k",
+        "--num-successors",
         type=int,
-        default=defaults.successors_top_k,
-        help="target top tokens per scored position sent to the drafter (Token Recycling; 0: off)",
+        default=defaults.num_successors,
+        help="the target's likeliest next tokens per scored position, returned by each Verify and sent to the "
+        "drafter (Token Recycling; 0: off)",
     )
     parser.add_argument("--verifier-timeout-s", type=float, default=defaults.verifier_timeout_s)
     parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
@@ -301,6 +310,15 @@ def health_checked(
     )
 
 
+def add_reflection(server: grpc.aio.Server) -> None:
+    """gRPC server reflection, so grpcurl and buf curl find the services without the .proto files.
+
+    Reflection answers with the schema only, but it sits behind the API key like every call except health:
+    a caller without a key learns nothing about the server (send the key with ``grpcurl -H``).
+    """
+    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+
 def api_keys(config: CoordinatorConfig) -> ApiKeys | None:
     """The API keys callers must present, after the exposure rule: None (no auth) only on loopback or --insecure."""
     check_exposure(
@@ -359,6 +377,7 @@ async def serve(config: CoordinatorConfig) -> None:
     frontend = GenerationFrontend(config.served_model_name or config.model, admission, metrics)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
     health = add_health(server, [SERVICE_NAME])
+    add_reflection(server)
     drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)

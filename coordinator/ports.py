@@ -45,10 +45,15 @@ class VerifierPort(Protocol):
         ...
 
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
-        """Verify ``tree``; ``top_k`` > 0 also asks for the target's top next tokens per scored position,
-        ``return_features`` for its hidden states at the committed positions."""
+        """Verify ``tree``; ``num_successors`` > 0 also asks for that many of the target's likeliest next tokens
+        per scored position (Token Recycling), ``return_features`` for its hidden states at the committed positions."""
         ...
 
     async def release(self, session_id: str) -> None: ...

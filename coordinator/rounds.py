@@ -116,10 +116,10 @@ class GenerationStats:
 
 @dataclass(frozen=True)
 class RoundPolicy:
-    draft_max_nodes: int = 16
+    max_draft_tokens: int = 16  # the server's cap on draft tokens (tree nodes) per round; a request may lower it
     draft_timeout_s: float = 1.0
     max_session_tokens: int = 8192
-    successors_top_k: int = 4  # target top tokens per scored position sent back to the drafter (0: off)
+    num_successors: int = 4  # the target's likeliest next tokens per scored position, for the drafter (0: off)
     max_reprefills_per_round: int = 4
     # What the verifier accepts in a tree: each drafter tree is checked against it first (None: unchecked).
     tree_limits: TreeLimits | None = None
@@ -155,7 +155,7 @@ class Generation:
         self._finished = False
         self.stats.num_prompt_tokens = len(self.request.prompt_ids)
         self.stats.speculation = self.request.speculation.mode
-        self.stats.max_draft_tokens = self.request.speculation.draft_limit(self.policy.draft_max_nodes)
+        self.stats.max_draft_tokens = self.request.speculation.draft_limit(self.policy.max_draft_tokens)
 
     async def stream(self) -> AsyncGenerator[TextChunk | GenerationStats, None]:
         start = time.perf_counter_ns()
@@ -216,9 +216,9 @@ class Generation:
         result, tree = await self._verify(tree)
         drafted = drafted and bool(tree.token_ids)
         self._draft_budget = result.draft_budget_nodes
-        if result.top_tokens and self._draft is not None:
+        if result.successors and self._draft is not None:
             positions = (pending, *tree.token_ids)
-            self._successors = [(t, tuple(top)) for t, top in zip(positions, result.top_tokens, strict=True)]
+            self._successors = [(t, tuple(top)) for t, top in zip(positions, result.successors, strict=True)]
         if drafted:  # the drafter learns which of its nodes were taken, in its own tree's indices
             self._accepted_nodes = tuple(result.accepted_nodes)
         self._count_round(len(tree), len(result.accepted_tokens))
@@ -343,7 +343,7 @@ class Generation:
         """The verifier's result, and the tree it verified (empty when it refused the drafter's)."""
         lost = False
         for _ in range(self.policy.max_reprefills_per_round):
-            top_k = self.policy.successors_top_k if self._draft is not None else 0
+            num_successors = self.policy.num_successors if self._draft is not None else 0
             try:
                 if lost:
                     # The drafter already has the features of these positions: none are asked for.
@@ -351,7 +351,7 @@ class Generation:
                     self.stats.verify_ns += prefill.prefill_ns
                     lost = False
                 result = await self.verifier.verify(
-                    self.session_id, len(self._committed), tree, top_k, self._wants_features
+                    self.session_id, len(self._committed), tree, num_successors, self._wants_features
                 )
                 self.stats.verify_ns += result.verify_ns
                 return result, tree

@@ -18,7 +18,7 @@ from specserve.token_tree import InvalidTreeError, TokenTree
 
 @dataclass(frozen=True)
 class TreeLimits:
-    """What the verifier accepts in one tree (from its Info)."""
+    """What the verifier accepts in one tree (from its VerifierInfo)."""
 
     vocab_size: int  # token ids must lie in [0, vocab_size)
     max_nodes: int

@@ -174,10 +174,15 @@ class StickyVerifierRouter:
         return await self._call(session_id, True, lambda r: r.prefill(session_id, token_ids, sampling, return_features))
 
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         return await self._call(
-            session_id, False, lambda r: r.verify(session_id, num_committed, tree, top_k, return_features)
+            session_id, False, lambda r: r.verify(session_id, num_committed, tree, num_successors, return_features)
         )
 
     async def release(self, session_id: str) -> None:

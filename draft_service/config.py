@@ -7,6 +7,8 @@ from pathlib import Path
 
 from specserve.auth.config import ServerSecurity
 from specserve.drain import DEFAULT_GRACE_S
+from specserve.model_loading import DEFAULT_MODEL
+from specserve.service_main import DRAFTER_PORT, LOOPBACK
 
 # The committed head for the packaged target (`make train-draft` writes it; it ships as package data).
 DEFAULT_DRAFT_HEAD = Path(__file__).resolve().parent / "weights" / "smollm2-draft-head.pt"
@@ -14,8 +16,8 @@ DEFAULT_DRAFT_HEAD = Path(__file__).resolve().parent / "weights" / "smollm2-draf
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    host: str = "127.0.0.1"
-    port: int = 50052
+    host: str = LOOPBACK
+    port: int = DRAFTER_PORT
     redis_url: str | None = None  # None: the embedded in-memory n-gram pool
     redis_timeout_ms: int = 50  # budget of one Redis call; slower counts as down
     pool_key_len: int = 3
@@ -29,7 +31,7 @@ class DrafterConfig:
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
     # The draft_model source: a draft head trained for this target (`make train-draft`).
     draft_head_path: str = str(DEFAULT_DRAFT_HEAD)
-    target_model: str = "smollm2"  # whose embedding and LM head the head reads (name or local path)
+    target_model: str = DEFAULT_MODEL  # whose embedding and LM head the head reads (name or local path)
     tree_depth: int = 4  # dynamic tree: levels, children per expanded node, nodes expanded per level
     tree_branching: int = 4
     tree_beam: int = 4
@@ -41,6 +43,9 @@ class DrafterConfig:
     # the least recently used sessions' draft-head state is freed (they go on with n-gram drafting).
     max_memory_mib: int = 1024
     stream_idle_timeout_s: float = 300.0  # a Draft stream silent this long is closed and its state freed
+    # A client connection older than this is asked to reconnect (GOAWAY; its open streams finish): coordinators
+    # then resolve the drafter Service's DNS name again, so drafter pods added by a scale-up get new sessions.
+    max_connection_age_s: float = 30.0
 
 
 POOL_SHARE = 0.25

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -45,7 +46,7 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     defaults = DrafterConfig()
     parser = argparse.ArgumentParser(prog="draft_service", description="specserve drafter")
-    add_common_flags(parser, defaults.port)
+    add_common_flags(parser, defaults)
     parser.add_argument(
         "--redis-url",
         default=env("SPECSERVE_REDIS_URL", ""),
@@ -75,7 +76,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
     parser.add_argument("--tree-beam", type=int, default=defaults.tree_beam)
-    parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
+    parser.add_argument(
+        "--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", str(defaults.torch_threads)))
+    )
     parser.add_argument(
         "--predraft-outcomes",
         type=int,
@@ -94,6 +97,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         type=float,
         default=defaults.stream_idle_timeout_s,
         help="a Draft stream that sends nothing this long is closed (DEADLINE_EXCEEDED) and its state freed",
+    )
+    parser.add_argument(
+        "--max-connection-age-s",
+        type=float,
+        default=defaults.max_connection_age_s,
+        help="clients reconnect after this long (open streams finish first), and so resolve the drafter "
+        "Service's DNS name again: new drafter pods get sessions within about this long",
     )
     args = parser.parse_args(argv)
     try:
@@ -146,6 +156,16 @@ def load_head(config: DrafterConfig) -> DraftHead:
     return head
 
 
+def drafter_server_options(config: DrafterConfig) -> list[tuple[str, Any]]:
+    """The shared server options, plus a connection age limit.
+
+    gRPC clients resolve a dns:/// target again only when a connection ends, never on a timer: without an age
+    limit a coordinator would keep its Draft streams on the drafter pods it first found, and pods added by a
+    scale-up would get no sessions. The grace is unlimited (gRPC's default), so open Draft streams finish.
+    """
+    return [*server_options(), ("grpc.max_connection_age_ms", round(config.max_connection_age_s * 1000))]
+
+
 def interceptors(config: DrafterConfig) -> list[grpc.aio.ServerInterceptor]:
     """The internal token check, after the exposure rule (SystemExit with what to pass when it fails)."""
     try:
@@ -167,7 +187,7 @@ async def serve(config: DrafterConfig) -> None:
         except DraftHeadError as exc:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
     drafter, pools = build_drafter(config, head)
-    server = grpc.aio.server(options=server_options(), interceptors=[AioErrorInterceptor(), *checks])
+    server = grpc.aio.server(options=drafter_server_options(config), interceptors=[AioErrorInterceptor(), *checks])
     drain = Drain(config.shutdown_grace_s)
     servicer = DrafterServicer(drafter, pools, drain, config.stream_idle_timeout_s)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)

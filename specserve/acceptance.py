@@ -50,8 +50,9 @@ class VerifyResult:
     accepted_nodes: list[int]  # tree indices of the accepted path, root first
     bonus_token: int
     verify_ns: int
-    # The target's top next tokens at each scored position (pending token, then nodes); may be empty.
-    top_tokens: list[list[int]] = field(default_factory=list)
+    # The target's likeliest next tokens at each scored position (pending token, then nodes), best first, when
+    # successors were asked for (Token Recycling); else empty.
+    successors: list[list[int]] = field(default_factory=list)
     # With features asked for: the target's last hidden state (float16 [len(committed), hidden]) at each
     # committed position whose token it had as input: the pending token, then the accepted nodes.
     features: np.ndarray | None = None

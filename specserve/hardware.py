@@ -16,7 +16,7 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 @dataclass(frozen=True)
 class DtypeChoice:
     dtype: str  # "float32", "bfloat16" or "float16"
-    reason: str  # why, for the start-up log and Info
+    reason: str  # why, for the start-up log and VerifierInfo
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

@@ -24,6 +24,9 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specserve.model_loading import DEFAULT_MODEL
+from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, VERIFIER_PORT
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -83,10 +86,10 @@ def wait_http_ready(url: str, timeout_s: float, *watched: subprocess.Popen[bytes
 class LocalCluster:
     """Verifier, drafter and coordinator as child processes (context manager)."""
 
-    coordinator_port: int = 50051
-    drafter_port: int = 50052
-    verifier_port: int = 50053
-    model: str = "smollm2"
+    coordinator_port: int = COORDINATOR_PORT
+    drafter_port: int = DRAFTER_PORT
+    verifier_port: int = VERIFIER_PORT
+    model: str = DEFAULT_MODEL
     redis_url: str | None = None
     with_drafter: bool = True
     # Verifier replicas: the first listens on verifier_port (process "verifier"), replica i on
@@ -224,12 +227,12 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="run coordinator, drafter and verifier locally")
-    parser.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL", "smollm2"))
+    parser.add_argument("--model", default=os.environ.get("SPECSERVE_MODEL", DEFAULT_MODEL))
     parser.add_argument("--redis-url", default=os.environ.get("SPECSERVE_REDIS_URL") or None)
-    parser.add_argument("--coordinator-port", type=int, default=50051)
-    parser.add_argument("--drafter-port", type=int, default=50052)
-    parser.add_argument("--verifier-port", type=int, default=50053)
-    parser.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API (0: off)")
+    parser.add_argument("--coordinator-port", type=int, default=COORDINATOR_PORT)
+    parser.add_argument("--drafter-port", type=int, default=DRAFTER_PORT)
+    parser.add_argument("--verifier-port", type=int, default=VERIFIER_PORT)
+    parser.add_argument("--http-port", type=int, default=HTTP_PORT, help="the OpenAI-compatible HTTP API (0: off)")
     parser.add_argument(
         "--metrics-port-base",
         type=int,

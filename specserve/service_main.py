@@ -6,8 +6,31 @@ import argparse
 import logging
 import os
 import sys
+from typing import Protocol
 
-from specserve.drain import DEFAULT_GRACE_S
+LOOPBACK = "127.0.0.1"
+"""Where every server listens by default (and `make run` serves): this machine only."""
+COORDINATOR_PORT = 50051
+DRAFTER_PORT = 50052
+VERIFIER_PORT = 50053
+HTTP_PORT = 8000  # the coordinator's OpenAI-compatible HTTP API
+"""The services' default ports: their config dataclasses, the coordinator's default targets and the local cluster."""
+
+
+class ServerDefaults(Protocol):
+    """What ``add_common_flags`` reads from a service's config dataclass (an instance with its defaults)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def metrics_port(self) -> int: ...
+
+    @property
+    def shutdown_grace_s(self) -> float: ...
 
 
 def env(name: str, default: str) -> str:
@@ -15,19 +38,21 @@ def env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
-def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
-    parser.add_argument("--host", default=env("SPECSERVE_HOST", "127.0.0.1"), help="interface to listen on")
-    parser.add_argument("--port", type=int, default=int(env("SPECSERVE_PORT", str(default_port))), help="gRPC port")
+def add_common_flags(parser: argparse.ArgumentParser, defaults: ServerDefaults) -> None:
+    """--host, --port, --metrics-port, --shutdown-grace-s, --log-level and the security flags; their defaults
+    come from ``defaults`` (the service's config dataclass), or from the environment."""
+    parser.add_argument("--host", default=env("SPECSERVE_HOST", defaults.host), help="interface to listen on")
+    parser.add_argument("--port", type=int, default=int(env("SPECSERVE_PORT", str(defaults.port))), help="gRPC port")
     parser.add_argument(
         "--metrics-port",
         type=int,
-        default=int(env("SPECSERVE_METRICS_PORT", "0")),
+        default=int(env("SPECSERVE_METRICS_PORT", str(defaults.metrics_port))),
         help="port of the Prometheus /metrics endpoint (0: disabled)",
     )
     parser.add_argument(
         "--shutdown-grace-s",
         type=float,
-        default=float(env("SPECSERVE_SHUTDOWN_GRACE_S", str(DEFAULT_GRACE_S))),
+        default=float(env("SPECSERVE_SHUTDOWN_GRACE_S", str(defaults.shutdown_grace_s))),
         help="on SIGTERM: how long in-flight work may go on while new work is refused (a second signal stops "
         "at once); keep it below the pod's terminationGracePeriodSeconds",
     )

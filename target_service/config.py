@@ -6,13 +6,15 @@ from dataclasses import dataclass, field
 
 from specserve.auth.config import ServerSecurity
 from specserve.drain import DEFAULT_GRACE_S
+from specserve.model_loading import DEFAULT_MODEL
+from specserve.service_main import LOOPBACK, VERIFIER_PORT
 
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    host: str = "127.0.0.1"
-    port: int = 50053
-    model: str = "smollm2"  # "smollm2" (packaged GGUF), a .gguf file, or an HF directory
+    host: str = LOOPBACK
+    port: int = VERIFIER_PORT
+    model: str = DEFAULT_MODEL  # "smollm2" (packaged GGUF), a .gguf file, or an HF directory
     device: str = "cpu"
     dtype: str = "auto"  # "auto": bf16 where the hardware runs it natively (CUDA, AMX, AVX512-BF16), else fp32
     cache_dir: str | None = None  # where GGUF models are converted once; None: default cache

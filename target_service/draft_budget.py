@@ -73,7 +73,7 @@ class CostCurve:
             raise ValueError(f"not a cost curve: {exc}") from exc
 
     def ratios(self) -> dict[int, float]:
-        """c(n) / c(first) for every measured n (for logs and Info)."""
+        """c(n) / c(first) for every measured n (for logs and VerifierInfo)."""
         return {n: s / self.seconds[0] for n, s in zip(self.tokens, self.seconds, strict=True)}
 
 

@@ -41,7 +41,7 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_
 def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
     defaults = VerifierConfig()
     parser = argparse.ArgumentParser(prog="target_service", description="specserve verifier (target model)")
-    add_common_flags(parser, defaults.port)
+    add_common_flags(parser, defaults)
     parser.add_argument(
         "--model",
         default=env("SPECSERVE_MODEL", defaults.model),
@@ -97,7 +97,9 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         action="store_false",
         help="size draft budgets by the cost curve alone, without checking them against measured throughput",
     )
-    parser.add_argument("--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", "0")))
+    parser.add_argument(
+        "--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", str(defaults.torch_threads)))
+    )
     parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
     args = parser.parse_args(argv)
     try:

@@ -76,7 +76,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 request.session_id,
                 request.num_committed_tokens,
                 tree,
-                request.top_k,
+                request.num_successors,
                 request.return_features,
                 owner=_owner(context),
             )
@@ -86,7 +86,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             accepted_node_indices=result.accepted_nodes,
             bonus_token_id=result.bonus_token,
             verify_ns=result.verify_ns,
-            top_token_ids=[token for row in result.top_tokens for token in row],
+            successor_token_ids=[token for row in result.successors for token in row],
             features=features_to_proto(result.features),
             draft_budget_nodes=result.draft_budget_nodes,
             batch_sessions=result.batch_sessions,
@@ -99,10 +99,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         released = self._verifier.release(request.session_id, owner=_owner(context))
         return verifier_pb2.ReleaseResponse(released=released)
 
-    def Info(self, request: verifier_pb2.InfoRequest, context: grpc.ServicerContext) -> verifier_pb2.InfoResponse:
+    def VerifierInfo(
+        self, request: verifier_pb2.VerifierInfoRequest, context: grpc.ServicerContext
+    ) -> verifier_pb2.VerifierInfoResponse:
         limits = self._verifier.limits
         stats = self._verifier.stats()
-        return verifier_pb2.InfoResponse(
+        return verifier_pb2.VerifierInfoResponse(
             model_name=self._verifier.model_name,
             vocab_fingerprint=self._verifier.vocab_fingerprint,
             vocab_size=self._verifier.vocab_size,

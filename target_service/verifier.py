@@ -94,7 +94,7 @@ class VerifierLimits:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for Info and metrics."""
+    """A snapshot for VerifierInfo and metrics."""
 
     num_sessions: int
     num_queued: int
@@ -145,7 +145,7 @@ class _PrefillCall(_Call):
 class _VerifyCall(_Call):
     num_committed: int = 0
     tree: TokenTree = field(default_factory=TokenTree)
-    top_k: int = 0
+    num_successors: int = 0  # the target's likeliest next tokens returned per scored position
     return_features: bool = False
     score_only: bool = False  # answer the fp32 logits and leave the session as it was
 
@@ -336,14 +336,21 @@ class Verifier:
         return self._submit(call)
 
     def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         """Verify ``tree`` on top of the session.
 
-        ``top_k`` > 0 also returns the target's top next tokens at every scored
-        position; ``return_features`` its hidden states at the committed ones.
+        ``num_successors`` > 0 also returns that many of the target's likeliest next tokens at every scored
+        position (for Token Recycling); ``return_features`` its hidden states at the committed ones.
         """
-        result: VerifyResult = self.submit_verify(session_id, num_committed, tree, top_k, return_features).result()
+        result: VerifyResult = self.submit_verify(
+            session_id, num_committed, tree, num_successors, return_features
+        ).result()
         return result
 
     def submit_verify(
@@ -351,7 +358,7 @@ class Verifier:
         session_id: str,
         num_committed: int,
         tree: TokenTree,
-        top_k: int = 0,
+        num_successors: int = 0,
         return_features: bool = False,
         owner: str = "",
     ) -> Future[VerifyResult]:
@@ -359,10 +366,15 @@ class Verifier:
             tree.validate(self.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
         except InvalidTreeError as exc:
             raise InvalidArgument(str(exc)) from exc
-        if top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
+        if num_successors < 0:
+            raise InvalidArgument(f"num_successors must be >= 0, got {num_successors}")
         call = _VerifyCall(
-            session_id, owner, num_committed=num_committed, tree=tree, top_k=top_k, return_features=return_features
+            session_id,
+            owner,
+            num_committed=num_committed,
+            tree=tree,
+            num_successors=num_successors,
+            return_features=return_features,
         )
         return self._submit(call)
 
@@ -816,7 +828,8 @@ class Verifier:
         session.committed.extend([*accepted, acceptance.bonus_token])
         self._budget.observe(max(tree.depths(), default=0), len(accepted))
         session.acceptance.observe(max(tree.depths(), default=0), len(accepted))
-        top_tokens = logits.topk(min(call.top_k, self.vocab_size), dim=-1).indices.tolist() if call.top_k > 0 else []
+        k = min(call.num_successors, self.vocab_size)
+        successors = logits.topk(k, dim=-1).indices.tolist() if k > 0 else []
         rows = [0, *(node + 1 for node in acceptance.path)]
         now = time.perf_counter_ns()
         _resolve(
@@ -826,7 +839,7 @@ class Verifier:
                 accepted_nodes=acceptance.path,
                 bonus_token=acceptance.bonus_token,
                 verify_ns=now - call.enqueued_ns,
-                top_tokens=top_tokens,
+                successors=successors,
                 features=_float16(hidden[rows]) if hidden is not None else None,
                 draft_budget_nodes=budget,
                 batch_sessions=batch_sessions,

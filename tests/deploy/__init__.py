@@ -1,1 +1,1 @@
-"""Offline checks of deploy/: the Helm chart, the Dockerfile, EndpointSlice discovery."""
+"""Offline checks of deploy/: the Helm chart and the Dockerfile."""

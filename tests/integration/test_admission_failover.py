@@ -83,7 +83,9 @@ def active_sessions(cluster: LocalCluster) -> dict[str, int]:
     for name, address in cluster.verifier_addresses.items():
         if name in cluster.processes:
             with grpc.insecure_channel(address) as channel:
-                info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(verifier_pb2.InfoRequest(), timeout=10)
+                info = verifier_pb2_grpc.VerifierServiceStub(channel).VerifierInfo(
+                    verifier_pb2.VerifierInfoRequest(), timeout=10
+                )
                 counts[name] = info.num_active_sessions
     return counts
 

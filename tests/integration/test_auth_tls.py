@@ -252,15 +252,19 @@ def session_calls(stub: verifier_pb2_grpc.VerifierServiceStub) -> None:
 
 def test_the_verifier_wants_the_internal_token(secured: Secured) -> None:
     with verifier_stub(secured) as stub:
-        error = rpc_error(lambda: stub.Info(verifier_pb2.InfoRequest(), metadata=((TENANT_METADATA_KEY, "alpha"),)))
+        error = rpc_error(
+            lambda: stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), metadata=((TENANT_METADATA_KEY, "alpha"),))
+        )
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
         assert "--internal-token-file" in error.details()  # type: ignore[attr-defined]
-        assert stub.Info(verifier_pb2.InfoRequest(), metadata=internal("alpha")).vocab_size > 0
+        assert stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), metadata=internal("alpha")).vocab_size > 0
 
 
 def test_the_verifier_wants_a_client_certificate(secured: Secured) -> None:
     with verifier_stub(secured, client_cert=False) as stub:
-        error = rpc_error(lambda: stub.Info(verifier_pb2.InfoRequest(), metadata=internal("alpha"), timeout=10))
+        error = rpc_error(
+            lambda: stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), metadata=internal("alpha"), timeout=10)
+        )
     assert error.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
 
 

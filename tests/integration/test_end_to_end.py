@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -125,7 +128,7 @@ def test_verifier_rejects_unknown_sessions_and_malformed_trees(cluster: LocalClu
                 stub.Verify(verifier_pb2.VerifyRequest(session_id="t", num_committed_tokens=3, tree=tree), timeout=30)
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert message in error.value.details()
-        info = stub.Info(verifier_pb2.InfoRequest(), timeout=30)
+        info = stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), timeout=30)
         assert info.vocab_size == 49152 and info.max_session_tokens == 8192 and info.vocab_fingerprint
         assert info.supports_branching and info.max_tree_depth > 0
         assert stub.Release(verifier_pb2.ReleaseRequest(session_id="t"), timeout=30).released
@@ -213,7 +216,9 @@ def test_sixteen_concurrent_streams_are_each_identical_to_plain_greedy(cluster: 
         assert tokens == target.greedy(target.chat_ids(text), 16), text[:60]
         assert stats.num_generated_tokens == len(tokens)
     with grpc.insecure_channel(cluster.verifier_address) as channel:
-        info = verifier_pb2_grpc.VerifierServiceStub(channel).Info(verifier_pb2.InfoRequest(), timeout=10)
+        info = verifier_pb2_grpc.VerifierServiceStub(channel).VerifierInfo(
+            verifier_pb2.VerifierInfoRequest(), timeout=10
+        )
     assert info.dtype == "float32"
     assert info.num_active_sessions == 0 and info.kv_cache_used_bytes == 0 and info.num_queued_requests == 0
     assert info.kv_cache_capacity_bytes > 0
@@ -272,3 +277,52 @@ def test_the_client_request_id_comes_back_in_the_initial_metadata(cluster: Local
         responses = list(call)
         assert ("x-request-id", "it-42") in call.initial_metadata()
     assert responses[-1].stats.request_id == "it-42"
+
+
+def find_grpcurl() -> str:
+    """$GRPCURL, then the repo's .tools/bin/grpcurl (make grpcurl-tool), then PATH."""
+    for candidate in (os.environ.get("GRPCURL"), str(Path(__file__).parents[2] / ".tools" / "bin" / "grpcurl")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("grpcurl")
+    if found is None:
+        pytest.skip("no grpcurl binary: run `make grpcurl-tool` (deploy/tools/fetch-grpcurl.sh) or set GRPCURL")
+    return found
+
+
+def test_grpcurl_lists_and_calls_the_service_through_reflection(cluster: LocalCluster) -> None:
+    """No .proto files: grpcurl learns the API from the coordinator's reflection service, and its Generate
+    streams the same tokens as the SDK's."""
+    grpcurl = find_grpcurl()
+
+    def run(*args: str) -> str:
+        done = subprocess.run([grpcurl, "-plaintext", *args], capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    address = cluster.coordinator_address
+    assert set(run(address, "list").split()) == {
+        "specserve.v1.GenerationService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    assert run(address, "list", "specserve.v1.GenerationService").split() == ["specserve.v1.GenerationService.Generate"]
+
+    prompt, max_new_tokens = "The capital of France is", 8
+    body = json.dumps({"prompt": prompt, "max_new_tokens": max_new_tokens})
+    output = run("-d", body, address, "specserve.v1.GenerationService/Generate")
+    decoder, messages, rest = json.JSONDecoder(), [], output.strip()
+    while rest:  # one JSON object per streamed message
+        message, end = decoder.raw_decode(rest)
+        messages.append(message)
+        rest = rest[end:].lstrip()
+    deltas: list[dict[str, Any]] = [m["delta"] for m in messages[:-1]]
+    stats = messages[-1]["stats"]
+
+    expected: list[int] = []
+    with SpecserveClient(address) as client:
+        for event in client.generate(prompt, GenerationParams(max_new_tokens=max_new_tokens)):
+            if isinstance(event, TextChunk):
+                expected += event.token_ids
+    assert [token for delta in deltas for token in delta["token_ids"]] == expected
+    assert stats["num_generated_tokens"] == len(expected) > 0

@@ -154,7 +154,7 @@ def wait_no_sessions(cluster: LocalCluster, timeout_s: float = 15.0) -> tuple[in
         deadline = time.monotonic() + timeout_s
         while True:
             counts = (
-                verifier.Info(verifier_pb2.InfoRequest(), timeout=10).num_active_sessions,
+                verifier.VerifierInfo(verifier_pb2.VerifierInfoRequest(), timeout=10).num_active_sessions,
                 drafter.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=10).num_active_sessions,
             )
             if counts == (0, 0) or time.monotonic() > deadline:

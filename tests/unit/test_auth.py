@@ -238,8 +238,10 @@ def test_api_key_interceptor(tmp_path: Path) -> None:
 
 
 class OwnerEcho(verifier_pb2_grpc.VerifierServiceServicer):
-    def Info(self, request: verifier_pb2.InfoRequest, context: grpc.ServicerContext) -> verifier_pb2.InfoResponse:
-        return verifier_pb2.InfoResponse(model_name=session_owner(context.invocation_metadata(), None))
+    def VerifierInfo(
+        self, request: verifier_pb2.VerifierInfoRequest, context: grpc.ServicerContext
+    ) -> verifier_pb2.VerifierInfoResponse:
+        return verifier_pb2.VerifierInfoResponse(model_name=session_owner(context.invocation_metadata(), None))
 
 
 @pytest.fixture
@@ -258,12 +260,12 @@ def test_internal_token_interceptor(token_server: str) -> None:
         stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         for metadata, says in [((), "send the internal token"), ((("authorization", "Bearer nope"),), "is wrong")]:
             with pytest.raises(grpc.RpcError) as raised:
-                stub.Info(verifier_pb2.InfoRequest(), metadata=metadata)
+                stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), metadata=metadata)
             assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
             assert says in raised.value.details()  # type: ignore[attr-defined]
         with tenant_scope(Tenant("acme")):
             metadata = InternalCredentials("s3cret").metadata()
-        assert stub.Info(verifier_pb2.InfoRequest(), metadata=metadata).model_name == "/acme"
+        assert stub.VerifierInfo(verifier_pb2.VerifierInfoRequest(), metadata=metadata).model_name == "/acme"
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
 

@@ -44,7 +44,7 @@ def verify_alone(prompt: list[int], tree: TokenTree, sampling: SamplingParams) -
     try:
         verifier.prefill("s", prompt, sampling)
         logits = verifier.score("s", tree)
-        return verifier.verify("s", len(prompt), tree, top_k=3, return_features=True), logits
+        return verifier.verify("s", len(prompt), tree, num_successors=3, return_features=True), logits
     finally:
         verifier.close()
 
@@ -58,7 +58,7 @@ def test_sessions_verified_in_one_batch_get_what_each_gets_alone() -> None:
         scores = [verifier.submit_score(f"s{i}", tree) for i, (_, tree, _) in enumerate(cases)]
     with verifier.paused():
         futures = [
-            verifier.submit_verify(f"s{i}", len(prompt), tree, top_k=3, return_features=True)
+            verifier.submit_verify(f"s{i}", len(prompt), tree, num_successors=3, return_features=True)
             for i, (prompt, tree, _) in enumerate(cases)
         ]
     results = [f.result(timeout=30) for f in futures]
@@ -67,7 +67,7 @@ def test_sessions_verified_in_one_batch_get_what_each_gets_alone() -> None:
     for (prompt, tree, sampling), result, score in zip(cases, results, scores, strict=True):
         alone, alone_logits = verify_alone(prompt, tree, sampling)
         assert (result.accepted_nodes, result.bonus_token) == (alone.accepted_nodes, alone.bonus_token)
-        assert result.top_tokens == alone.top_tokens
+        assert result.successors == alone.successors
         torch.testing.assert_close(score.result(), alone_logits, rtol=1e-5, atol=1e-5)
         assert result.features is not None and alone.features is not None
         assert abs(result.features.astype(float) - alone.features.astype(float)).max() < 1e-2

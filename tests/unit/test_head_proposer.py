@@ -219,7 +219,7 @@ def generate(
         CharTokenizer(),
         frozenset({-1}),
         "fp",
-        RoundPolicy(draft_max_nodes=8),
+        RoundPolicy(max_draft_tokens=8),
     )
     tokens, _, stats = run_generation(generation)
     return tokens, stats, drafter.predraft_counts

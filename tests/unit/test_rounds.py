@@ -43,7 +43,7 @@ def generation(request: GenerationRequest, verifier: object = None, draft: objec
         CharTokenizer(),
         frozenset({eos}),
         "fp",
-        RoundPolicy(draft_max_nodes=6),
+        RoundPolicy(max_draft_tokens=6),
     )
 
 
@@ -158,7 +158,7 @@ def test_a_cap_bounds_the_draft_tokens_of_every_round(cap: int) -> None:
 def test_a_cap_above_the_servers_limit_is_the_servers_limit() -> None:
     capped = GenerationRequest([1, 2, 3], 4, speculation=Speculation(max_draft_tokens=100))
     _, _, stats = run(generation(capped))
-    assert stats.max_draft_tokens == 6  # RoundPolicy(draft_max_nodes=6)
+    assert stats.max_draft_tokens == 6  # RoundPolicy(max_draft_tokens=6)
 
 
 def test_auto_reports_the_servers_limit_and_acceptance_by_position() -> None:
@@ -181,12 +181,17 @@ class ForgetfulVerifier(InProcessVerifier):
         self._calls = 0
 
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         self._calls += 1
         if self._calls % self._every == 0:
             self._verifier_ref.release(session_id)
-        return await super().verify(session_id, num_committed, tree, top_k, return_features)
+        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
 
 
 def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -> None:
@@ -216,11 +221,16 @@ class MortalReplica(InProcessVerifier):
         return await super().prefill(session_id, token_ids, sampling, return_features)
 
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         self._verifies -= 1
         self._check_alive()
-        return await super().verify(session_id, num_committed, tree, top_k, return_features)
+        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
 
 
 @pytest.mark.parametrize("dies_after", [0, 4])  # while verifying the first round, or mid-stream
@@ -245,10 +255,15 @@ def test_a_replica_dying_before_the_first_prefill_moves_it() -> None:
 
 class SlowVerifier(InProcessVerifier):
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         await asyncio.sleep(0.05)
-        return await super().verify(session_id, num_committed, tree, top_k, return_features)
+        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
 
 
 def test_the_deadline_ends_the_request_and_releases_its_session() -> None:
@@ -346,7 +361,7 @@ def test_tokens_past_the_cut_are_never_committed_nor_reported(cut: str) -> None:
         max_new = 9
         expected = reference[:9]
     g = generation(GenerationRequest(prompt, max_new, stop=stop), draft=OracleDrafter(oracle), eos=eos)
-    g.policy = RoundPolicy(draft_max_nodes=16)  # whole-tree acceptance runs well past the cut
+    g.policy = RoundPolicy(max_draft_tokens=16)  # whole-tree acceptance runs well past the cut
     _, _, stats = run(g)
     if cut != "length":  # (a tree never reaches past the length: the round loop sizes it to what is left)
         assert stats.num_accepted_tokens + stats.num_rounds > len(expected)  # the verifier did return more

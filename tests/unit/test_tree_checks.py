@@ -108,7 +108,7 @@ def generation(drafter: BadTreeDrafter, limits: TreeLimits | None, verifier: obj
         CharTokenizer(),
         frozenset({-1}),
         "fp",
-        RoundPolicy(draft_max_nodes=6, tree_limits=limits),
+        RoundPolicy(max_draft_tokens=6, tree_limits=limits),
         drafter_monitor=drafter,
     )
 
@@ -129,11 +129,11 @@ class RejectingVerifier(InProcessVerifier):
         super().__init__(Verifier(MODEL, "fp"))
         self.refused = 0
 
-    async def verify(self, session_id, num_committed, tree, top_k=0, return_features=False):  # type: ignore[no-untyped-def]
+    async def verify(self, session_id, num_committed, tree, num_successors=0, return_features=False):  # type: ignore[no-untyped-def]
         if len(tree):
             self.refused += 1
             raise InvalidArgument("tree has 2 nodes; this verifier accepts at most 1")
-        return await super().verify(session_id, num_committed, tree, top_k, return_features)
+        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
 
 
 def test_a_tree_the_verifier_rejects_is_retried_empty_and_counted_against_the_drafter() -> None:

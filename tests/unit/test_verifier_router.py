@@ -44,7 +44,12 @@ class FakeReplica:
         return PrefillResult(0)
 
     async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, top_k: int = 0, return_features: bool = False
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
     ) -> VerifyResult:
         self._fail()
         self.calls.append(("verify", session_id))

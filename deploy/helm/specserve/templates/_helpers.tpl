@@ -65,19 +65,6 @@ app.kubernetes.io/component: {{ .tier }}
 {{- end }}
 {{- end }}
 
-{{/* The coordinator gets its own ServiceAccount only when it must read EndpointSlices. */}}
-{{- define "specserve.watchesEndpointSlices" -}}
-{{- if eq .Values.coordinator.discovery.mode "endpointslices" }}true{{ end }}
-{{- end }}
-
-{{- define "specserve.coordinatorServiceAccountName" -}}
-{{- if include "specserve.watchesEndpointSlices" . }}
-{{- include "specserve.tierName" (dict "root" . "tier" "coordinator") }}
-{{- else }}
-{{- include "specserve.serviceAccountName" . }}
-{{- end }}
-{{- end }}
-
 {{/*
 Image reference of a tier: <registry>/<repository>@<digest>, or :<tag> where the
 tag defaults to image.tag, then appVersion, plus "-cuda" for GPU tiers.

@@ -116,7 +116,6 @@ Deployment of one tier. Extra keys:
             image's entrypoint (deploy/docker/Dockerfile) names the server
             module, so the chart passes arguments only
   env     - rendered YAML list of tier-specific EnvVars (may be empty)
-  automountToken - mount the ServiceAccount token (coordinator with EndpointSlice discovery)
   serviceAccountName
   ports   - extra container ports, a list of {name, port} (the coordinator's HTTP API)
 */}}
@@ -157,7 +156,8 @@ spec:
         {{- end }}
     spec:
       serviceAccountName: {{ .serviceAccountName }}
-      automountServiceAccountToken: {{ .automountToken }}
+      # No tier talks to the Kubernetes API: replicas are found through the headless Services' DNS names.
+      automountServiceAccountToken: false
       # Service links would inject SPECSERVE_*_PORT style variables into the
       # specserve-* pods and could shadow the servers' own SPECSERVE_* settings.
       enableServiceLinks: false

@@ -1,0 +1,108 @@
+"""Each config default is defined once: in the service's config dataclass, which its flags, the round loop's
+policy and the local cluster follow. A flag whose default is typed again in main.py fails here when the
+dataclass changes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+from coordinator import main as coordinator_main
+from coordinator.config import CoordinatorConfig, round_policy
+from coordinator.ports import VerifierInfo
+from coordinator.rounds import RoundPolicy
+from draft_service import main as drafter_main
+from draft_service.config import DrafterConfig
+from specserve.local_cluster import LocalCluster
+from target_service import main as verifier_main
+from target_service.config import VerifierConfig
+
+SERVICES: list[tuple[Callable[[list[str] | None], tuple[Any, str]], type]] = [
+    (coordinator_main.parse_config, CoordinatorConfig),
+    (drafter_main.parse_config, DrafterConfig),
+    (verifier_main.parse_config, VerifierConfig),
+]
+
+
+@pytest.fixture(autouse=True)
+def no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flags' environment fallbacks stay out of it: an empty command line on a bare machine."""
+    for name in list(os.environ):
+        if name.startswith("SPECSERVE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize(("parse", "config_class"), SERVICES, ids=lambda x: getattr(x, "__name__", ""))
+def test_an_empty_command_line_gives_the_dataclass_defaults(
+    parse: Callable[[list[str] | None], tuple[Any, str]], config_class: type
+) -> None:
+    parsed, _ = parse([])
+    defaults = config_class()
+    differing = {f.name: (getattr(parsed, f.name), getattr(defaults, f.name)) for f in fields(config_class)}
+    assert {name: pair for name, pair in differing.items() if pair[0] != pair[1]} == {}
+
+
+@pytest.mark.parametrize(("parse", "config_class"), SERVICES, ids=lambda x: getattr(x, "__name__", ""))
+def test_the_environment_fallbacks_still_work(
+    parse: Callable[[list[str] | None], tuple[Any, str]], config_class: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECSERVE_PORT", "4242")
+    monkeypatch.setenv("SPECSERVE_METRICS_PORT", "4343")
+    monkeypatch.setenv("SPECSERVE_SHUTDOWN_GRACE_S", "7.5")
+    parsed, _ = parse([])
+    assert (parsed.port, parsed.metrics_port, parsed.shutdown_grace_s) == (4242, 4343, 7.5)
+
+
+@pytest.mark.parametrize(("parse", "config_class"), SERVICES, ids=lambda x: getattr(x, "__name__", ""))
+def test_every_flag_default_is_the_dataclass_default(
+    parse: Callable[[list[str] | None], tuple[Any, str]], config_class: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each flag of a dataclass field defaults to the field's value ("" for None), read off the parser itself."""
+    parsers: list[argparse.ArgumentParser] = []
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        parsers.append(self)
+        return parse_args(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    parse([])
+    (parser,) = parsers
+    defaults = config_class()
+    names = {f.name for f in fields(config_class)}
+    checked = 0
+    for action in parser._actions:
+        if action.dest not in names:
+            continue
+        expected = getattr(defaults, action.dest)
+        if isinstance(expected, tuple):  # --sources: comma-separated on the command line
+            expected = ",".join(expected)
+        assert action.default == ("" if expected is None else expected), (config_class.__name__, action.dest)
+        checked += 1
+    assert checked >= len(names) - 1  # every field but `security` (built from several flags) has a flag
+
+
+def test_the_round_loop_and_the_coordinator_share_their_defaults() -> None:
+    roomy = VerifierInfo("m", "fp", 100, max_tree_nodes=1024, max_tree_depth=64, max_session_tokens=8192,
+                         supports_branching=True)  # fmt: skip
+    policy = round_policy(CoordinatorConfig(), roomy)
+    bare = RoundPolicy()
+    assert (policy.max_draft_tokens, policy.num_successors, policy.draft_timeout_s) == (
+        bare.max_draft_tokens,
+        bare.num_successors,
+        bare.draft_timeout_s,
+    )
+
+
+def test_the_local_cluster_listens_where_the_services_do_by_default() -> None:
+    cluster = LocalCluster()
+    coordinator = CoordinatorConfig()
+    assert cluster.coordinator_port == coordinator.port
+    assert cluster.drafter_address == coordinator.drafter == f"127.0.0.1:{DrafterConfig().port}"
+    assert cluster.verifier_address == coordinator.verifier == f"127.0.0.1:{VerifierConfig().port}"
+    assert cluster.model == coordinator.model == VerifierConfig().model == DrafterConfig().target_model
