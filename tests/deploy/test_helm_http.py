@@ -89,3 +89,10 @@ def test_notes_show_the_openai_endpoint(helm: str, tmp_path: Path, enabled: bool
     assert (f"port-forward svc/{RELEASE}-coordinator 8000:8000" in notes) == enabled
     assert ("curl -N http://localhost:8000/v1/chat/completions" in notes) == enabled
     assert ('-H "Authorization: Bearer $SPECSERVE_API_KEY"' in notes) == enabled  # auth is on by default
+
+
+def test_the_served_model_name_is_passed_only_when_set(helm: str) -> None:  # noqa: F811
+    args = flag_values(container_of(render(helm), "coordinator")["args"])
+    assert "served-model-name" not in args  # the coordinator's --model names it
+    objs = render(helm, set_values=["coordinator.http.servedModelName=smollm2-instruct"])
+    assert flag_values(container_of(objs, "coordinator")["args"])["served-model-name"] == "smollm2-instruct"
