@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all venv proto run test unit integration lint grpcurl-tool bench bench-verify-cost train-draft clean
+.PHONY: all venv proto run test test-slow unit integration lint grpcurl-tool bench bench-verify-cost train-draft clean
 
 all: proto
 
@@ -49,8 +49,13 @@ GRPCURL ?= .tools/bin/grpcurl
 grpcurl-tool:
 	@PY="$(PY)" GRPCURL="$(GRPCURL)" bash deploy/tools/fetch-grpcurl.sh
 
+# Everything but the tests marked slow: kept under 15 minutes on 2 CPU cores. CI (.ci/run) runs both.
 test: lint helm-tools grpcurl-tool
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -m "not slow" tests
+
+# The heavier checks: full-size statistics, the 4 MB prompt, the 4,000-token prompt, the bf16 and pinned benchmark runs.
+test-slow: proto helm-tools grpcurl-tool
+	$(PY) -m pytest -q --durations=15 -m slow tests
 
 # Distil the target into the drafter's draft head (resumable; at most about an hour on 2 CPU cores).
 #   make train-draft TRAIN_DRAFT_ARGS="--prompts 64 --max-minutes 2 --out /tmp/head.pt"   (a quick try)

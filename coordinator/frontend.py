@@ -141,8 +141,9 @@ class GenerationFrontend:
                         if isinstance(event, TextChunk):
                             self._streamed(record, now - (started if last_chunk is None else last_chunk), last_chunk)
                             last_chunk = now
-                        else:
+                        else:  # the stats: logged before the client can see them, so a log reader finds the line
                             record.finished(event, now - started)
+                            record.log()
                             if self._metrics is not None:
                                 self._metrics.observe_finished(event, now - started)
                         yield event
@@ -157,8 +158,9 @@ class GenerationFrontend:
             self._failed(record, "INTERNAL", type(exc).__name__)
             raise
         finally:
-            record.total_s = time.monotonic() - started
-            record.log()
+            if not record.finish_reason:  # it ended without stats: log how
+                record.total_s = time.monotonic() - started
+                record.log()
 
     def _streamed(self, record: RequestRecord, gap_s: float, last_chunk: float | None) -> None:
         """A chunk went out ``gap_s`` after the request arrived (the first) or after the previous chunk."""

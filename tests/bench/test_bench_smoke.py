@@ -1,4 +1,4 @@
-"""The benchmark harness end to end: 2 categories x 2 prompts x 16 tokens, the four float32 modes.
+"""The benchmark harness end to end: 2 categories x 1 prompt x 16 tokens, the four float32 modes.
 
 Starts the three specserve processes (with Redis when one answers) and the
 packaged target, in float32 (``--dtype float32``: the default list then has no
@@ -24,7 +24,7 @@ from specserve.model_loading import ModelNotFoundError, resolve_model
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 CATEGORIES = ("writing", "translation")
-PROMPTS_PER_CATEGORY = 2
+PROMPTS_PER_CATEGORY = 1
 MAX_NEW_TOKENS = 16
 # A Redis database apart from the benchmark's own (/15), so a smoke test never empties a running benchmark's pool.
 SMOKE_REDIS_URL = "redis://127.0.0.1:6379/14"
@@ -208,6 +208,7 @@ def bf16_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out
 
 
+@pytest.mark.slow
 def test_bf16_run_has_an_fp32_baseline_row_compared_with_nothing(bf16_out_dir: Path) -> None:
     result = json.loads((bf16_out_dir / "spec_bench.json").read_text())
     settings = result["meta"]["settings"]
@@ -246,6 +247,7 @@ def pinned_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
+@pytest.mark.slow
 def test_a_pinned_run_records_its_pinning_and_predrafting(pinned_out_dir: Path) -> None:
     result = json.loads((pinned_out_dir / "spec_bench.json").read_text())
     settings = result["meta"]["settings"]

@@ -281,6 +281,7 @@ def describe(values: list[float]) -> str:
     )
 
 
+@pytest.mark.slow
 def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCluster) -> None:
     """While a 4 MB prompt is tokenized (seconds) and a 100k-message chat refused, the event loop keeps serving.
 

@@ -13,7 +13,7 @@ from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.integration.conftest import FP32_VERIFIER, Target, spec_bench_prompts
 from tests.integration.test_end_to_end import generate
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPT_TOKENS = 4000  # 4.6 MB of float16 features: more than one gRPC message may carry
 HIDDEN_SIZE = 576  # SmolLM2-135M's: 1,152 float16 bytes of features per prompt token

@@ -1,4 +1,4 @@
-"""Evicted verifier sessions, and the n-gram pool shared by two drafters through a real Redis."""
+"""Evicted verifier sessions, and the n-gram pool drafters share through a real Redis."""
 
 from __future__ import annotations
 
@@ -61,11 +61,11 @@ def test_evicted_sessions_are_rebuilt_without_losing_or_repeating_tokens(
     evictor = threading.Thread(target=evict_repeatedly)
     evictor.start()
     try:
-        tokens, stats = generate(one_session_cluster.coordinator_address, text, 96)
+        tokens, stats = generate(one_session_cluster.coordinator_address, text, 48)
     finally:
         stop.set()
         evictor.join()
-    assert tokens == target.greedy(target.chat_ids(text), 96)
+    assert tokens == target.greedy(target.chat_ids(text), 48)
     print(f"reprefills: {stats.num_reprefills} in {stats.num_rounds} rounds")
     assert stats.num_reprefills >= 2
 
@@ -77,67 +77,66 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def two_clusters(
-    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[LocalCluster, LocalCluster]]:
-    """Two complete deployments (A and B) whose drafters share one private Redis."""
+def pool_cluster(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A deployment whose drafter drafts from an n-gram pool in a private Redis (which a test here stops)."""
     logs = tmp_path_factory.mktemp("shared-pool")
-    with (
-        LocalCluster(
-            free_port(),
-            free_port(),
-            free_port(),
-            redis_url=redis_server.url,
-            log_dir=logs / "a",
-            extra_verifier_args=list(FP32_VERIFIER),
-        ) as a,
-        LocalCluster(
-            free_port(),
-            free_port(),
-            free_port(),
-            redis_url=redis_server.url,
-            log_dir=logs / "b",
-            extra_verifier_args=list(FP32_VERIFIER),
-        ) as b,
-    ):
-        yield a, b
+    cluster = LocalCluster(free_port(), free_port(), free_port(), redis_url=redis_server.url, log_dir=logs)
+    cluster.extra_verifier_args = [*FP32_VERIFIER, "--no-profile-cost"]
+    cluster.extra_coordinator_args = ["--drafter-backoff-ms", "200"]  # a restarted drafter is used again soon
+    # Drafts from the shared pool alone: what a request gains is what the pool holds, nothing else.
+    cluster.extra_drafter_args = ["--sources", "ngram_pool"]
+    with cluster:
+        wait_serving(cluster.drafter_address, 120, cluster.processes["drafter"])
+        yield cluster
 
 
 def restart_drafter(cluster: LocalCluster) -> None:
-    """A fresh drafter process: nothing learnt locally survives."""
+    """A fresh drafter process: nothing learnt locally survives. Returns once requests draft through it again.
+
+    Requests skip a drafter that failed (the kill) until the coordinator's probe finds it healthy again.
+    """
     cluster.kill("drafter")
     cluster.start_drafter()
     wait_serving(cluster.drafter_address, 60, cluster.processes["drafter"])
+    deadline = time.monotonic() + 60
+    while generate(cluster.coordinator_address, "Say hi.", 2)[1].drafter_error:
+        assert time.monotonic() < deadline, "the coordinator did not take the restarted drafter back"
+        time.sleep(0.5)
 
 
 TEXT = "List the planets of the solar system in order, with one fact about each."
+POOL_TOKENS = 64
 
 
-def test_traffic_through_one_drafter_teaches_the_other(
-    two_clusters: tuple[LocalCluster, LocalCluster], redis_server: RedisServer, target: Target
+def test_traffic_through_one_drafter_teaches_the_next(
+    pool_cluster: LocalCluster, redis_server: RedisServer, target: Target
 ) -> None:
-    a, b = two_clusters
-    expected = target.greedy(target.chat_ids(TEXT), 96)
+    """Drafter processes share what they learn only through Redis: a fresh one drafts from its predecessor's traffic.
+
+    The first request meets an empty pool and a drafter that has seen nothing. Its drafter is then replaced by a
+    new process (its in-memory pools, successor tables and acceptance statistics are gone), so what the second
+    request gains, it gains from the n-grams the first drafter wrote to Redis.
+    """
+    expected = target.greedy(target.chat_ids(TEXT), POOL_TOKENS)
     redis.Redis.from_url(redis_server.url).flushdb()
-    cold_tokens, cold = generate(b.coordinator_address, TEXT, 96)
-    restart_drafter(b)
-    redis.Redis.from_url(redis_server.url).flushdb()
-    taught_tokens, _ = generate(a.coordinator_address, TEXT, 96)
-    warm_tokens, warm = generate(b.coordinator_address, TEXT, 96)
-    assert cold_tokens == taught_tokens == warm_tokens == expected
-    print(f"drafter B cold: {cold.summary()}\ndrafter B after A's traffic: {warm.summary()}")
-    assert warm.tau > cold.tau + 0.3
+    cold_tokens, cold = generate(pool_cluster.coordinator_address, TEXT, POOL_TOKENS)
+    restart_drafter(pool_cluster)
+    warm_tokens, warm = generate(pool_cluster.coordinator_address, TEXT, POOL_TOKENS)
+    assert cold_tokens == warm_tokens == expected
+    print(f"fresh drafter, empty pool: {cold.summary()}\nfresh drafter, taught pool: {warm.summary()}")
+    # The pool is the only source: the first request found it empty, the second finds the first one's text. (A
+    # fresh drafter trusts a source little until it has seen it accepted, so the gain grows with the length.)
+    assert warm.num_accepted_tokens >= cold.num_accepted_tokens + 8
 
 
 def test_killing_redis_mid_generation_keeps_the_output_identical(
-    two_clusters: tuple[LocalCluster, LocalCluster], redis_server: RedisServer, target: Target
+    pool_cluster: LocalCluster, redis_server: RedisServer, target: Target
 ) -> None:
-    _, b = two_clusters
     text = "Write a long story about a dragon who learns to read."
     result: list[tuple[list[int], Stats]] = []
 
     def consume() -> None:
-        result.append(generate(b.coordinator_address, text, 128))
+        result.append(generate(pool_cluster.coordinator_address, text, POOL_TOKENS))
 
     consumer = threading.Thread(target=consume)
     consumer.start()
@@ -146,5 +145,5 @@ def test_killing_redis_mid_generation_keeps_the_output_identical(
     consumer.join(timeout=300)
     assert not consumer.is_alive() and result
     tokens, stats = result[0]
-    assert tokens == target.greedy(target.chat_ids(text), 128)
-    assert stats.num_generated_tokens == 128
+    assert tokens == target.greedy(target.chat_ids(text), POOL_TOKENS)
+    assert stats.num_generated_tokens == POOL_TOKENS
