@@ -12,15 +12,16 @@ import logging
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import TextIO
 
 from coordinator.rounds import GenerationStats
 
 log = logging.getLogger("specserve.requests")
 
 
-def configure(stream: object = None) -> None:
+def configure(stream: TextIO | None = None) -> None:
     """Write request lines as bare JSON (no logging prefix), apart from the service's own log format."""
-    handler = logging.StreamHandler(stream or sys.stderr)  # type: ignore[arg-type]
+    handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.handlers[:] = [handler]
     log.setLevel(logging.INFO)
