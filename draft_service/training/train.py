@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import DynamicCache
 
-from draft_service.draft_head import DraftHead, DraftHeadConfig
+from draft_service.draft_head import DraftHead, DraftHeadConfig, HeadOutput
+from specserve.tree_masks import additive_mask
 
 IGNORE = -100
 
@@ -41,6 +43,8 @@ class TrainSettings:
     ce_weight: float = 0.1
     feature_noise: float = 0.05
     epochs: int = 24
+    # Training-time test (EAGLE-3, HASS): the head also learns from its own predicted features, as it drafts.
+    unroll_steps: int = 1  # 1: teacher-forced only (EAGLE-1); k: k draft steps per position
     max_minutes: float = 30.0
     checkpoint_every: int = 100
     seed: int = 0
@@ -54,6 +58,7 @@ class TrainReport:
     final_loss: float
     final_feature_loss: float
     final_token_accuracy: float  # training batches, teacher-forced, depth 1
+    final_accuracy_by_step: list[float]  # training batches, each unrolled draft step
     resumed_from_step: int
 
 
@@ -108,23 +113,71 @@ def make_batch(
     return batch
 
 
+def unroll_mask(n: int, step: int) -> torch.Tensor:
+    """[n, step * n] bool: what draft step ``step`` (2, 3, ...) at position s may attend to.
+
+    Serving, the head's ``step``-th draft from position s sees the target's
+    true entries up to s - step + 1, one entry of each earlier draft step
+    (the chain it is extending) and itself. Keys are the blocks of steps
+    1..step in order, each of n positions.
+    """
+    position = torch.arange(n)
+    blocks = [position[None, :] <= position[:, None] - step + 1]  # step 1: the true context
+    for earlier in range(2, step):
+        blocks.append(position[None, :] == position[:, None] - step + earlier)
+    blocks.append(position[None, :] == position[:, None])
+    return torch.cat(blocks, dim=1)
+
+
+def unrolled(
+    head: DraftHead, features: torch.Tensor, next_tokens: torch.Tensor, mask: torch.Tensor, steps: int
+) -> list[HeadOutput]:
+    """The head's outputs at every position for draft steps 1..``steps`` (training-time test).
+
+    Step 1 reads the target's features. Step k > 1 at position s reads the
+    feature step k - 1 predicted at s - 1 and the same next token, and attends
+    as ``unroll_mask`` says through the KV cache of the earlier steps: its
+    output is the head's k-th chained draft from the true context up to
+    s - k + 1, as serving computes it. Positions s < k - 1 have no such draft.
+    """
+    cache = DynamicCache() if steps > 1 else None
+    outputs = [head(features, next_tokens, attention_mask=mask, past_key_values=cache)]
+    width = features.shape[1]
+    positions = torch.arange(width)[None].expand(features.shape[0], -1)
+    for step in range(2, steps + 1):
+        previous = outputs[-1].features
+        own = torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1)
+        attend = additive_mask(unroll_mask(width, step), own.dtype)
+        outputs.append(head(own, next_tokens, position_ids=positions, attention_mask=attend, past_key_values=cache))
+    return outputs
+
+
 def losses(head: DraftHead, batch: dict[str, torch.Tensor], settings: TrainSettings, noise: bool) -> dict[str, Any]:
+    """Feature and token losses averaged over the draft steps; the token accuracy of each step."""
     features = batch["features"]
     if noise and settings.feature_noise > 0:
         features = features + (torch.rand_like(features) * 2 - 1) * settings.feature_noise
-    out = head(features, batch["next_tokens"], attention_mask=batch["mask"])
     valid = batch["mask"].bool()
-    feature_loss = F.smooth_l1_loss(out.features[valid], batch["target_features"][valid])
-    labels = batch["labels"][valid]
-    logits = out.logits[valid]
-    token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE)
-    scored = labels != IGNORE
-    accuracy = (logits.argmax(-1)[scored] == labels[scored]).float().mean() if scored.any() else torch.tensor(0.0)
+    positions = torch.arange(features.shape[1])[None]
+    total = torch.zeros(())
+    accuracy: list[float] = []
+    feature_losses: list[float] = []
+    outputs = unrolled(head, features, batch["next_tokens"], batch["mask"], settings.unroll_steps)
+    for step, out in enumerate(outputs, start=1):
+        scored = valid & (positions >= step - 1)
+        feature_loss = F.smooth_l1_loss(out.features[scored], batch["target_features"][scored])
+        labels = batch["labels"][scored]
+        logits = out.logits[scored]
+        token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE)
+        total = total + feature_loss + settings.ce_weight * token_loss
+        known = labels != IGNORE
+        accuracy.append(float((logits.argmax(-1)[known] == labels[known]).float().mean()) if known.any() else 0.0)
+        feature_losses.append(float(feature_loss.detach()))
     return {
-        "loss": feature_loss + settings.ce_weight * token_loss,
-        "feature_loss": float(feature_loss.detach()),
-        "token_loss": float(token_loss.detach()),
-        "accuracy": float(accuracy),
+        "loss": total / len(outputs),
+        "feature_loss": feature_losses[0],
+        "accuracy": accuracy[0],
+        "accuracy_by_step": accuracy,
     }
 
 
@@ -166,12 +219,11 @@ def train(
     spans = windows(sequences, settings.window)
     steps_per_epoch = math.ceil(len(spans) / settings.batch_size)
     total_steps = steps_per_epoch * settings.epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, total_steps))
-    step = 0
+    step, spent = 0, 0.0
     if checkpoint is not None:
         head.load_state_dict(checkpoint["head"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
+        spent = float(checkpoint["minutes"])
         step = int(checkpoint["step"])
     resumed_from = step
     label_index = label_index_for(draft_vocab, vocab_size)
@@ -182,13 +234,18 @@ def train(
             "draft_vocab": draft_vocab,
             "head": head.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
+            "minutes": minutes(),
             "step": step,
         }
         torch.save(state, checkpoint_path.with_suffix(".tmp"))
         checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
 
     started = time.monotonic()
+
+    def minutes() -> float:
+        """Training time over all runs into this checkpoint."""
+        return spent + (time.monotonic() - started) / 60
+
     last: dict[str, Any] = {"loss": torch.tensor(float("nan")), "feature_loss": math.nan, "accuracy": math.nan}
     head.train()
     disable = None if progress is None else not progress
@@ -200,36 +257,40 @@ def train(
             chosen = order[offset * settings.batch_size : (offset + 1) * settings.batch_size]
             batch = make_batch(sequences, [spans[i] for i in chosen], settings.window, label_index)
             last = losses(head, batch, settings, noise=True)
+            # The schedule runs to the end of the epochs or of the time budget, whichever comes first.
+            done = max(step / total_steps, minutes() / settings.max_minutes)
+            for group in optimizer.param_groups:
+                group["lr"] = settings.learning_rate * _lr_factor(done)
             optimizer.zero_grad(set_to_none=True)
             last["loss"].backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             optimizer.step()
-            scheduler.step()
             step += 1
             bar.update()
-            bar.set_postfix(loss=f"{float(last['loss'].detach()):.3f}", acc=f"{last['accuracy']:.2f}")
+            accuracy = "/".join(f"{a:.2f}" for a in last["accuracy_by_step"])
+            bar.set_postfix(loss=f"{float(last['loss'].detach()):.3f}", acc=accuracy)
             if step % settings.checkpoint_every == 0:
                 save()
-            if (time.monotonic() - started) / 60 >= settings.max_minutes:
+            if minutes() >= settings.max_minutes:
                 break
     save()
     head.eval()
     report = TrainReport(
         steps=step,
         epochs_done=step / steps_per_epoch,
-        minutes=(time.monotonic() - started) / 60,
+        minutes=minutes(),
         final_loss=float(last["loss"].detach()),
         final_feature_loss=float(last["feature_loss"]),
         final_token_accuracy=float(last["accuracy"]),
+        final_accuracy_by_step=list(last.get("accuracy_by_step", [])),
         resumed_from_step=resumed_from,
     )
     return head, report
 
 
-def _lr_factor(step: int, total: int) -> float:
-    """Linear warm-up over the first 2% of steps, then cosine decay to 10%."""
-    warmup = max(1, total // 50)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+def _lr_factor(done: float, warmup: float = 0.02) -> float:
+    """Linear warm-up over the first ``warmup`` of training, then cosine decay to 10%."""
+    if done < warmup:
+        return (done + 1e-3) / (warmup + 1e-3)
+    decayed = min(1.0, (done - warmup) / (1 - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * decayed))

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig, DraftHeadError, load_draft_head
-from draft_service.training.distill_data import features_of, greedy_responses
-from draft_service.training.evaluate import chain_acceptance
+from draft_service.training.distill_data import distil_batch
+from draft_service.training.evaluate import accepted_length, chain_acceptance, top1_agreement, tree_acceptance
 from draft_service.training.prompts import all_prompts, training_prompts
-from draft_service.training.train import TrainSettings, build_draft_vocab, train
+from draft_service.training.train import TrainSettings, build_draft_vocab, train, unroll_mask, unrolled
+from specserve.token_tree import TokenTree
 from tests.conftest import plain_greedy, tiny_llama
 
 VOCAB = 48
@@ -64,34 +66,39 @@ def test_unusable_weight_files_are_clear_errors(tmp_path: Path) -> None:
         load_draft_head(path, target_fingerprint="fp", embedding=wider, lm_head=wider)
 
 
-def test_batched_features_equal_each_sequence_alone() -> None:
-    """Left padding with per-row positions: a sequence's features do not depend on its batch."""
-    sequences = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [4, 4, 4, 4]]
-    batched = features_of(TARGET, sequences, PAD)
-    for ids, (features, argmax) in zip(sequences, batched, strict=True):
-        alone, alone_argmax = features_of(TARGET, [ids], PAD)[0]
-        torch.testing.assert_close(features.float(), alone.float(), rtol=1e-2, atol=1e-2)
-        assert torch.equal(argmax, alone_argmax)
+def test_a_distilled_sequence_does_not_depend_on_its_batch() -> None:
+    """Left padding with per-row positions and rows leaving at EOS: each row is what the target does alone."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8], [4, 4, 4, 4]]
+    batched = distil_batch(TARGET, prompts, 12, EOS, PAD)
+    for prompt, row in zip(prompts, batched, strict=True):
+        alone = distil_batch(TARGET, [prompt], 12, EOS, PAD)[0]
+        assert torch.equal(row["tokens"], alone["tokens"]) and torch.equal(row["argmax"], alone["argmax"])
+        torch.testing.assert_close(row["features"].float(), alone["features"].float(), rtol=1e-2, atol=1e-2)
 
 
-def test_batched_greedy_responses_are_the_targets_greedy_answers() -> None:
-    prompts = [[1, 2, 3], [5, 6, 7, 8, 9]]
-    responses = greedy_responses(TARGET, prompts, 10, EOS, PAD)
-    for prompt, response in zip(prompts, responses, strict=True):
+def test_distilled_sequences_hold_the_targets_greedy_answer_features_and_tokens() -> None:
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9], [11]]
+    eos = frozenset({plain_greedy(TARGET, [5, 6, 7, 8, 9], 10)[4]})  # one row stops early, the others may not
+    for prompt, row in zip(prompts, distil_batch(TARGET, prompts, 10, eos, PAD), strict=True):
         expected = plain_greedy(TARGET, prompt, 10)
-        end = next((i for i, t in enumerate(expected) if t in EOS), None)
-        assert response == (expected if end is None else expected[: end + 1])
+        end = next((i for i, t in enumerate(expected) if t in eos), len(expected) - 1)
+        answer = expected[: end + 1]
+        # The prompt and the answer but its last token (whose feature is never computed) ...
+        assert row["tokens"].tolist() == prompt + answer[:-1] and row["prompt_length"] == len(prompt)
+        # ... the target's greedy token after each position: its answer from the prompt's end on ...
+        assert row["argmax"].tolist()[len(prompt) - 1 :] == answer
+        # ... and each feature is the final-norm output that the LM head turns into that token.
+        ids = row["tokens"][None].long()
+        out = TARGET(input_ids=ids, output_hidden_states=True)
+        torch.testing.assert_close(row["features"].float(), out.hidden_states[-1][0], rtol=1e-2, atol=1e-2)
+        assert row["argmax"].tolist() == out.logits[0].argmax(-1).tolist()
+    assert len(distil_batch(TARGET, prompts, 10, eos, PAD)[1]["tokens"]) <= 5 + 4  # stopped at its EOS
 
 
 def distilled(count: int, length: int = 40) -> list[dict[str, torch.Tensor | int]]:
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB - 1, (6,), generator=generator).tolist() for _ in range(count)]
-    responses = greedy_responses(TARGET, prompts, length, frozenset(), PAD)
-    full = [p + r for p, r in zip(prompts, responses, strict=True)]
-    return [
-        {"tokens": torch.tensor(ids, dtype=torch.int32), "features": f, "argmax": a, "prompt_length": 6}
-        for ids, (f, a) in zip(full, features_of(TARGET, full, PAD), strict=True)
-    ]
+    return distil_batch(TARGET, prompts, length, frozenset(), PAD)
 
 
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
@@ -120,6 +127,71 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path: Path
     trained = chain_acceptance(head, data, depth=3, positions=60)
     assert trained.accepted_at_depth[0] > 0.5 > untrained.accepted_at_depth[0]
     assert trained.mean_accepted > untrained.mean_accepted
+    untrained_head = new_head(build_draft_vocab(data, 32, VOCAB))
+    assert top1_agreement(head, data) > 0.5 > top1_agreement(untrained_head, data)
+    tree, untrained_tree = (
+        tree_acceptance(head, data, positions=60),
+        tree_acceptance(untrained_head, data, positions=60),
+    )
+    assert tree.acceptance_length > untrained_tree.acceptance_length
+    # A tree holds the chain's path and more: the head alone accepts at least as much from a tree.
+    assert tree.acceptance_length >= 1 + trained.accepted_at_depth[0]
+
+
+def test_training_time_test_trains_every_draft_step(tmp_path: Path) -> None:
+    data = distilled(24)
+    settings = TrainSettings(
+        draft_vocab_size=32,
+        intermediate_size=96,
+        window=32,
+        batch_size=4,
+        learning_rate=3e-3,
+        ce_weight=1.0,
+        epochs=6,
+        unroll_steps=3,
+    )
+    head, report = train(data, EMBEDDING, LM_HEAD, TARGET.config, tmp_path, settings, progress=False)
+    assert len(report.final_accuracy_by_step) == 3 and all(a > 0.3 for a in report.final_accuracy_by_step)
+    untrained = chain_acceptance(new_head(build_draft_vocab(data, 32, VOCAB)), data, depth=3, positions=60)
+    assert chain_acceptance(head, data, depth=3, positions=60).accepted_at_depth[1] > untrained.accepted_at_depth[1]
+
+
+def test_accepted_length_follows_the_matching_path() -> None:
+    # root -> 5 -> {6 -> 8, 7 -> 9}
+    tree = TokenTree((5, 6, 7, 8, 9), (-1, 0, 0, 1, 2))
+    assert accepted_length(tree, [5, 7, 9, 1]) == 3
+    assert accepted_length(tree, [5, 6, 9]) == 2
+    assert accepted_length(tree, [4]) == 0
+    assert accepted_length(TokenTree(), [5]) == 0
+
+
+@torch.inference_mode()
+def test_unrolled_training_steps_are_the_heads_chained_drafts() -> None:
+    """Training-time test: step k at position s is the k-th draft serving chains from the context up to s - k + 1."""
+    head = new_head().eval()
+    n = 9
+    features, next_tokens = torch.randn(1, n, 64), torch.randint(VOCAB, (1, n))
+    outputs = unrolled(head, features, next_tokens, torch.ones(1, n, dtype=torch.long), steps=3)
+    for step, out in enumerate(outputs, start=1):
+        for s in range(step - 1, n):
+            cache = DynamicCache()
+            context = s - step + 2
+            draft = head(features[:, :context], next_tokens[:, :context], past_key_values=cache).features[:, -1:]
+            for position in range(context, s + 1):
+                draft = head(
+                    draft,
+                    next_tokens[:, position : position + 1],
+                    position_ids=torch.tensor([[position]]),
+                    past_key_values=cache,
+                ).features
+            torch.testing.assert_close(out.features[:, s], draft[:, -1], rtol=1e-4, atol=1e-4)
+
+
+def test_unroll_mask_sees_the_true_context_the_chain_and_itself() -> None:
+    allowed = unroll_mask(4, 3).int().tolist()
+    # Keys: true entries 0-3 | step-2 entries 0-3 | step-3 entries 0-3.
+    assert allowed[2] == [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0]
+    assert allowed[3] == [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
 
 
 def test_draft_vocabulary_is_the_most_predicted_tokens() -> None:

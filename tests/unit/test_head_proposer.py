@@ -12,7 +12,7 @@ from coordinator.rounds import Generation, GenerationRequest, GenerationStats, R
 from draft_service.draft_head import DraftHead
 from draft_service.drafter import Drafter, PredraftCounts
 from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
-from draft_service.training.distill_data import features_of, greedy_responses
+from draft_service.training.distill_data import distil_batch
 from draft_service.training.train import TrainSettings, train
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
 from specserve.draft_feedback import DraftFeedback
@@ -34,11 +34,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> DraftHead:
     """A head distilled from the tiny target (a few seconds): it drafts better than chance."""
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, VOCAB, (6,), generator=generator).tolist() for _ in range(32)]
-    full = [p + r for p, r in zip(prompts, greedy_responses(TARGET, prompts, 40, frozenset(), 0), strict=True)]
-    data = [
-        {"tokens": torch.tensor(ids, dtype=torch.int32), "features": f, "argmax": a, "prompt_length": 6}
-        for ids, (f, a) in zip(full, features_of(TARGET, full, 0), strict=True)
-    ]
+    data = distil_batch(TARGET, prompts, 40, frozenset(), 0)
     settings = TrainSettings(
         draft_vocab_size=40, intermediate_size=96, window=48, batch_size=4, learning_rate=3e-3, ce_weight=1.0, epochs=8
     )
