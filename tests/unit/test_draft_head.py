@@ -95,6 +95,12 @@ def test_distilled_sequences_hold_the_targets_greedy_answer_features_and_tokens(
     assert len(distil_batch(TARGET, prompts, 10, eos, PAD)[1]["tokens"]) <= 5 + 4  # stopped at its EOS
 
 
+# Settings that train a head on the tiny target in seconds.
+TINY_TRAINING = TrainSettings(
+    draft_vocab_size=32, intermediate_size=96, window=32, batch_size=4, learning_rate=3e-3, ce_weight=1.0
+)
+
+
 def distilled(count: int, length: int = 40) -> list[dict[str, torch.Tensor | int]]:
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, VOCAB - 1, (6,), generator=generator).tolist() for _ in range(count)]
@@ -103,19 +109,10 @@ def distilled(count: int, length: int = 40) -> list[dict[str, torch.Tensor | int
 
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     data = distilled(24)
-    settings = TrainSettings(
-        draft_vocab_size=32,
-        intermediate_size=96,
-        window=32,
-        batch_size=4,
-        learning_rate=3e-3,
-        ce_weight=1.0,
-        epochs=10,
-        max_minutes=5,
-        checkpoint_every=5,
-    )
+    settings = replace(TINY_TRAINING, epochs=10, max_minutes=5, checkpoint_every=5)
     first = replace(settings, epochs=1)
-    untrained = chain_acceptance(new_head(build_draft_vocab(data, 32, VOCAB)), data, depth=3, positions=60)
+    untrained_head = new_head(build_draft_vocab(data, 32, VOCAB))
+    untrained = chain_acceptance(untrained_head, data, depth=3, positions=60)
     head, report = train(data, EMBEDDING, LM_HEAD, TARGET.config, tmp_path / "a", first, progress=False)
     assert report.steps > 0 and report.resumed_from_step == 0
     # A second run with the same checkpoint directory and settings continues, it does not restart.
@@ -127,7 +124,6 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path: Path
     trained = chain_acceptance(head, data, depth=3, positions=60)
     assert trained.accepted_at_depth[0] > 0.5 > untrained.accepted_at_depth[0]
     assert trained.mean_accepted > untrained.mean_accepted
-    untrained_head = new_head(build_draft_vocab(data, 32, VOCAB))
     assert top1_agreement(head, data) > 0.5 > top1_agreement(untrained_head, data)
     tree, untrained_tree = (
         tree_acceptance(head, data, positions=60),
@@ -140,16 +136,7 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path: Path
 
 def test_training_time_test_trains_every_draft_step(tmp_path: Path) -> None:
     data = distilled(24)
-    settings = TrainSettings(
-        draft_vocab_size=32,
-        intermediate_size=96,
-        window=32,
-        batch_size=4,
-        learning_rate=3e-3,
-        ce_weight=1.0,
-        epochs=6,
-        unroll_steps=3,
-    )
+    settings = replace(TINY_TRAINING, epochs=6, unroll_steps=3)
     head, report = train(data, EMBEDDING, LM_HEAD, TARGET.config, tmp_path, settings, progress=False)
     assert len(report.final_accuracy_by_step) == 3 and all(a > 0.3 for a in report.final_accuracy_by_step)
     untrained = chain_acceptance(new_head(build_draft_vocab(data, 32, VOCAB)), data, depth=3, positions=60)
