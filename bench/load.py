@@ -243,7 +243,8 @@ async def poll_verifier(stub: verifier_pb2_grpc.VerifierServiceStub, load: Verif
         except grpc.aio.AioRpcError:
             load.failed_polls += 1
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), POLL_INTERVAL_S)
+            async with asyncio.timeout(POLL_INTERVAL_S):
+                await stop.wait()
 
 
 async def run_level(

@@ -165,7 +165,8 @@ class AdmissionController:
         waiter = _Waiter(tenant.name, limit, asyncio.get_running_loop().create_future(), self.clock())
         self._queue.append(waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.granted), wait_s)
+            async with asyncio.timeout(wait_s):
+                await asyncio.shield(waiter.granted)
         except TimeoutError:
             if not waiter.granted.done():
                 self._leave(waiter)

@@ -233,7 +233,8 @@ class HealthCheckedDrafter:
         while self._circuit.open_until is not None:
             await asyncio.sleep(max(0.0, self._circuit.open_until - self._clock()))
             try:
-                await asyncio.wait_for(self._probe_once(), self.latency.ceiling_s)
+                async with asyncio.timeout(self.latency.ceiling_s):
+                    await self._probe_once()
             except (DrafterFailed, TimeoutError) as exc:
                 reason = str(exc) or f"probe: no answer within {self.latency.ceiling_s * 1000:.0f} ms"
                 backoff = self._circuit.fail(f"probe: {reason}")

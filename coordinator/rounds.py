@@ -248,9 +248,8 @@ class Generation:
         started = time.perf_counter_ns()
         timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
-            self._draft = await asyncio.wait_for(
-                self.drafter.open(self.session_id, self.request.prompt_ids, self.vocab_fingerprint), timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                self._draft = await self.drafter.open(self.session_id, self.request.prompt_ids, self.vocab_fingerprint)
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's
             self._drop_drafter(exc)
@@ -277,8 +276,8 @@ class Generation:
         started = time.perf_counter_ns()
         timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
-            proposal = self._draft.propose(self._feedback(), max_nodes)
-            reply = await asyncio.wait_for(proposal, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                reply = await self._draft.propose(self._feedback(), max_nodes)
             self._count_predraft(reply)
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's

@@ -84,7 +84,8 @@ async def idle_limited(
     iterator = aiter(requests)
     while True:
         try:
-            request = await asyncio.wait_for(anext(iterator), idle_timeout_s)
+            async with asyncio.timeout(idle_timeout_s):
+                request = await anext(iterator)
         except StopAsyncIteration:
             return
         except TimeoutError:

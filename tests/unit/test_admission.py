@@ -192,6 +192,36 @@ def test_slots_are_released_when_a_stream_is_cancelled_or_fails() -> None:
     run(test)
 
 
+def test_a_stream_cancelled_in_the_tick_its_slot_is_granted_gives_the_slot_back() -> None:
+    """The slot frees and the queued client hangs up in the same loop tick: it must not start.
+
+    (On Python 3.11 ``asyncio.wait_for`` returned the grant and dropped the cancellation, CPython gh-86296.)
+    """
+
+    async def test() -> None:
+        admission = AdmissionController(AdmissionLimits(max_running=1))
+        streams = Streams(admission)
+        go = asyncio.Event()
+
+        async def first() -> None:
+            async with admission.slot(A):
+                await go.wait()
+            waiting.cancel()  # the slot was granted to `waiting` as the block ended, in this same tick
+
+        running = asyncio.get_running_loop().create_task(first())
+        await settle()
+        waiting = streams.open("waiting", B)
+        await settle()
+        assert (admission.running, admission.queued) == (1, 1)
+        go.set()
+        await settle()
+        assert running.done() and waiting.cancelled()
+        assert streams.started == []
+        assert (admission.running, admission.queued) == (0, 0)
+
+    run(test)
+
+
 def test_the_deadline_bounds_the_wait_in_the_queue() -> None:
     async def test() -> None:
         metrics = CoordinatorMetrics()

@@ -143,7 +143,8 @@ def test_a_silent_draft_stream_is_closed_with_deadline_exceeded_and_its_state_fr
                     await stream.call.read()
                 assert len(drafter.memory) == 1
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await asyncio.wait_for(stream.call.read(), timeout=10)
+                    async with asyncio.timeout(10):
+                        await stream.call.read()
                 assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert "no message on this Draft stream for 0.5 s" in (caught.value.details() or "")
                 assert len(drafter.memory) == 0 and drafter.memory.bytes_in_use == 0

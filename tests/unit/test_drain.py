@@ -158,7 +158,8 @@ def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused()
                 assert not serving.done(), "the server waits for the open stream"
                 closed_at = time.monotonic()
                 await stream.close()
-                await asyncio.wait_for(serving, timeout=10)
+                async with asyncio.timeout(10):
+                    await serving
                 return time.monotonic() - closed_at
         finally:
             await server.stop(0)

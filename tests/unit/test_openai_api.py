@@ -578,7 +578,8 @@ def test_a_client_that_goes_away_stops_its_generation(stream: bool) -> None:
             await asyncio.sleep(0.01)
         assert frontend.ended == []
         gone.set()
-        await asyncio.wait_for(call, 5)
+        async with asyncio.timeout(5):
+            await call
         return frontend, sent, drain
 
     frontend, sent, drain = asyncio.run(scenario())

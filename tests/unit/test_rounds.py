@@ -1,6 +1,7 @@
 """The round loop in one process (tiny random model): lossless whatever the drafter does."""
 
 import asyncio
+import contextlib
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -280,6 +281,71 @@ def test_the_deadline_ends_the_request_and_releases_its_session() -> None:
     with pytest.raises(DeadlineExceeded, match="deadline"):
         asyncio.run(consume())
     assert 0 < g.stats.num_rounds < 200
+    assert engine.num_active_sessions == 0
+
+
+class HeldReply:
+    """A draft stream whose ``hold``-th proposal is computed, then held until the test lets it go."""
+
+    def __init__(self, inner: DraftStream, hold: int) -> None:
+        self._inner = inner
+        self._hold = hold
+        self.wants_features = inner.wants_features
+        self.proposals = 0
+        self.held = asyncio.Event()
+        self.release: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        reply = await self._inner.propose(feedback, max_nodes)
+        self.proposals += 1
+        if self.proposals == self._hold:
+            self.held.set()
+            await self.release
+        return reply
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class HoldingDrafter:
+    def __init__(self, hold: int) -> None:
+        self._inner = drafter()
+        self._hold = hold
+        self.stream: HeldReply | None = None
+
+    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream:
+        self.stream = HeldReply(await self._inner.open(session_id, prompt_tokens, vocab_fingerprint), self._hold)
+        return self.stream
+
+
+def test_a_cancel_that_lands_with_the_drafters_reply_ends_the_generation() -> None:
+    """The client hangs up in the same loop tick as the drafter's reply arrives: the generation still ends.
+
+    (On Python 3.11 ``asyncio.wait_for`` returned the reply and dropped the cancellation, CPython gh-86296:
+    the generation ran on to its last token for a client that had gone.)
+    """
+    engine = Verifier(MODEL, "fp")
+
+    async def scenario() -> tuple[bool, int]:
+        holding = HoldingDrafter(hold=3)
+        g = generation(GenerationRequest([1, 2, 3], 200), verifier=InProcessVerifier(engine), draft=holding)
+
+        async def consume() -> None:
+            async for _ in g.stream():
+                pass
+
+        task = asyncio.ensure_future(consume())
+        while holding.stream is None or not holding.stream.held.is_set():
+            await asyncio.sleep(0.001)
+        holding.stream.release.set_result(None)  # the reply is ready...
+        task.cancel()  # ...and the client goes away in the same tick
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return task.cancelled(), g.stats.num_rounds
+
+    cancelled, rounds = asyncio.run(scenario())
+    assert cancelled
+    assert rounds == 2  # the third round's reply was never verified
     assert engine.num_active_sessions == 0
 
 
