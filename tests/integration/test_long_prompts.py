@@ -28,10 +28,14 @@ def head_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
     second of CPU on 2 cores, which the drafter does between rounds (``HeadProposer.digest``), never while a
     proposal waits. Only the verifier timeout is raised, so that a busy machine's slow 4,000-token prefill is
     not an error.
+
+    Draft budgets follow the tree limits (``--no-profile-cost``, as in conftest's cluster): with the measured
+    cost curve of a 2-core CPU and a 4,000-token context, the budget fell to 0 nodes after the head's first
+    tree (seen in CI), and the 24 rounds asked the head for nothing.
     """
     logs = tmp_path_factory.mktemp("head-cluster-logs")
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs)
-    cluster.extra_verifier_args = list(FP32_VERIFIER)
+    cluster.extra_verifier_args = [*FP32_VERIFIER, "--no-profile-cost"]
     cluster.extra_drafter_args = ["--sources", "draft_model"]
     cluster.extra_coordinator_args = ["--verifier-timeout-s", "600"]
     with cluster as c:
