@@ -39,7 +39,7 @@ import torch
 
 from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
 from draft_service.config import DrafterConfig
-from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
+from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head
 from draft_service.drafter import ALL_SOURCES
 from draft_service.head_proposer import HeadProposer
 from specserve.model_loading import (
@@ -537,13 +537,13 @@ def make_cases(tokenizer: Any, count: int) -> list[Case]:
 
 
 def load_head(model: Any, fingerprint: str) -> DraftHead:
-    """The drafter's default head over the target's embedding and LM head, in fp32 as the draft service loads them."""
+    """The drafter's default head over the target's embedding and LM head, in the dtype the draft service picks."""
     embedding = model.get_input_embeddings().weight.detach().float()
     lm_head = model.get_output_embeddings().weight.detach().float()
     head, _ = load_draft_head(
         Path(DrafterConfig().draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
     )
-    return head
+    return in_serving_dtype(head)[0]
 
 
 def load_target(name: str, dtype: str, sources: tuple[str, ...]) -> Target:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from coordinator.config import CoordinatorConfig
 from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
 from draft_service.config import DrafterConfig
-from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head
+from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head
 from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import (
@@ -308,7 +308,8 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
 def draft_head(target: Target, fp32: Any) -> DraftHead:
     """The drafter's default draft head over the target's embedding and LM head.
 
-    In float32 (``fp32``: the target in float32), as the drafter service loads them, whatever the target runs in.
+    Loaded over the float32 target (``fp32``) and computing in the dtype the drafter service picks on this CPU
+    (``--head-dtype auto``), whatever the target runs in.
     """
     path = Path(DrafterConfig().draft_head_path)
     try:
@@ -320,7 +321,7 @@ def draft_head(target: Target, fp32: Any) -> DraftHead:
         )
     except DraftHeadError as exc:
         raise SystemExit(f"error: the draft_model source needs its head: {exc}") from exc
-    return head
+    return in_serving_dtype(head)[0]
 
 
 def _pool_reset(pool: PoolBackend, target: Target, keep: bool) -> Callable[[], None] | None:

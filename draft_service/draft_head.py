@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
+from specserve.hardware import DtypeChoice, choose_dtype
+
 FORMAT_VERSION = 1
 
 
@@ -189,6 +191,15 @@ def load_draft_head(
     except RuntimeError as exc:
         raise DraftHeadError(f"{path} does not fit this head's shape: {exc}") from exc
     return head.eval(), dict(payload.get("metadata", {}))
+
+
+def in_serving_dtype(head: DraftHead, requested: str = "auto") -> tuple[DraftHead, DtypeChoice]:
+    """``head`` in the dtype the drafter computes in (``--head-dtype``; auto: bf16 where the CPU runs it natively).
+
+    Loaded heads are fp32 (``load_draft_head``); the benchmarks call this too, so they draft as the service does.
+    """
+    choice = choose_dtype(requested, "cpu")
+    return head.to(getattr(torch, choice.dtype)), choice
 
 
 def truncate_cache(cache: Any, length: int) -> None:

@@ -102,6 +102,7 @@ class HeadProposer:
 
     def __init__(self, head: DraftHead, shape: TreeShape = TreeShape()) -> None:
         self._head = head
+        self._dtype = head.draft_lm_head.dtype  # the target's features arrive in fp32
         self.features = FeatureLog()  # the target's features at the committed positions, as reported
         self._shape = shape
         self._cache = DynamicCache()
@@ -169,7 +170,7 @@ class HeadProposer:
             return
         truncate_cache(self._cache, self._fed)  # speculative entries go: real features follow the committed ones
         rows = self.features.since(self._fed)[: upto - self._fed]
-        features = torch.from_numpy(rows.astype(np.float32))[None]
+        features = torch.from_numpy(rows.astype(np.float32))[None].to(self._dtype)
         next_tokens = torch.tensor([list(tokens[self._fed + 1 : upto + 1])])
         positions = torch.arange(self._fed, upto)[None]
         out = self._head(

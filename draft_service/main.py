@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from draft_service.config import POOL_SHARE, DrafterConfig
-from draft_service.draft_head import DraftHead, DraftHeadError, load_draft_head, require_weights
+from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head, require_weights
 from draft_service.drafter import ALL_SOURCES, Drafter
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.metrics import DrafterMetrics
@@ -72,6 +72,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         "--target-model",
         default=env("SPECSERVE_MODEL", defaults.target_model),
         help="the target the head was trained for (its embedding and LM head are loaded)",
+    )
+    parser.add_argument(
+        "--head-dtype",
+        default=env("SPECSERVE_HEAD_DTYPE", defaults.head_dtype),
+        choices=["auto", "float32", "bfloat16"],
+        help="the draft head's compute dtype (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)",
     )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
@@ -153,6 +159,8 @@ def load_head(config: DrafterConfig) -> DraftHead:
     head, _ = load_draft_head(
         Path(config.draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
     )
+    head, dtype = in_serving_dtype(head, config.head_dtype)
+    log.info("draft head %s runs in %s (%s)", config.draft_head_path, dtype.dtype, dtype.reason)
     return head
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from transformers import DynamicCache
 
 from coordinator.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
-from draft_service.draft_head import DraftHead
+from draft_service.draft_head import DraftHead, in_serving_dtype
 from draft_service.drafter import Drafter, PredraftCounts
 from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
 from draft_service.training.distill_data import distil_batch
@@ -229,6 +231,17 @@ def test_generation_with_the_draft_head_is_plain_decoding(head: DraftHead, sampl
     assert not stats.drafter_error
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert stats.num_rounds < 40
+
+
+def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead) -> None:
+    """The drafter runs its head in bf16 where the CPU does so natively (--head-dtype auto): fp32 features in."""
+    half, choice = in_serving_dtype(copy.deepcopy(head), "bfloat16")
+    assert half.draft_lm_head.dtype == torch.bfloat16 and choice.reason == "requested"
+    prompt = [2, 7, 1, 8, 2, 8]
+    tokens, stats, _ = generate(half, GenerationRequest(prompt, 40))
+    assert tokens == plain_decode(TARGET, prompt, 40, SamplingParams())
+    assert not stats.drafter_error
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
 
 
 ALL_THREE = ("prompt_lookup", "token_recycling", "draft_model")
