@@ -12,6 +12,7 @@ prompts, and the weights (bfloat16) and a metrics file are written next to
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import os
@@ -27,7 +28,7 @@ from transformers import DynamicCache
 
 from coordinator.prompts import eos_token_ids
 from draft_service.config import DEFAULT_DRAFT_HEAD
-from draft_service.draft_head import DraftHeadConfig, load_draft_head, truncate_cache
+from draft_service.draft_head import DraftHeadConfig, in_serving_dtype, load_draft_head, truncate_cache
 from draft_service.training.distill_data import (
     DistillSettings,
     distill_minutes,
@@ -66,7 +67,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="start no new training shard after this long (a later run goes on where this one stopped)",
     )
     parser.add_argument("--distill-only", action="store_true", help="stop after distillation")
-    parser.add_argument("--dtype", default="auto", help="the target's dtype for distillation (auto: bf16 where fast)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the target's dtype for distillation, and bf16 autocast for training (auto: bf16 where fast)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=DistillSettings.max_new_tokens)
     parser.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="distillation batch")
     parser.add_argument("--max-minutes", type=float, default=TrainSettings.max_minutes, help="training budget")
@@ -126,6 +131,12 @@ def model_card(m: dict[str, Any], config: DraftHeadConfig, out: Path) -> str:
         if previous
         else ""
     )
+    serving = m.get("held_out_in_serving_dtype")
+    in_serving = (
+        f"\nThe same head as the drafter runs it here, in {serving['dtype']}: {_figures_line(serving)}.\n"
+        if serving
+        else ""
+    )
     sources = ", ".join(f"{name} {count}" for name, count in data["train_prompts_by_source"].items())
     steps = training["unroll_steps"]
     accuracy = "/".join(f"{a:.2f}" for a in training["final_accuracy_by_step"])
@@ -165,7 +176,7 @@ Final training loss {training["final_loss"]:.3f}; token accuracy on the last bat
 
 On {m["held_out"]["answer_positions"]} answer positions of the held-out prompts, in fp32:
 {_figures_line(m["held_out"])}.
-{compared}
+{in_serving}{compared}
 Top-1 agreement: the head's first draft equals the target's greedy token, teacher-forced.
 Tree acceptance length: the drafter's own dynamic tree (`HeadProposer`) walked along the
 target's answer, plus the target's bonus token, as if the verifier took every node.
@@ -173,7 +184,8 @@ target's answer, plus the target's bonus token, as if the verifier took every no
 ## Cost
 
 One draft step {cost["draft_step_ms"]} ms against one target forward of
-{cost["target_step_ms"]} ms on the same machine and context (ratio {cost["ratio"]}).
+{cost["target_step_ms"]} ms on the same machine and context, both in {cost.get("dtype", "float32")} (ratio
+{cost["ratio"]}).
 
 Reproduce: `make train-draft` (total {m["total_minutes"]} min here, resumable).
 """
@@ -249,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         intermediate_size=args.intermediate_size,
         epochs=args.epochs,
         unroll_steps=args.unroll_steps,
+        # Training runs on the CPU: autocast to bf16 where this CPU (not the GPU that distilled) runs it natively.
+        autocast_bf16=choose_dtype(args.dtype, "cpu").dtype == "bfloat16",
         max_minutes=args.max_minutes,
     )
     embedding = model.get_input_embeddings().weight.detach().float()
@@ -259,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     head, report = train(
         sequences, embedding, lm_head, model.config, data_dir / f"head-{digest}", settings, args.progress
     )
-    draft_ms, target_ms = draft_step_ms(head), target_step_ms(model)
+    # Both in the dtype serving picks on this CPU (the drafter's --head-dtype auto, the verifier's --dtype auto).
+    serving_head, choice = in_serving_dtype(copy.deepcopy(head), args.dtype)
+    serving = choice.dtype
+    draft_ms = draft_step_ms(serving_head)
+    target_ms = target_step_ms(copy.deepcopy(model).to(getattr(torch, serving)))
     metrics: dict[str, Any] = {
         "target": args.model,
         "target_fingerprint": fingerprint,
@@ -276,12 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         "training": {**asdict(settings), **asdict(report)},
         "held_out": held_out_figures(head, held_out),
         "cost": {
+            "dtype": serving,
             "draft_step_ms": round(draft_ms, 2),
             "target_step_ms": round(target_ms, 2),
             "ratio": round(draft_ms / target_ms, 3),
         },
         "total_minutes": round((time.monotonic() - started) / 60, 1),
     }
+    if serving != "float32":  # the drafter computes in another dtype: the figures it will see
+        metrics["held_out_in_serving_dtype"] = {"dtype": serving, **held_out_figures(serving_head, held_out)}
     if args.compare is not None:
         previous, _ = load_draft_head(
             args.compare, target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head

@@ -64,7 +64,7 @@ def chain_acceptance(
     total = 0
     for index, t in chosen:
         seq = sequences[index]
-        features = seq["features"].float()
+        features = seq["features"].to(head.draft_lm_head.dtype)  # the head computes in its own dtype
         tokens = seq["tokens"].long()
         argmax = seq["argmax"].long()
         cache = DynamicCache()
@@ -93,7 +93,7 @@ def top1_agreement(head: DraftHead, sequences: Sequence[dict[str, Any]]) -> floa
         start, n = int(seq["prompt_length"]) - 1, int(seq["tokens"].shape[0])
         if n - 1 <= start:
             continue
-        out = head(seq["features"][None, : n - 1].float(), seq["tokens"][None, 1:].long())
+        out = head(seq["features"][None, : n - 1].to(head.draft_lm_head.dtype), seq["tokens"][None, 1:].long())
         drafts = head.draft_vocab[out.logits[0].argmax(dim=-1)]
         agree += int((drafts[start:] == seq["argmax"][start + 1 :].long()).sum())
         total += n - 1 - start
@@ -172,13 +172,13 @@ def held_out_figures(head: DraftHead, sequences: Sequence[dict[str, Any]]) -> di
 @torch.inference_mode()
 def draft_step_ms(head: DraftHead, context: int = 256, repeats: int = 30) -> float:
     """Median time of one draft step (one token) on top of ``context`` cached positions."""
-    hidden = head.config.hidden_size
+    hidden, dtype = head.config.hidden_size, head.draft_lm_head.dtype
     cache = DynamicCache()
-    head(torch.randn(1, context, hidden), torch.zeros(1, context, dtype=torch.long), past_key_values=cache)
+    head(torch.randn(1, context, hidden, dtype=dtype), torch.zeros(1, context, dtype=torch.long), past_key_values=cache)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        head(torch.randn(1, 1, hidden), torch.zeros(1, 1, dtype=torch.long), past_key_values=cache)
+        head(torch.randn(1, 1, hidden, dtype=dtype), torch.zeros(1, 1, dtype=torch.long), past_key_values=cache)
         times.append((time.perf_counter() - start) * 1000)
         truncate_cache(cache, context)
     return sorted(times)[len(times) // 2]

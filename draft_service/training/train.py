@@ -46,6 +46,9 @@ class TrainSettings:
     # Training-time test (EAGLE-3, HASS): the head also learns from its own predicted features, as it drafts.
     unroll_steps: int = 1  # 1: teacher-forced only (EAGLE-1); k: k draft steps per position
     max_minutes: float = 30.0
+    # The head's matmuls in bfloat16 (torch.autocast), weights and optimiser state in fp32, for CPUs that run
+    # bf16 natively (AMX, AVX512-BF16); losses and accuracy are computed in fp32.
+    autocast_bf16: bool = False
     checkpoint_every: int = 100
     seed: int = 0
 
@@ -165,9 +168,9 @@ def losses(head: DraftHead, batch: dict[str, torch.Tensor], settings: TrainSetti
     outputs = unrolled(head, features, batch["next_tokens"], batch["mask"], settings.unroll_steps)
     for step, out in enumerate(outputs, start=1):
         scored = valid & (positions >= step - 1)
-        feature_loss = F.smooth_l1_loss(out.features[scored], batch["target_features"][scored])
+        feature_loss = F.smooth_l1_loss(out.features[scored].float(), batch["target_features"][scored])
         labels = batch["labels"][scored]
-        logits = out.logits[scored]
+        logits = out.logits[scored].float()
         token_loss = F.cross_entropy(logits, labels, ignore_index=IGNORE)
         total = total + feature_loss + settings.ce_weight * token_loss
         known = labels != IGNORE
@@ -256,7 +259,8 @@ def train(
             random.Random(settings.seed + epoch).shuffle(order)  # the same order when resumed
             chosen = order[offset * settings.batch_size : (offset + 1) * settings.batch_size]
             batch = make_batch(sequences, [spans[i] for i in chosen], settings.window, label_index)
-            last = losses(head, batch, settings, noise=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.autocast_bf16):
+                last = losses(head, batch, settings, noise=True)
             # The schedule runs to the end of the epochs or of the time budget, whichever comes first.
             done = max(step / total_steps, minutes() / settings.max_minutes)
             for group in optimizer.param_groups:

@@ -136,7 +136,8 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path: Path
 
 def test_training_time_test_trains_every_draft_step(tmp_path: Path) -> None:
     data = distilled(24)
-    settings = replace(TINY_TRAINING, epochs=6, unroll_steps=3)
+    # In bf16 autocast too, as `make train-draft` trains where the CPU runs bf16 natively.
+    settings = replace(TINY_TRAINING, epochs=6, unroll_steps=3, autocast_bf16=True)
     head, report = train(data, EMBEDDING, LM_HEAD, TARGET.config, tmp_path, settings, progress=False)
     assert len(report.final_accuracy_by_step) == 3 and all(a > 0.3 for a in report.final_accuracy_by_step)
     untrained = chain_acceptance(new_head(build_draft_vocab(data, 32, VOCAB)), data, depth=3, positions=60)
