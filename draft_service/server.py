@@ -74,12 +74,12 @@ class FeaturesAhead:
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 
 
-async def idle_limited(
-    requests: AsyncIterator[T], idle_timeout_s: float, context: grpc.aio.ServicerContext
-) -> AsyncIterator[T]:
+async def idle_limited(requests: AsyncIterator[T], idle_timeout_s: float) -> AsyncIterator[T]:
     """``requests`` as they come; a stream silent for ``idle_timeout_s`` is ended with DEADLINE_EXCEEDED.
 
     A coordinator that died without closing its streams would otherwise keep their sessions' state forever.
+    The error is raised, not ``context.abort``-ed here: the handler's ``finally`` frees the session first,
+    and the error interceptor sends the status after it, so a client that sees the status sees the state gone.
     """
     iterator = aiter(requests)
     while True:
@@ -89,11 +89,10 @@ async def idle_limited(
         except StopAsyncIteration:
             return
         except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise errors.DeadlineExceeded(
                 f"no message on this Draft stream for {idle_timeout_s:g} s (--stream-idle-timeout-s): closed "
-                "and its session's state freed; open a new stream to draft again",
-            )
+                "and its session's state freed; open a new stream to draft again"
+            ) from None
         yield request
 
 
@@ -140,7 +139,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:
-        request_iterator = idle_limited(request_iterator, self._idle_timeout_s, context)
+        request_iterator = idle_limited(request_iterator, self._idle_timeout_s)
         first = await anext(request_iterator, None)
         if first is None:
             return

@@ -20,6 +20,7 @@ from specserve.errors import Unavailable
 from specserve.local_cluster import free_port
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, stop_when_drained
+from specserve.rpc_errors import AioErrorInterceptor
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 
@@ -107,7 +108,7 @@ async def drafter_server(
     drain: Drain, drafter: Drafter | None = None, stream_idle_timeout_s: float = 300.0
 ) -> tuple[grpc.aio.Server, str]:
     """An n-gram drafter on loopback, serving and wired to ``drain`` as draft_service.main wires it."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[AioErrorInterceptor()])
     drafter = drafter or Drafter(lambda fingerprint, namespace: InMemoryNgramPool())
     servicer = DrafterServicer(drafter, drain=drain, stream_idle_timeout_s=stream_idle_timeout_s)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
