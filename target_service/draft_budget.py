@@ -21,7 +21,11 @@ starting from the engine's): drafts pay on some requests (a summary copies
 its document, n-gram drafts land) and not on others, so each session's
 budget follows its own acceptance. A session whose drafts stopped paying
 drifts back towards the engine's rate while it drafts nothing, and so tries
-again now and then.
+again now and then. The engine's rate learns only from trees, so where it too
+says "no drafts" (a long context on a CPU, where every extra row costs) no
+session would ever draft again: a session with no tree for ``PROBE_AFTER``
+rounds gets a small probe budget instead of none, and its answer revises both
+rates.
 """
 
 from __future__ import annotations
@@ -167,10 +171,13 @@ class SessionAcceptance:
 
     DECAY = 0.9  # a request's drafts change character within tens of rounds
     PRIOR_TRIES = 2.0
+    PROBE_AFTER = 16  # rounds without a tree before a zero budget becomes a probe: at most ~1 round in 17 pays it
+    PROBE_NODES = 4
 
     def __init__(self) -> None:
         self._accepted = 0.0
         self._tried = 0.0
+        self._rounds_without_tree = 0
 
     def alpha(self, engine_alpha: float) -> float:
         return (self._accepted + self.PRIOR_TRIES * engine_alpha) / (self._tried + self.PRIOR_TRIES)
@@ -182,6 +189,19 @@ class SessionAcceptance:
         if tree_depth > 0:
             self._accepted += num_accepted
             self._tried += num_accepted + (1 if num_accepted < tree_depth else 0)
+            self._rounds_without_tree = 0
+        else:
+            self._rounds_without_tree += 1
+
+    def budget(self, nodes: int, max_nodes: int) -> int:
+        """The budget to send: the cost model's ``nodes``, or a probe after ``PROBE_AFTER`` rounds without a tree.
+
+        The probe repeats each round until a tree comes back (a drafter with
+        nothing to propose sends none, at no cost).
+        """
+        if nodes == 0 and self._rounds_without_tree >= self.PROBE_AFTER:
+            return min(self.PROBE_NODES, max_nodes)
+        return nodes
 
 
 class ThroughputGuard:

@@ -541,9 +541,7 @@ class Verifier:
             score_at += n
             hidden = out.features[feature_at : feature_at + n] if call.return_features else None
             feature_at += n if call.return_features else 0
-            own = session.acceptance.alpha(self._budget.alpha)
-            session_budget = self._budget.nodes_for(load, own) if self._guard.arm_now else 0
-            committed += self._finish_verify(call, session, logits, hidden, session_budget, sessions)
+            committed += self._finish_verify(call, session, logits, hidden, load, sessions)
         for prefill, tokens in work.prefills:
             if prefill.return_features:
                 prefill.features.append(out.features[feature_at : feature_at + tokens])
@@ -800,10 +798,13 @@ class Verifier:
         session: _Session,
         logits: torch.Tensor,
         hidden: torch.Tensor | None,
-        budget: int,
+        load: int,
         batch_sessions: int,
     ) -> int:
-        """Apply the call's acceptance and answer it; returns the tokens it committed."""
+        """Apply the call's acceptance and answer it with the session's next draft budget at ``load``.
+
+        Returns the tokens it committed.
+        """
         tree = call.tree
         if call.score_only:
             _resolve(call, logits.clone())
@@ -828,6 +829,7 @@ class Verifier:
         session.committed.extend([*accepted, acceptance.bonus_token])
         self._budget.observe(max(tree.depths(), default=0), len(accepted))
         session.acceptance.observe(max(tree.depths(), default=0), len(accepted))
+        budget = self._session_budget(session, load)
         k = min(call.num_successors, self.vocab_size)
         successors = logits.topk(k, dim=-1).indices.tolist() if k > 0 else []
         rows = [0, *(node + 1 for node in acceptance.path)]
@@ -847,6 +849,13 @@ class Verifier:
             ),
         )
         return len(accepted) + 1
+
+    def _session_budget(self, session: _Session, load: int) -> int:
+        """Draft nodes that pay for this session at ``load``, by its acceptance so far (this round's included)."""
+        if not self._guard.arm_now:  # the guard's "off" arm is its own probe of "no drafts": no probes inside it
+            return 0
+        by_cost = self._budget.nodes_for(load, session.acceptance.alpha(self._budget.alpha))
+        return session.acceptance.budget(by_cost, self.limits.max_tree_nodes)
 
     @staticmethod
     def _accept(tree: TokenTree, logits: torch.Tensor, session: _Session) -> Acceptance:

@@ -66,6 +66,27 @@ def test_each_session_drafts_by_its_own_acceptance_and_retries_after_a_while() -
     assert guessing.alpha(engine) == pytest.approx(engine, abs=0.01)
 
 
+def test_a_session_the_cost_model_stopped_probes_again_and_resumes_when_its_drafts_land() -> None:
+    budget = DraftBudget(CPU_FP32, max_nodes=64)
+    for _ in range(2000):
+        budget.observe(tree_depth=8, num_accepted=0)  # the engine's rate says drafts never land
+    session = SessionAcceptance()
+    sent = []
+    for _ in range(20):  # rounds with no tree (the drafter sends none while its budget is 0), each answered
+        session.observe(tree_depth=0, num_accepted=0)
+        sent.append(session.budget(budget.nodes_for(1, session.alpha(budget.alpha)), max_nodes=64))
+    after = SessionAcceptance.PROBE_AFTER
+    assert sent[: after - 1] == [0] * (after - 1)  # drifting back to the engine's rate alone never drafts again
+    assert sent[after - 1 :] == [SessionAcceptance.PROBE_NODES] * (20 - after + 1)
+    assert session.budget(0, max_nodes=2) == 2  # never beyond the verifier's tree limit
+    for _ in range(3):  # the probes land
+        budget.observe(tree_depth=4, num_accepted=4)
+        session.observe(tree_depth=4, num_accepted=4)
+    assert budget.nodes_for(1, session.alpha(budget.alpha)) > SessionAcceptance.PROBE_NODES
+    session.observe(tree_depth=0, num_accepted=0)
+    assert session.budget(0, max_nodes=64) == 0  # a tree came back: no probe until the next quiet stretch
+
+
 def test_measure_curve_times_each_size_and_the_per_session_cost() -> None:
     calls: list[tuple[int, int]] = []
     clock_now = [0.0]

@@ -16,6 +16,7 @@ from specserve.acceptance import VerifyResult
 from specserve.errors import FailedPrecondition, NotFound, ResourceExhausted
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
+from target_service.draft_budget import CostCurve, SessionAcceptance
 from target_service.verifier import PREFILL_HEADROOM_TOKENS, Verifier
 from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
 
@@ -215,4 +216,19 @@ def test_verify_reports_a_draft_budget_and_the_batch() -> None:
     result = verifier.verify("s", 2, TokenTree.chain([3]))
     assert result.draft_budget_nodes is not None and 0 <= result.draft_budget_nodes <= 8
     assert result.batch_sessions == 1 and result.queue_ns >= 0
+    verifier.close()
+
+
+def test_a_session_with_no_draft_budget_is_offered_a_probe_after_a_quiet_stretch() -> None:
+    never_pays = CostCurve((1, 1000), (1.0, 1000.0))  # every row costs a full forward
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8, cost_curve=never_pays, throughput_guard=False)
+    verifier.prefill("s", [1, 2], SamplingParams())
+    budgets = []
+    for round_ in range(SessionAcceptance.PROBE_AFTER):
+        result = verifier.verify("s", 2 + round_, TokenTree.chain([]))
+        budgets.append(result.draft_budget_nodes)
+    assert budgets == [0] * (SessionAcceptance.PROBE_AFTER - 1) + [SessionAcceptance.PROBE_NODES]
+    # The probe's tree, whatever it earns, answers the probe: the next budget is the cost model's again.
+    result = verifier.verify("s", 2 + len(budgets), TokenTree.chain([3, 4]))
+    assert result.draft_budget_nodes == 0
     verifier.close()
