@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compare", type=Path, help="also evaluate this head file on the held-out prompts")
     parser.add_argument("--draft-vocab", type=int, default=TrainSettings.draft_vocab_size)
     parser.add_argument("--intermediate-size", type=int, default=1024, help="the head's MLP width")
+    parser.add_argument(
+        "--ce-weight",
+        type=float,
+        default=TrainSettings.ce_weight,
+        help="weight of the token cross-entropy beside the feature loss (EAGLE: 0.1)",
+    )
     parser.add_argument("--data-dir", type=Path, default=default_cache_root() / "draft-training")
     parser.add_argument("--max-prompt-tokens", type=int, default=DistillSettings.max_prompt_tokens)
     parser.add_argument("--out", type=Path, default=DEFAULT_DRAFT_HEAD)
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         intermediate_size=args.intermediate_size,
         epochs=args.epochs,
         unroll_steps=args.unroll_steps,
+        ce_weight=args.ce_weight,
         # Training runs on the CPU: autocast to bf16 where this CPU (not the GPU that distilled) runs it natively.
         autocast_bf16=choose_dtype(args.dtype, "cpu").dtype == "bfloat16",
         max_minutes=args.max_minutes,
