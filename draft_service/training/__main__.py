@@ -36,6 +36,7 @@ from draft_service.training.distill_data import (
     generate_shards,
     length_sorted_batches,
     load_shards,
+    pad_id,
 )
 from draft_service.training.evaluate import draft_step_ms, held_out_figures
 from draft_service.training.prompt_datasets import Decontaminator, dataset_prompts, download
@@ -92,7 +93,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exclude", type=Path, default=BENCH_QUESTIONS, help="questions never trained on")
     parser.add_argument("--torch-threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    at_least = {"--prompts": 1, "--held-out": 1, "--batch-size": 1, "--epochs": 1, "--unroll-steps": 1}
+    for flag, low in at_least.items():
+        if getattr(args, flag[2:].replace("-", "_")) < low:
+            parser.error(f"{flag} must be at least {low}")
+    if args.ce_weight < 0:
+        parser.error("--ce-weight must be 0 or more (0 trains on the feature loss alone)")
+    return args
 
 
 def excluded_questions(path: Path) -> list[str]:
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(source)
     model = load_model(source, device=device, dtype=dtype.dtype)
     eos = eos_token_ids(tokenizer, load_generation_config(source))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    pad = pad_id(tokenizer, eos)
     fingerprint = vocab_fingerprint(tokenizer)
     held_out_prompts, train_prompts, source_of = prompt_mix(args, tokenizer)
     distill = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
@@ -241,14 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         model,
         length_sorted_batches(held_out_prompts, args.batch_size),
         eos,
-        pad_id,
+        pad,
         data_dir / "eval",
         distill,
         args.progress,
     )
     train_batches = length_sorted_batches(train_prompts, args.batch_size)
     train_paths = generate_shards(
-        model, train_batches, eos, pad_id, data_dir / "train", distill, args.progress, args.distill_minutes
+        model, train_batches, eos, pad, data_dir / "train", distill, args.progress, args.distill_minutes
     )
     if len(train_paths) < len(train_batches):
         print(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,11 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     )
     ids: list[int] = tokenizer(formatted, add_special_tokens=False)["input_ids"]
     return ids
+
+
+def pad_id(tokenizer: Any, eos_ids: Iterable[int]) -> int:
+    """The id batches are left-padded with: the tokenizer's pad token, else its smallest end-of-sequence id."""
+    return int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else min(eos_ids)
 
 
 def shard_path(data_dir: Path, index: int) -> Path:

@@ -157,10 +157,10 @@ def tree_acceptance(
     return TreeEvaluation(len(chosen), shape.max_nodes, total / n)
 
 
-def held_out_figures(head: DraftHead, sequences: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Top-1 agreement, chain and dynamic-tree acceptance on held-out sequences, as one record."""
-    chain = chain_acceptance(head, sequences)
-    tree = tree_acceptance(head, sequences)
+def held_out_figures(head: DraftHead, sequences: Sequence[dict[str, Any]], positions: int = 400) -> dict[str, Any]:
+    """Top-1 agreement, chain and dynamic-tree acceptance (from ``positions`` sampled positions) as one record."""
+    chain = chain_acceptance(head, sequences, positions=positions)
+    tree = tree_acceptance(head, sequences, positions)
     return {
         "answer_positions": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in sequences),
         "top1_agreement": round(top1_agreement(head, sequences), 4),

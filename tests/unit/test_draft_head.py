@@ -208,3 +208,22 @@ def test_the_drafter_refuses_to_start_without_its_head_weights(tmp_path: Path) -
     )
     assert result.returncode != 0
     assert f"no draft head weights at {missing}: run `make train-draft`" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ce-weight", "-0.5"], "--ce-weight must be 0 or more"),
+        (["--unroll-steps", "0"], "--unroll-steps must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+    ],
+)
+def test_train_draft_refuses_settings_that_cannot_train(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from draft_service.training.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(flags)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["--ce-weight", "0"]).ce_weight == 0.0
