@@ -3,14 +3,17 @@
 #   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context, and B = 1..16 sessions
 #                             in one step, in float32 and bfloat16
 #   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/results/load/)
+#   make bench-head           the draft head's offline figures (top-1, chains, trees) on Spec-Bench's own answers, per task,
+#                             beside a Spec-Bench run's served head-alone tau (bench/results/head_offline/)
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/results/numerics/)
 #   make bench-peers          specserve against llama.cpp on the same prompts (bench/results/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
 # All write to bench/results/. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
-# BENCH_PEERS_ARGS, e.g.
+# BENCH_HEAD_ARGS / BENCH_PEERS_ARGS, e.g.
 #   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/results/tmp"
 #   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtypes bfloat16 --device cuda"
 #   make bench-load BENCH_LOAD_ARGS="--levels 1,2 --max-new-tokens 8 --verifier-arg='--dtype bfloat16'"
+#   make bench-head BENCH_HEAD_ARGS="--serving bench/results/head-v2-no-guard/spec_bench.json"
 #   make bench-numerics BENCH_NUMERICS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/results/numerics/tmp"
 #   make bench-peers BENCH_PEERS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/results/peers/tmp"
 
@@ -19,9 +22,10 @@ BENCH_ARGS ?=
 VERIFY_COST_ARGS ?=
 BENCH_LOAD_ARGS ?=
 BENCH_NUMERICS_ARGS ?=
+BENCH_HEAD_ARGS ?=
 BENCH_PEERS_ARGS ?=
 
-.PHONY: bench bench-verify-cost bench-load bench-numerics bench-peers bench-peers-install
+.PHONY: bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -31,6 +35,9 @@ bench-verify-cost: proto
 
 bench-load: proto
 	$(PY) -m bench.load $(BENCH_LOAD_ARGS)
+
+bench-head: proto
+	$(PY) -m bench.head_offline $(BENCH_HEAD_ARGS)
 
 bench-numerics: proto
 	$(PY) -m bench.numerics $(BENCH_NUMERICS_ARGS)
