@@ -5,6 +5,7 @@ from hypothesis import strategies as st
 
 from draft_service.proposers import SuccessorTable, TokenRecyclingProposer
 from draft_service.tree_builder import (
+    EXPLORE_TRIES,
     AcceptanceStats,
     DraftTree,
     TreeBuilder,
@@ -50,12 +51,36 @@ def test_budget_keeps_the_best_nodes_and_stays_a_tree() -> None:
 
 def test_expensive_verification_shrinks_or_empties_the_tree() -> None:
     steep = VerifyCost({0: 1.0, 1: 1.5, 8: 3.0})
-    unlikely = AcceptanceStats(prior=0.2)
+    unlikely = AcceptanceStats(prior=0.2, prior_weight=1000)  # tried often enough, and 1 in 5 accepted
+    for accepted in [True] + [False] * (EXPLORE_TRIES * 4 - 1):
+        unlikely.update("s", 1, accepted)
     built = TreeBuilder(unlikely, steep).build([("s", TokenTree.chain([1, 2, 3]))], 8)
     assert len(built.tree) == 0  # 1.2 tokens for 1.5x the cost: plain decoding is better
     likely = AcceptanceStats(prior=0.99, prior_weight=100)
     built = TreeBuilder(likely, steep).build([("s", TokenTree.chain([1, 2, 3]))], 8)
     assert len(built.tree) == 3
+
+
+def test_a_source_not_yet_tried_drafts_its_best_chain_until_it_has_been_verified() -> None:
+    """At its prior an n-gram source never pays on a CPU, so it is tried EXPLORE_TRIES times, then judged."""
+    cpu = VerifyCost({0: 1.0, 1: 1.6, 15: 1.72})
+    shared = AcceptanceStats()  # the drafter's experience (prior 0.3: 1.3 tokens for 1.6x the cost)
+    proposals = [("pool", TokenTree.from_paths([[1, 2, 3]]))]
+    # A source with a draft probability starts from it: an unlikely node is not tried.
+    model = [("model", TokenTree((9,), (-1,), node_probs=(0.2,)))]
+    assert not TreeBuilder(AcceptanceStats(parent=shared), cpu).build(model, 8).tree.token_ids
+    tries = 0
+    while (built := TreeBuilder(AcceptanceStats(parent=shared), cpu).build(proposals, 8)).tree.token_ids:
+        assert built.tree.token_ids == (1, 2, 3) and tries < EXPLORE_TRIES
+        learn_from_acceptance(shared, built, [])  # rejected at once
+        tries += 1
+    assert tries == EXPLORE_TRIES
+    # Accepted tries teach it instead: the source's chain pays and keeps drafting.
+    taught = AcceptanceStats()
+    for _ in range(EXPLORE_TRIES):
+        built = TreeBuilder(AcceptanceStats(parent=taught), cpu).build(proposals, 8)
+        learn_from_acceptance(taught, built, [i for i, t in enumerate(built.tree.token_ids) if t in (1, 2, 3)])
+    assert {1, 2, 3} <= set(TreeBuilder(taught, cpu).build(proposals, 8).tree.token_ids)
 
 
 def test_verify_cost_interpolates_and_extrapolates() -> None:
