@@ -57,6 +57,9 @@ from specserve.errors import (
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 
+_CLOSING: set[asyncio.Task[None]] = set()
+"""Session closings still running after their request was cancelled: held here so none is collected unfinished."""
+
 
 class FinishReason(Enum):
     LENGTH = "length"
@@ -397,6 +400,18 @@ class Generation:
             asyncio.get_running_loop().create_task(draft.close())
 
     async def _close(self) -> None:
+        """Free the request's drafter and verifier sessions, to the end even when the request is cancelled.
+
+        Shielded: when the client's deadline passes, gRPC cancels the handler in the same instant as the round
+        loop's own deadline fires, so the cancellation can land while the Release is on its way. Abandoned there,
+        the verifier would hold the session and its KV cache until its TTL.
+        """
+        closing = asyncio.ensure_future(self._close_sessions())
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+        await asyncio.shield(closing)
+
+    async def _close_sessions(self) -> None:
         if self._draft is not None:
             await self._draft.close()
         with contextlib.suppress(Unavailable, DeadlineExceeded):  # the verifier's TTL frees the session

@@ -284,6 +284,47 @@ def test_the_deadline_ends_the_request_and_releases_its_session() -> None:
     assert engine.num_active_sessions == 0
 
 
+class SlowReleaseVerifier(SlowVerifier):
+    """Verifies slowly; its Release is on the wire for a moment, in which the test cancels the request."""
+
+    def __init__(self, engine: Verifier) -> None:
+        super().__init__(engine)
+        self.releasing = asyncio.Event()
+
+    async def release(self, session_id: str) -> None:
+        self.releasing.set()
+        await asyncio.sleep(0.05)
+        await super().release(session_id)
+
+
+def test_a_cancel_that_lands_while_the_session_is_released_still_releases_it() -> None:
+    """gRPC cancels the handler as the client's deadline passes, the instant the loop's own deadline fires."""
+    engine = Verifier(MODEL, "fp")
+
+    async def scenario() -> bool:
+        verifier = SlowReleaseVerifier(engine)
+        g = generation(GenerationRequest([1, 2, 3], 200), verifier=verifier)
+
+        async def consume() -> None:
+            with deadline_scope(0.2):
+                async for _ in g.stream():
+                    pass
+
+        task = asyncio.ensure_future(consume())
+        await verifier.releasing.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the release goes on without the request
+            if engine.num_active_sessions == 0:
+                break
+            await asyncio.sleep(0.01)
+        return task.cancelled()
+
+    assert asyncio.run(scenario())
+    assert engine.num_active_sessions == 0
+
+
 class HeldReply:
     """A draft stream whose ``hold``-th proposal is computed, then held until the test lets it go."""
 
