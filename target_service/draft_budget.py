@@ -33,9 +33,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -212,11 +215,17 @@ class ThroughputGuard:
     verifier, as on one machine, every drafted round takes cores from the
     verifier), and the rounds' round trips. So the engine keeps serving one
     arm ("model": the curve's budget, or "off": no drafts) and every
-    ``exploit_s`` probes the other for ``probe_s``, comparing committed tokens
-    per second per open session over the probe with the exploit arm just
-    before it; the probe's arm takes over when it wins by ``margin``. Each
-    phase's first ``settle_s`` is not measured: budgets reach the drafters one
-    round late.
+    ``exploit_s`` probes the other for ``probe_s``; the probe's arm takes over
+    when it wins by ``margin``. Each phase's first ``settle_s`` is not
+    measured: budgets reach the drafters one round late.
+
+    The comparison is paired: only sessions that committed tokens both in the
+    probe and in the exploit arm's stretch just before it count, each at its
+    own tokens per second. How much a request's drafts pay depends on its
+    text far more than on the arm, so comparing different requests (one that
+    ended with the exploit stretch, another that began with the probe) would
+    measure the requests, not the arms: with no session in both, the arm is
+    kept.
     """
 
     def __init__(
@@ -236,6 +245,7 @@ class ThroughputGuard:
         self._min_tokens = min_tokens
         self.speculate = True  # the exploit arm: True for the cost model's budget, False for none
         self.num_switches = 0
+        self.num_unpaired = 0  # probes with too few tokens from sessions in both stretches to judge
         self._probing = False
         self._phase_start = clock()
         self._window = _Window()
@@ -246,46 +256,75 @@ class ThroughputGuard:
         """Whether budgets come from the cost model right now (probes included)."""
         return self.speculate != self._probing
 
-    def observe(self, committed_tokens: int, open_sessions: int) -> None:
-        """One engine step: tokens it committed and sessions open on the verifier."""
+    def observe(self, committed: Mapping[str, int]) -> None:
+        """One engine step: the tokens it committed for each session it verified."""
         now = self._clock()
         elapsed = now - self._phase_start
-        if elapsed >= self._settle_s:
-            self._window.add(now, committed_tokens, open_sessions)
+        if elapsed >= self._settle_s and committed:
+            self._window.add(now, committed)
         if not self._probing and elapsed >= self._exploit_s:
             self._before, self._window = self._window.tail(now, self._probe_s), _Window()
             self._probing, self._phase_start = True, now
         elif self._probing and elapsed >= self._probe_s:
-            probe, before = self._window.rate(), self._before.rate()
-            enough = min(self._window.tokens, self._before.tokens) >= self._min_tokens
-            if enough and probe > before * (1 + self._margin):
+            if self._probe_wins():
                 self.speculate = not self.speculate
                 self.num_switches += 1
             self._probing, self._phase_start, self._window = False, now, _Window()
 
+    def _probe_wins(self) -> bool:
+        probe, before = self._window.rates(), self._before.rates()
+        paired = probe.keys() & before.keys()
+        if min(sum(probe[s].tokens for s in paired), sum(before[s].tokens for s in paired)) < self._min_tokens:
+            self.num_unpaired += 1
+            return False
+        probe_rate = sum(probe[s].per_s for s in paired)
+        before_rate = sum(before[s].per_s for s in paired)
+        wins = probe_rate > before_rate * (1 + self._margin)
+        if wins:
+            log.info(
+                "throughput guard: drafting %s (%d sessions in both stretches: %.1f tok/s without drafts, %.1f with)",
+                "off" if self.speculate else "on",
+                len(paired),
+                probe_rate if self.speculate else before_rate,
+                before_rate if self.speculate else probe_rate,
+            )
+        return wins
+
+
+@dataclass(frozen=True)
+class _SessionRate:
+    tokens: int  # committed after the session's first step in the stretch
+    per_s: float
+
 
 class _Window:
-    """Committed tokens per second per open session over a stretch of steps."""
+    """Each session's committed tokens per second over a stretch of engine steps."""
 
     def __init__(self) -> None:
-        self.steps: list[tuple[float, int, int]] = []  # (time, tokens, open sessions)
-        self.tokens = 0
+        self.steps: list[tuple[float, Mapping[str, int]]] = []  # (time, tokens committed per session)
 
-    def add(self, now: float, tokens: int, sessions: int) -> None:
-        self.steps.append((now, tokens, sessions))
-        self.tokens += tokens
+    def add(self, now: float, committed: Mapping[str, int]) -> None:
+        self.steps.append((now, committed))
 
     def tail(self, now: float, seconds: float) -> _Window:
         kept = _Window()
-        for step in self.steps:
-            if step[0] >= now - seconds:
-                kept.add(*step)
+        kept.steps = [step for step in self.steps if step[0] >= now - seconds]
         return kept
 
-    def rate(self) -> float:
-        if len(self.steps) < 2:
-            return 0.0
-        # Tokens committed after the first step's end, over the time since it.
-        span = self.steps[-1][0] - self.steps[0][0]
-        sessions = sum(s for _, _, s in self.steps[1:]) / (len(self.steps) - 1)
-        return (self.tokens - self.steps[0][1]) / span / max(sessions, 1.0) if span > 0 else 0.0
+    def rates(self) -> dict[str, _SessionRate]:
+        """Sessions seen in two steps or more: tokens committed after their first step, over the time since it."""
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        tokens: dict[str, int] = {}
+        for now, committed in self.steps:
+            for session, count in committed.items():
+                if session in first:
+                    last[session] = now
+                    tokens[session] += count
+                else:
+                    first[session], tokens[session] = now, 0
+        return {
+            session: _SessionRate(tokens[session], tokens[session] / (last[session] - first[session]))
+            for session in last
+            if last[session] > first[session]
+        }

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -534,20 +534,20 @@ class Verifier:
         self._activity.add(len(plan.segments), int(input_ids.numel()), time.perf_counter_ns() - started, budget)
         score_at = 0
         feature_at = 0
-        committed = 0
+        committed: dict[str, int] = {}
         for call, session in work.verifies:
             n = call.num_tokens
             logits = out.logits[score_at : score_at + n]
             score_at += n
             hidden = out.features[feature_at : feature_at + n] if call.return_features else None
             feature_at += n if call.return_features else 0
-            committed += self._finish_verify(call, session, logits, hidden, load, sessions)
+            committed[call.session_id] = self._finish_verify(call, session, logits, hidden, load, sessions)
         for prefill, tokens in work.prefills:
             if prefill.return_features:
                 prefill.features.append(out.features[feature_at : feature_at + tokens])
                 feature_at += tokens
             self._advance_prefill(prefill, tokens)
-        self._guard.observe(committed, len(self._sessions))
+        self._guard.observe(committed)
         step = EngineStep(len(plan.segments), int(input_ids.numel()), tuple(queued))
         for observer in self._step_observers:
             observer(step)
@@ -871,7 +871,7 @@ class _NeverProbe:
 
     arm_now = True
 
-    def observe(self, committed_tokens: int, open_sessions: int) -> None:
+    def observe(self, committed: Mapping[str, int]) -> None:
         return None
 
 

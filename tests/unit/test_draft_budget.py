@@ -110,11 +110,17 @@ class FakeClock:
         return self.now
 
 
-def run_guard(guard: ThroughputGuard, clock: FakeClock, seconds: float, rate: dict[bool, int]) -> None:
-    """Steps of 0.1 s committing rate[arm] tokens each, 4 sessions open."""
+def run_guard(
+    guard: ThroughputGuard,
+    clock: FakeClock,
+    seconds: float,
+    rate: dict[bool, int],
+    sessions: tuple[str, ...] = ("a", "b", "c", "d"),
+) -> None:
+    """Steps of 0.1 s, each committing rate[arm] tokens for every one of ``sessions``."""
     for _ in range(int(seconds * 10)):
         clock.now += 0.1
-        guard.observe(rate[guard.arm_now], 4)
+        guard.observe(dict.fromkeys(sessions, rate[guard.arm_now]))
 
 
 def test_guard_switches_speculation_off_when_plain_steps_commit_more_and_back_when_it_pays() -> None:
@@ -134,3 +140,15 @@ def test_guard_keeps_the_arm_when_the_probe_does_not_win_clearly() -> None:
     idle = ThroughputGuard(clock, exploit_s=8, probe_s=3)
     run_guard(idle, clock, 60, {True: 0, False: 1})  # too few tokens to judge
     assert idle.speculate
+
+
+def test_guard_judges_the_arms_on_the_same_sessions_only() -> None:
+    """A request whose drafts were all rejected ends; the next, with drafts that pay, must not be judged by it."""
+    clock = FakeClock()
+    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3)
+    run_guard(guard, clock, 8, {True: 2, False: 2}, sessions=("cold",))  # the exploit arm, on one request
+    run_guard(guard, clock, 3.5, {True: 20, False: 20}, sessions=("warm",))  # the probe (off), on another
+    assert guard.speculate and guard.num_switches == 0 and guard.num_unpaired == 1
+    # A session in both stretches is judged: here drafting costs it half its rate.
+    run_guard(guard, clock, 12, {True: 5, False: 10}, sessions=("warm", "next"))
+    assert not guard.speculate and guard.num_switches == 1
