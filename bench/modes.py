@@ -216,7 +216,8 @@ class InProcessMode:
         self._tokenizer = tokenizer
         self._fingerprint = fingerprint
         self._eos_ids = eos_ids
-        self._drafter = InProcessDrafter(build_drafter(self._drafter_config, head)[0])
+        self._verify_cost = info.verify_cost  # the verifier's measured curve, as a coordinator sends it
+        self._drafter = InProcessDrafter(build_drafter(self._drafter_config, head)[0], verify_cost=self._verify_cost)
         self._loop = asyncio.Runner()
 
     def run(self, prompt: Prompt) -> Outcome:
@@ -241,7 +242,9 @@ class InProcessMode:
         return _outcome_from_stats(tokens, time.perf_counter_ns() - start, generation.stats)
 
     def reset(self) -> None:
-        self._drafter = InProcessDrafter(build_drafter(self._drafter_config, self._head)[0])
+        self._drafter = InProcessDrafter(
+            build_drafter(self._drafter_config, self._head)[0], verify_cost=self._verify_cost
+        )
 
     def close(self) -> None:
         self._loop.close()

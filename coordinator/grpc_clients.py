@@ -21,6 +21,8 @@ from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
+    cost_from_proto,
+    cost_to_proto,
     features_from_proto,
     features_to_proto,
     sampling_to_proto,
@@ -99,6 +101,7 @@ class GrpcVerifier:
             max_tree_depth=r.max_tree_depth,
             max_session_tokens=r.max_session_tokens,
             supports_branching=r.supports_branching,
+            verify_cost=cost_from_proto(r.verify_cost),
         )
 
     async def prefill(
@@ -183,7 +186,12 @@ class GrpcDraftStream:
             raise DrafterFailed(f"drafter at {self._target}: {exc}") from exc
 
     async def start(
-        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, vocab_size: int = 0
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        vocab_fingerprint: str,
+        vocab_size: int = 0,
+        verify_cost: Sequence[tuple[int, float]] = (),
     ) -> None:
         start = drafter_pb2.StartSession(
             session_id=session_id,
@@ -191,6 +199,7 @@ class GrpcDraftStream:
             vocab_fingerprint=vocab_fingerprint,
             vocab_size=vocab_size,
             pool_namespace=current_tenant().pool_namespace,
+            verify_cost=cost_to_proto(dict(verify_cost)),
         )
         await self._write(drafter_pb2.DraftRequest(start=start))
 
@@ -245,11 +254,13 @@ class GrpcDrafter:
         target: str,
         vocab_size: int = 0,
         metadata: Callable[[], Metadata] = ANONYMOUS_METADATA,
+        verify_cost: Sequence[tuple[int, float]] = (),
     ) -> None:
         self._stub = drafter_pb2_grpc.DrafterServiceStub(channel)
         self._metadata = metadata
         self._target = target
         self._vocab_size = vocab_size  # the target's, sent with each session: the drafter drops ids outside it
+        self._verify_cost = tuple(verify_cost)  # the verifier's measured curve, sent with each session
         self._wants_features: bool | None = None  # learnt from DrafterInfo on the first open
 
     async def info(self) -> drafter_pb2.DrafterInfoResponse:
@@ -262,5 +273,5 @@ class GrpcDrafter:
             except grpc.aio.AioRpcError as exc:
                 raise DrafterFailed(f"drafter at {self._target}: {exc.code().name}: {exc.details()}") from exc
         stream = GrpcDraftStream(self._stub.Draft(metadata=self._metadata()), self._target, self._wants_features)
-        await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size)
+        await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost)
         return stream

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from coordinator.ports import VerifierInfo
 from draft_service.drafter import Drafter, DraftSession
+from draft_service.tree_builder import VerifyCost
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterFailed
@@ -28,6 +29,7 @@ def verifier_info(v: Verifier) -> VerifierInfo:
         max_tree_depth=v.limits.max_tree_depth,
         max_session_tokens=v.limits.max_session_tokens,
         supports_branching=v.supports_branching,
+        verify_cost=tuple(sorted(v.cost_curve.verify_cost().items())),
     )
 
 
@@ -88,17 +90,30 @@ class InProcessDrafter:
     tests of the pre-drafted path, not speed.
     """
 
-    def __init__(self, drafter: Drafter, predraft: bool = False, vocab_size: int = 0) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        predraft: bool = False,
+        vocab_size: int = 0,
+        verify_cost: Sequence[tuple[int, float]] = (),
+    ) -> None:
         self._drafter = drafter
         self._predraft = predraft
         self._vocab_size = vocab_size  # the target's (0: unknown): the drafter drops draft tokens outside it
+        # The verifier's measured cost by draft nodes (empty: the drafter's own curve).
+        self._verify_cost = VerifyCost.from_points(verify_cost) if verify_cost else None
 
     async def open(
         self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str
     ) -> _InProcessDraftStream:
         try:
             session = self._drafter.open_session(
-                session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, current_tenant().pool_namespace
+                session_id,
+                prompt_tokens,
+                vocab_fingerprint,
+                self._vocab_size,
+                current_tenant().pool_namespace,
+                self._verify_cost,
             )
             return _InProcessDraftStream(session, self._predraft)
         except ValueError as exc:  # the drafter cannot serve this session (a draft head for another vocabulary)

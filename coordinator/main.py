@@ -266,12 +266,12 @@ async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple
     return verifier, info
 
 
-async def connect_drafter(config: CoordinatorConfig, fingerprint: str, vocab_size: int) -> GrpcDrafter | None:
+async def connect_drafter(config: CoordinatorConfig, fingerprint: str, verifier: VerifierInfo) -> GrpcDrafter | None:
     """The drafter tier, or None when unset or serving another vocabulary (drafting is optional)."""
     if config.drafter is None:
         return None
     channel = internal_channel(config, config.drafter, config.drafter)
-    drafter = GrpcDrafter(channel, config.drafter, vocab_size, internal_metadata(config))
+    drafter = GrpcDrafter(channel, config.drafter, verifier.vocab_size, internal_metadata(config), verifier.verify_cost)
     try:
         info = await drafter.info()
     except grpc.aio.AioRpcError as exc:
@@ -388,7 +388,7 @@ async def serve(config: CoordinatorConfig) -> None:
     tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
     fingerprint = vocab_fingerprint(tokenizer)
     verifier, info = await connect_verifier(config, fingerprint)
-    drafter = health_checked(config, await connect_drafter(config, fingerprint, info.vocab_size), metrics)
+    drafter = health_checked(config, await connect_drafter(config, fingerprint, info), metrics)
     eos = eos_token_ids(tokenizer, load_generation_config(source))
     policy = round_policy(config, info)
 

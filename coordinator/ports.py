@@ -33,6 +33,8 @@ class VerifierInfo:
     max_tree_depth: int
     max_session_tokens: int
     supports_branching: bool
+    # The verifier's measured cost by draft nodes (empty: not measured); drafters cut trees with it.
+    verify_cost: tuple[tuple[int, float], ...] = ()
 
 
 class VerifierPort(Protocol):

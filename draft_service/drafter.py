@@ -269,11 +269,14 @@ class Drafter:
         vocab_fingerprint: str,
         vocab_size: int = 0,
         pool_namespace: str = "",
+        verify_cost: VerifyCost | None = None,
     ) -> DraftSession:
         """A session for a target of ``vocab_fingerprint``; ValueError when the draft head cannot serve it.
 
         ``vocab_size``: the target's (0: unknown); draft tokens outside it are dropped. ``pool_namespace``: the
         tenant's n-gram pool and successor table (``Tenant.pool_namespace``; empty: the anonymous tenant's).
+        ``verify_cost``: what verification costs on the session's verifier (its measured curve); None: this
+        drafter's own (``cost``).
         """
         if self._head is not None and self._head.target_fingerprint not in ("", vocab_fingerprint):
             raise ValueError(
@@ -293,7 +296,7 @@ class Drafter:
         if self._head is not None:
             available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape)
         shared = self._stats.setdefault(vocab_fingerprint, AcceptanceStats())
-        builder = TreeBuilder(AcceptanceStats(parent=shared), self._cost)
+        builder = TreeBuilder(AcceptanceStats(parent=shared), verify_cost or self._cost)
         proposers = [available[name] for name in self.sources]
         session = DraftSession(
             session_id,

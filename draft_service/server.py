@@ -13,12 +13,13 @@ import numpy as np
 
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.pools import PoolRegistry
+from draft_service.tree_builder import VerifyCost
 from specserve import errors
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import Drain
 from specserve.rpc import refused_while_draining
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
-from specserve.wire import features_from_proto, tree_to_proto
+from specserve.wire import cost_from_proto, features_from_proto, tree_to_proto
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,12 +148,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             raise errors.InvalidArgument("the first message of a Draft stream must be `start`")
         start = first.start
         try:
+            verify_cost = VerifyCost.from_points(cost_from_proto(start.verify_cost)) if start.verify_cost else None
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"start.verify_cost: {exc}") from exc
+        try:
             session = self._drafter.open_session(
                 start.session_id,
                 list(start.prompt_token_ids),
                 start.vocab_fingerprint,
                 start.vocab_size,
                 start.pool_namespace,
+                verify_cost,
             )
         except ValueError as exc:
             raise errors.FailedPrecondition(str(exc)) from exc

@@ -16,8 +16,9 @@ q), whose estimate starts from q itself and learns how often such nodes are
 really accepted. An uncertain draft thus scores low and is left out when it
 does not pay for its verification: entropy gating with a learnt threshold.
 
-Size: verifying n nodes costs c(n) target-forward units (``VerifyCost``,
-measured by ``make bench-verify-cost``), so the builder keeps the n
+Size: verifying n nodes costs c(n) target-forward units (``VerifyCost``: the
+session's verifier's measured curve, else one measured by ``make
+bench-verify-cost`` on a 2-core CPU), so the builder keeps the n
 best-scoring nodes that maximise (1 + sum of scores) / c(n). On a CPU, where
 c(n) grows quickly, that is often a short chain, and sometimes nothing. A
 source the drafter has not seen verified yet is tried first (``EXPLORE_TRIES``):
@@ -27,6 +28,7 @@ its prior alone would keep it out for good.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,9 +45,28 @@ CPU_VERIFY_COST: dict[int, float] = {0: 1.0, 1: 1.6, 3: 1.6, 7: 1.64, 15: 1.72, 
 
 @dataclass(frozen=True)
 class VerifyCost:
-    """Relative verify cost by tree size, linearly interpolated between measured points."""
+    """Relative verify cost by tree size, linearly interpolated between measured points.
+
+    The default is the CPU curve above; a verifier that measured its own sends it with each session
+    (``from_points``), so trees are cut at what verification costs where they are verified: a GPU's
+    nearly flat curve keeps trees that a CPU's would cut.
+    """
 
     points: dict[int, float] = field(default_factory=lambda: dict(CPU_VERIFY_COST))
+
+    @classmethod
+    def from_points(cls, points: Sequence[tuple[int, float]]) -> VerifyCost:
+        """A curve from (nodes, relative cost) points; ValueError, saying what is wrong, on a curve unfit to use."""
+        curve = dict(points)
+        if len(curve) != len(points):
+            raise ValueError("verify_cost names a tree size twice")
+        if len(curve) < 2 or 0 not in curve:
+            raise ValueError("verify_cost needs the cost at 0 nodes and at least one larger tree")
+        if any(n < 0 for n in curve):
+            raise ValueError("verify_cost has a negative tree size")
+        if not all(math.isfinite(c) and c > 0 for c in curve.values()):
+            raise ValueError("verify_cost has a cost that is not a positive number")
+        return cls(curve)
 
     def __call__(self, nodes: int) -> float:
         sizes = sorted(self.points)

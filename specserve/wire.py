@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import numpy as np
 
 from specserve.sampling import SamplingParams
@@ -75,3 +77,13 @@ def split_features(features: np.ndarray, max_bytes: int) -> list[np.ndarray]:
     """
     rows_per_slice = max(1, max_bytes // (2 * max(1, features.shape[1])))
     return [features[i : i + rows_per_slice] for i in range(0, features.shape[0], rows_per_slice)]
+
+
+def cost_to_proto(cost: Mapping[int, float]) -> list[common_pb2.CostPoint]:
+    """A verify cost curve (draft nodes -> relative cost) as ``CostPoint`` messages, by tree size."""
+    return [common_pb2.CostPoint(nodes=n, relative_cost=c) for n, c in sorted(cost.items())]
+
+
+def cost_from_proto(points: Iterable[common_pb2.CostPoint]) -> tuple[tuple[int, float], ...]:
+    """(nodes, relative cost) pairs, as sent; checking them is the receiver's (``VerifyCost.from_points``)."""
+    return tuple((int(p.nodes), float(p.relative_cost)) for p in points)

@@ -83,6 +83,15 @@ class CostCurve:
         """c(n) / c(first) for every measured n (for logs and VerifierInfo)."""
         return {n: s / self.seconds[0] for n, s in zip(self.tokens, self.seconds, strict=True)}
 
+    def verify_cost(self) -> dict[int, float]:
+        """Relative cost by draft nodes (tokens scored minus the pending one), as drafters cut trees with it.
+
+        Empty when this is no measurement (one point, as ``flat_curve``): a drafter then keeps its own curve.
+        """
+        if len(self.tokens) < 2 or self.tokens[0] != 1:
+            return {}
+        return {n - 1: ratio for n, ratio in self.ratios().items()}
+
 
 def flat_curve() -> CostCurve:
     """Extra rows cost nothing: budgets are bounded by the tree limits alone (used before profiling)."""

@@ -11,7 +11,7 @@ from specserve.auth.internal import session_owner
 from specserve.drain import Drain
 from specserve.errors import Unavailable
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
-from specserve.wire import features_to_proto, sampling_from_proto, tree_from_proto
+from specserve.wire import cost_to_proto, features_to_proto, sampling_from_proto, tree_from_proto
 from target_service.metrics import VerifierMetrics
 from target_service.verifier import Verifier
 
@@ -120,4 +120,5 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             kv_cache_used_bytes=stats.kv_used_bytes,
             num_queued_requests=stats.num_queued,
             max_batch_tokens=limits.max_batch_tokens,
+            verify_cost=cost_to_proto(self._verifier.cost_curve.verify_cost()),
         )
