@@ -170,13 +170,7 @@ def load_draft_head(
     Raises DraftHeadError naming the problem when the file is missing, not a
     draft head, trained for another vocabulary, or shaped for another target.
     """
-    require_weights(path)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises many types for a corrupt file
-        raise DraftHeadError(f"{path} is not a readable draft head file: {exc}") from exc
-    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
-        raise DraftHeadError(f"{path} is not a draft head file of format version {FORMAT_VERSION}")
+    payload = read_weights(path)
     if payload["target_fingerprint"] != target_fingerprint:
         raise DraftHeadError(
             f"{path} was trained for the target vocabulary {payload['target_fingerprint']}, "
@@ -185,12 +179,29 @@ def load_draft_head(
     config = DraftHeadConfig(**payload["config"])
     head = DraftHead(config, embedding, lm_head, payload["draft_vocab"].long())
     head.target_fingerprint = target_fingerprint
+    load_state(head, payload, path)
+    return head.eval(), dict(payload.get("metadata", {}))
+
+
+def read_weights(path: Path) -> dict[str, Any]:
+    """The stored payload of the head file at ``path`` (``DraftHead.save``); DraftHeadError when unusable."""
+    require_weights(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a corrupt file
+        raise DraftHeadError(f"{path} is not a readable draft head file: {exc}") from exc
+    if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
+        raise DraftHeadError(f"{path} is not a draft head file of format version {FORMAT_VERSION}")
+    return payload
+
+
+def load_state(head: DraftHead, payload: dict[str, Any], path: Path) -> None:
+    """Put the stored weights (bf16 on disk) into ``head`` in fp32; DraftHeadError when the shapes differ."""
     state = {name: t.float() if t.is_floating_point() else t for name, t in payload["state"].items()}
     try:
         head.load_state_dict(state)
     except RuntimeError as exc:
         raise DraftHeadError(f"{path} does not fit this head's shape: {exc}") from exc
-    return head.eval(), dict(payload.get("metadata", {}))
 
 
 def in_serving_dtype(head: DraftHead, requested: str = "auto") -> tuple[DraftHead, DtypeChoice]:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -28,7 +29,14 @@ from transformers import DynamicCache
 
 from coordinator.prompts import eos_token_ids
 from draft_service.config import DEFAULT_DRAFT_HEAD
-from draft_service.draft_head import DraftHeadConfig, in_serving_dtype, load_draft_head, truncate_cache
+from draft_service.draft_head import (
+    DraftHeadConfig,
+    DraftHeadError,
+    in_serving_dtype,
+    load_draft_head,
+    read_weights,
+    truncate_cache,
+)
 from draft_service.training.distill_data import (
     DistillSettings,
     distill_minutes,
@@ -79,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=TrainSettings.epochs)
     parser.add_argument("--unroll-steps", type=int, default=TrainSettings.unroll_steps, help="training-time test")
     parser.add_argument("--compare", type=Path, help="also evaluate this head file on the held-out prompts")
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        help="start from this head file (its weights and draft vocabulary) rather than a fresh head; "
+        "--intermediate-size must be the one it was trained with",
+    )
+    parser.add_argument("--learning-rate", type=float, default=TrainSettings.learning_rate, help="peak, AdamW")
     parser.add_argument("--draft-vocab", type=int, default=TrainSettings.draft_vocab_size)
     parser.add_argument("--intermediate-size", type=int, default=1024, help="the head's MLP width")
     parser.add_argument(
@@ -98,9 +113,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, low in at_least.items():
         if getattr(args, flag[2:].replace("-", "_")) < low:
             parser.error(f"{flag} must be at least {low}")
+    if args.learning_rate <= 0:
+        parser.error("--learning-rate must be more than 0")
     if args.ce_weight < 0:
         parser.error("--ce-weight must be 0 or more (0 trains on the feature loss alone)")
     return args
+
+
+def check_initial_head(args: argparse.Namespace, fingerprint: str) -> None:
+    """``--init-from``'s file is a head for this target of the shape asked for; its draft vocabulary is used.
+
+    Raises DraftHeadError naming the mismatch and the flag that fixes it.
+    """
+    payload = read_weights(args.init_from)
+    if payload["target_fingerprint"] != fingerprint:
+        raise DraftHeadError(
+            f"{args.init_from} was trained for the vocabulary {payload['target_fingerprint']}, "
+            f"the target's is {fingerprint}: start from a head for this target"
+        )
+    width = int(payload["config"]["intermediate_size"])
+    if width != args.intermediate_size:
+        raise DraftHeadError(
+            f"{args.init_from} has an MLP width of {width}: pass --intermediate-size {width} to start from it"
+        )
+    args.draft_vocab = int(payload["config"]["draft_vocab_size"])  # the weights' LM head rows
 
 
 def excluded_questions(path: Path) -> list[str]:
@@ -154,6 +190,8 @@ def model_card(m: dict[str, Any], config: DraftHeadConfig, out: Path) -> str:
     sources = ", ".join(f"{name} {count}" for name, count in data["train_prompts_by_source"].items())
     steps = training["unroll_steps"]
     accuracy = "/".join(f"{a:.2f}" for a in training["final_accuracy_by_step"])
+    init = training.get("init_from", "")
+    started_from = f"Started from the weights of `{Path(init).name}` (`--init-from`), then " if init else ""
     return f"""# Draft head for SmolLM2-135M-Instruct
 
 `{out.name}`: an EAGLE-style draft head (one Llama decoder layer over
@@ -178,7 +216,7 @@ the same mix are held out for evaluation.
 
 ## Training
 
-{training["steps"]} steps ({training["epochs_done"]:.2f} epochs) in {training["minutes"]:.1f} min,
+{started_from}{training["steps"]} steps ({training["epochs_done"]:.2f} epochs) in {training["minutes"]:.1f} min,
 AdamW at {training["learning_rate"]}, batch {training["batch_size"]} windows of {training["window"]}
 positions, loss = smooth-L1(feature) + {training["ce_weight"]} x cross-entropy(target's greedy
 token), feature noise {training["feature_noise"]}, averaged over {steps} draft step(s) per position
@@ -236,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     eos = eos_token_ids(tokenizer, load_generation_config(source))
     pad = pad_id(tokenizer, eos)
     fingerprint = vocab_fingerprint(tokenizer)
+    if args.init_from is not None:
+        try:
+            check_initial_head(args, fingerprint)  # before distillation: a wrong file should not cost an hour
+        except DraftHeadError as exc:
+            print(f"train-draft: {exc}", file=sys.stderr)
+            return 2
     held_out_prompts, train_prompts, source_of = prompt_mix(args, tokenizer)
     distill = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
     # Shards are named by batch index: anything that changes the batches gets its own directory.
@@ -276,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         epochs=args.epochs,
         unroll_steps=args.unroll_steps,
         ce_weight=args.ce_weight,
+        learning_rate=args.learning_rate,
+        init_from=str(args.init_from or ""),
         # Training runs on the CPU: autocast to bf16 where this CPU (not the GPU that distilled) runs it natively.
         autocast_bf16=choose_dtype(args.dtype, "cpu").dtype == "bfloat16",
         max_minutes=args.max_minutes,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from draft_service.draft_head import DraftHead, DraftHeadConfig, HeadOutput
+from draft_service.draft_head import DraftHead, DraftHeadConfig, HeadOutput, load_state, read_weights
 from specserve.tree_masks import additive_mask
 
 IGNORE = -100
@@ -51,6 +51,9 @@ class TrainSettings:
     autocast_bf16: bool = False
     checkpoint_every: int = 100
     seed: int = 0
+    # A head file to start from (its weights and draft vocabulary) instead of a fresh head: more epochs for a
+    # head whose run stopped at its time budget. "" starts afresh.
+    init_from: str = ""
 
 
 @dataclass
@@ -211,13 +214,17 @@ def train(
             f"{checkpoint_path} was written with other settings ({checkpoint['settings']}); "
             "remove it or train into another directory"
         )
-    draft_vocab = (
-        checkpoint["draft_vocab"]
-        if checkpoint is not None
-        else build_draft_vocab(sequences, settings.draft_vocab_size, vocab_size)
-    )
+    initial = read_weights(Path(settings.init_from)) if settings.init_from and checkpoint is None else None
+    if checkpoint is not None:
+        draft_vocab = checkpoint["draft_vocab"]
+    elif initial is not None:
+        draft_vocab = initial["draft_vocab"].long()  # its LM head rows: the vocabulary goes with the weights
+    else:
+        draft_vocab = build_draft_vocab(sequences, settings.draft_vocab_size, vocab_size)
     config = DraftHeadConfig.for_target(target_config, int(draft_vocab.numel()), settings.intermediate_size)
     head = DraftHead(config, embedding, lm_head, draft_vocab)
+    if initial is not None:
+        load_state(head, initial, Path(settings.init_from))
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
     spans = windows(sequences, settings.window)
     steps_per_epoch = math.ceil(len(spans) / settings.batch_size)

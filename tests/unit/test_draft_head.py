@@ -134,6 +134,34 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path: Path
     assert tree.acceptance_length >= 1 + trained.accepted_at_depth[0]
 
 
+def test_training_can_start_from_a_saved_head_its_weights_and_draft_vocabulary(tmp_path: Path) -> None:
+    data, other = distilled(24), distilled(24, length=12)
+    first, _ = train(data, EMBEDDING, LM_HEAD, TARGET.config, tmp_path / "a", replace(TINY_TRAINING, epochs=6), False)
+    first.save(tmp_path / "first.pt", target_fingerprint="fp")
+    # A negligible learning rate: what the second run ends with is what it started from.
+    still = replace(TINY_TRAINING, epochs=1, learning_rate=1e-12)
+    fresh, _ = train(other, EMBEDDING, LM_HEAD, TARGET.config, tmp_path / "b", still, progress=False)
+    again = replace(still, init_from=str(tmp_path / "first.pt"))
+    resumed, _ = train(other, EMBEDDING, LM_HEAD, TARGET.config, tmp_path / "c", again, progress=False)
+    assert torch.equal(resumed.draft_vocab, first.draft_vocab)
+    assert not torch.equal(fresh.draft_vocab, first.draft_vocab)  # the other data would have picked another
+    assert top1_agreement(resumed, data) == pytest.approx(top1_agreement(first, data), abs=0.02)
+    assert top1_agreement(resumed, data) > top1_agreement(fresh, data) + 0.2
+
+
+def test_train_draft_refuses_a_starting_head_for_another_target_or_shape(tmp_path: Path) -> None:
+    from draft_service.training.__main__ import check_initial_head, parse_args
+
+    new_head().save(tmp_path / "head.pt", target_fingerprint="fp")
+    with pytest.raises(DraftHeadError, match="trained for the vocabulary fp"):
+        check_initial_head(parse_args(["--init-from", str(tmp_path / "head.pt")]), "other")
+    with pytest.raises(DraftHeadError, match="pass --intermediate-size 96"):
+        check_initial_head(parse_args(["--init-from", str(tmp_path / "head.pt")]), "fp")
+    args = parse_args(["--init-from", str(tmp_path / "head.pt"), "--intermediate-size", "96", "--draft-vocab", "9"])
+    check_initial_head(args, "fp")
+    assert args.draft_vocab == 16  # the file's, whatever was asked
+
+
 def test_training_time_test_trains_every_draft_step(tmp_path: Path) -> None:
     data = distilled(24)
     # In bf16 autocast too, as `make train-draft` trains where the CPU runs bf16 natively.
@@ -216,6 +244,7 @@ def test_the_drafter_refuses_to_start_without_its_head_weights(tmp_path: Path) -
         (["--ce-weight", "-0.5"], "--ce-weight must be 0 or more"),
         (["--unroll-steps", "0"], "--unroll-steps must be at least 1"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--learning-rate", "0"], "--learning-rate must be more than 0"),
     ],
 )
 def test_train_draft_refuses_settings_that_cannot_train(
