@@ -19,6 +19,10 @@ SPEC_BENCH = Path(__file__).parents[2] / "bench" / "data" / "spec_bench.jsonl"
 SYSTEM_REDIS = "redis://127.0.0.1:6379/0"
 # Identity with plain decoding is asserted token for token: the reference and the verifier run in fp32.
 FP32_VERIFIER = ["--dtype", "float32"]
+# Without the measured cost curve, draft budgets follow the tree limits (on a slow CPU the curve says drafting
+# rarely pays, and rounds would draft nothing); without the throughput guard, no timed probe turns drafting off
+# (3 s of every 11: a short request could fall inside one). Then every round drafts, which tests of drafting need.
+EVERY_ROUND_DRAFTS = [*FP32_VERIFIER, "--no-profile-cost", "--no-throughput-guard"]
 
 
 def spec_bench_prompts(per_category: int = 1, categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -79,8 +83,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Coordinator, drafter (with Redis when reachable) and verifier as real processes."""
     logs = tmp_path_factory.mktemp("cluster-logs")
     cluster = LocalCluster(free_port(), free_port(), free_port(), redis_url=system_redis_url(), log_dir=logs)
-    # Without the measured cost curve, draft budgets follow the tree limits: every round drafts, which these
-    # tests need (on a slow CPU the curve says drafting rarely pays, and rounds would draft nothing).
-    cluster.extra_verifier_args = [*FP32_VERIFIER, "--no-profile-cost"]
+    cluster.extra_verifier_args = EVERY_ROUND_DRAFTS
     with cluster as c:
         yield c
