@@ -50,6 +50,7 @@ from target_service.verifier import Verifier
 from . import machine
 from .cluster import DEFAULT_REDIS_URL, ClusterStartError, PoolBackend, choose_pool, clear_pool, start_cluster
 from .dataset import CATEGORIES, load_questions, select
+from .head_identity import describe_draft_head, draft_head_path
 from .load_report import (
     LevelResult,
     StreamResult,
@@ -132,6 +133,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(plain decoding through the batching verifier, for comparison)",
     )
     parser.add_argument(
+        "--drafter-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="appended to the drafter's command line, e.g. --drafter-arg='--draft-head-path OTHER.pt' "
+        "(the report names the head by its SHA-256)",
+    )
+    parser.add_argument(
         "--redis-url",
         default=DEFAULT_REDIS_URL,
         help="Redis for the drafter's n-gram pool ('' for in-memory); this vocabulary's keys there are emptied "
@@ -151,6 +160,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(str(exc))
     args.verifier_args = [word for value in args.verifier_arg for word in shlex.split(value)]
     args.coordinator_args = [word for value in args.coordinator_arg for word in shlex.split(value)]
+    args.drafter_args = [word for value in args.drafter_arg for word in shlex.split(value)]
     if args.max_new_tokens < 1 or args.torch_threads < 1 or args.stream_timeout_s <= 0:
         parser.error("--max-new-tokens and --torch-threads must be at least 1, --stream-timeout-s above 0")
     return args
@@ -448,6 +458,8 @@ def initial_meta(args: argparse.Namespace, target: TargetText, pool: PoolBackend
             "torch_threads": args.torch_threads,
             "verifier_command_args": ["--torch-threads", str(args.torch_threads), *args.verifier_args],
             "coordinator_command_args": args.coordinator_args,
+            "drafter_command_args": args.drafter_args,
+            "draft_head": describe_draft_head(draft_head_path(args.drafter_args)),
             "pool": pool.description,
             "pool_emptied_before_measuring": pool.redis_url is not None,
             "reference": "skipped (--no-reference)",
@@ -476,6 +488,7 @@ def run_levels(
         log_dir,
         verifier_args=args.verifier_args,
         coordinator_args=args.coordinator_args,
+        drafter_args=args.drafter_args,
     )
     redis_url = pool.redis_url
 

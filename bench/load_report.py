@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from .head_identity import head_line
+
 MIB = 2**20
 NA = "n/a"  # a figure this level does not have
 
@@ -274,6 +276,8 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         f"- Verifier: `{' '.join(settings['verifier_command_args'])}`; max batch tokens "
         f"{verifier.get('max_batch_tokens') or 'unreported'}",
         f"- Coordinator: `{' '.join(settings.get('coordinator_command_args') or []) or 'defaults'}`",
+        f"- Drafter: `{' '.join(settings.get('drafter_command_args') or []) or 'defaults'}`. "
+        + (head_line(settings.get("draft_head")) or "Draft head: not recorded."),
         "",
     ]
     return lines

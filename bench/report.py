@@ -8,6 +8,7 @@ from typing import Any
 
 from .aggregate import OVERALL, Summary
 from .dataset import MT_BENCH_CATEGORIES
+from .head_identity import head_line
 from .records import Record
 
 # Column titles of the Spec-Bench leaderboard, in its order.
@@ -243,7 +244,7 @@ def markdown(
         f"{machine['cpus_available']} CPUs available, torch {machine['torch_version']} with "
         f"{machine['torch_threads']} threads, load average {_load(machine)}. "
         f"n-gram pool of `distributed`: {settings['distributed_pool']}. {pools}"
-        f"{_pinning(settings)}"
+        f"{_pinning(settings)}{head_line(settings.get('draft_head'))}"
         f"Run {meta['started_at']}, commit {machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}.",
         "",
         dtype_line(settings),

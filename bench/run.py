@@ -58,6 +58,7 @@ from .cluster import (
 )
 from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
 from .decoding import Fp32Head, hf_generate, plain_decode, top2_gap
+from .head_identity import describe_draft_head, draft_head_path
 from .modes import (
     BASELINE,
     FLOAT32,
@@ -305,13 +306,24 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
     return modes
 
 
+def uses_head(modes: Sequence[str]) -> bool:
+    """Whether any of ``modes`` drafts with the draft head (a cluster's drafter runs every default source)."""
+    for name in modes:
+        if name == "inproc" or name.startswith("inproc:"):
+            if HeadProposer.name in (mode_sources(name) or DrafterConfig().sources):
+                return True
+        elif name not in (BASELINE, FP32_BASELINE, "hf-pld"):
+            return True
+    return False
+
+
 def draft_head(target: Target, fp32: Any) -> DraftHead:
     """The drafter's default draft head over the target's embedding and LM head.
 
     Loaded over the float32 target (``fp32``) and computing in the dtype the drafter service picks on this CPU
     (``--head-dtype auto``), whatever the target runs in.
     """
-    path = Path(DrafterConfig().draft_head_path)
+    path = draft_head_path()
     try:
         head, _ = load_draft_head(
             path,
@@ -465,6 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "eos_token_ids": sorted(target.eos_ids),
             "pinning": None if args.pinning is None else args.pinning.describe(),
             "throughput_guard": args.throughput_guard,
+            "draft_head": describe_draft_head(draft_head_path()) if uses_head(args.modes) else None,
         },
         "machine": machine.describe(),
         "checks": checks,

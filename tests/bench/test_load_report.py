@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from bench.load import parse_levels, requested_dtype, resolve_dtypes
 from bench.load_report import LevelResult, StreamResult, check_targets, markdown, summarize_all
 
@@ -54,7 +56,7 @@ def test_targets_report_reached_or_not_with_figures() -> None:
 
 
 def test_markdown_has_the_table_and_the_targets() -> None:
-    meta = {
+    meta: dict[str, Any] = {
         "started_at": "now",
         "duration_s": 1.0,
         "dtype": "float32",
@@ -84,6 +86,11 @@ def test_markdown_has_the_table_and_the_targets() -> None:
     report = markdown(meta, summarize_all(measured), measured)
     assert "\n| 1 | 1/1 | 10 | 10.0 | 1.00 |" in report and "\n| 64 | 64/64 |" in report
     assert "**reached**: aggregate throughput at N=16 >= 5x N=1" in report
+    assert "- Drafter: `defaults`. Draft head: not recorded." in report
+    meta["settings"]["drafter_command_args"] = ["--draft-head-path", "v4.pt"]
+    meta["settings"]["draft_head"] = {"path": "v4.pt", "sha256": "0123456789abcdef"}
+    report = markdown(meta, summarize_all(measured), measured)
+    assert "- Drafter: `--draft-head-path v4.pt`. Draft head: `v4.pt` (sha256 0123456789abcdef). " in report
 
 
 def test_flags_parse() -> None:
