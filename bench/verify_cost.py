@@ -43,6 +43,7 @@ import torch
 
 from specserve.acceptance import VerifyResult
 from specserve.hardware import choose_dtype
+from specserve.head_matmul import FORMS
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -113,6 +114,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size first")
     parser.add_argument(
         "--torch-threads", type=int, default=len(os.sched_getaffinity(0)), help="default: the CPUs available"
+    )
+    parser.add_argument(
+        "--lm-head-matmul",
+        choices=FORMS,
+        default="auto",
+        help="the verifier's LM head product (as its flag): auto, or linear to measure F.linear alone "
+        "(file names then end in _linear-head)",
     )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
@@ -347,6 +355,7 @@ def build_verifier(model: Any, label: str, args: argparse.Namespace) -> Verifier
         kv_cache_bytes=memory,
         max_batch_tokens=max(256, biggest_tree + 1, batch * batch_tokens),
         max_batch_sessions=max(64, batch),
+        lm_head_matmul=args.lm_head_matmul,
     )
 
 
@@ -379,7 +388,9 @@ def markdown(label: str, meta: dict[str, Any], rows: list[dict[str, float]], bat
         f"`--dtype auto` picks {settings['auto_dtype']} here: {settings['auto_dtype_reason']}), "
         f"torch {m['torch_version']}; "
         f"{settings['context']}-token context (grows by one per repetition, up to {settings['max_context']}); "
-        f"median of {settings['reps']} after {settings['warmup']} warm-up repetitions; {meta['measured_at']}.",
+        f"median of {settings['reps']} after {settings['warmup']} warm-up repetitions; {meta['measured_at']}. "
+        f"LM head product: {settings.get('lm_head_form', 'F.linear at every row count')} "
+        f"(`--lm-head-matmul {settings.get('lm_head_matmul', 'linear')}`).",
         "",
         "## One session",
         "",
@@ -455,6 +466,7 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
         )
     finally:
         verifier.close()
+    head_form = verifier.lm_head_form
     times, tree_times = by_shape["chain"], by_shape["tree"]
     rows = summarize(times)
     tree_base = statistics.median(times[min(times)])  # both shapes relative to plain decoding
@@ -463,7 +475,8 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
         row["tree_ratio"] = statistics.median(tree_times[n]) / tree_base
     batched_rows = summarize_batched(batched) if batched else []
     auto = choose_dtype("auto", args.device)
-    stem = f"{label}_{args.device.replace(':', '')}_{dtype}"
+    suffix = "_linear-head" if args.lm_head_matmul == "linear" else ""
+    stem = f"{label}_{args.device.replace(':', '')}_{dtype}{suffix}"
     meta = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": {
@@ -481,6 +494,8 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
             "batch_draft_nodes": args.batch_draft_nodes,
             "reps": args.reps,
             "warmup": args.warmup,
+            "lm_head_matmul": args.lm_head_matmul,
+            "lm_head_form": head_form,
         },
         "machine": machine.describe(),
     }

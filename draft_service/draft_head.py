@@ -25,6 +25,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from specserve.hardware import DtypeChoice, choose_dtype
+from specserve.head_matmul import HeadMatmul, head_product
 
 FORMAT_VERSION = 1
 
@@ -115,6 +116,8 @@ class DraftHead(nn.Module):
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self.register_buffer("draft_lm_head", lm_head.detach()[draft_vocab].clone(), persistent=False)
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
+        # Row counts whose logits use (W @ x.T).T (``choose_logits_form``); none while training.
+        self.transposed_rows: frozenset[int] = frozenset()
 
     def forward(
         self,
@@ -136,7 +139,14 @@ class DraftHead(nn.Module):
         )
         predicted = out.last_hidden_state
         scored = predicted[:, -1:] if last_logits_only else predicted
-        return HeadOutput(predicted, scored @ self.draft_lm_head.T, out.past_key_values)
+        return HeadOutput(
+            predicted, head_product(scored, self.draft_lm_head, self.transposed_rows), out.past_key_values
+        )
+
+    def choose_logits_form(self) -> None:
+        """Time the draft LM head's two product forms in its current dtype and keep the faster per row count."""
+        with torch.inference_mode():
+            self.transposed_rows = HeadMatmul.measured(self.draft_lm_head).transposed_rows
 
     def save(self, path: Path, *, target_fingerprint: str, metadata: dict[str, Any] | None = None) -> None:
         """Weights in bfloat16 with the config, draft vocabulary and target fingerprint."""
@@ -210,7 +220,9 @@ def in_serving_dtype(head: DraftHead, requested: str = "auto") -> tuple[DraftHea
     Loaded heads are fp32 (``load_draft_head``); the benchmarks call this too, so they draft as the service does.
     """
     choice = choose_dtype(requested, "cpu")
-    return head.to(getattr(torch, choice.dtype)), choice
+    head = head.to(getattr(torch, choice.dtype))
+    head.choose_logits_form()
+    return head, choice
 
 
 def truncate_cache(cache: Any, length: int) -> None:

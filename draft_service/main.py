@@ -25,6 +25,7 @@ from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import AioInternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
+from specserve.head_matmul import HeadMatmul
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -160,7 +161,13 @@ def load_head(config: DrafterConfig) -> DraftHead:
         Path(config.draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
     )
     head, dtype = in_serving_dtype(head, config.head_dtype)
-    log.info("draft head %s runs in %s (%s)", config.draft_head_path, dtype.dtype, dtype.reason)
+    log.info(
+        "draft head %s runs in %s (%s); its logits: %s",
+        config.draft_head_path,
+        dtype.dtype,
+        dtype.reason,
+        HeadMatmul(head.draft_lm_head, head.transposed_rows).describe(),
+    )
     return head
 
 

@@ -16,6 +16,7 @@ from specserve.auth.interceptors import InternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
 from specserve.hardware import choose_dtype
+from specserve.head_matmul import FORMS
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -92,6 +93,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         help="skip measuring the cost curve at start-up (draft budgets then follow the tree limits only)",
     )
     parser.add_argument(
+        "--lm-head-matmul",
+        choices=FORMS,
+        default=env("SPECSERVE_LM_HEAD_MATMUL", defaults.lm_head_matmul),
+        help="auto: time F.linear against (W @ x.T).T for the LM head at start-up and use the faster for each "
+        "row count (on some CPUs a few rows cost 2-3x one row in F.linear); linear: always F.linear",
+    )
+    parser.add_argument(
         "--no-throughput-guard",
         dest="throughput_guard",
         action="store_false",
@@ -123,19 +131,20 @@ def build_verifier(config: VerifierConfig) -> Verifier:
     model = load_model(source, device=config.device, dtype=dtype.dtype)
     fingerprint = vocab_fingerprint(load_tokenizer(source))
     verifier = Verifier.from_config(model, fingerprint, config, profile=False)
+    log.info("LM head product: %s (--lm-head-matmul %s)", verifier.lm_head_form, config.lm_head_matmul)
     if config.profile_cost:
         _size_budgets(verifier, cache_root / "cost-curves" / f"{_curve_key(source.name, verifier, config)}.json")
     return verifier
 
 
 def _curve_key(model_name: str, verifier: Verifier, config: VerifierConfig) -> str:
-    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget."""
+    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget, the LM head's form."""
     import torch
 
     from specserve.hardware import cpu_model
 
     parts = [model_name, verifier.dtype, str(verifier.device), cpu_model(), str(torch.get_num_threads())]
-    parts.append(str(config.max_batch_tokens))
+    parts += [str(config.max_batch_tokens), verifier.lm_head_form]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

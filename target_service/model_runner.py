@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from specserve.head_matmul import HeadMatmul, head_matmul
 from target_service.kv_arena import KVArena, bytes_per_token
 from target_service.ragged_attention import StepPlan, install
 
@@ -40,7 +40,7 @@ class UnsupportedModelError(ValueError):
 class ModelRunner:
     """Drives a transformers causal LM layer by layer over a StepPlan."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, lm_head_matmul: str = "auto") -> None:
         config = model.config
         model_type = getattr(config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -52,7 +52,7 @@ class ModelRunner:
         install(model)
         weight = model.lm_head.weight.detach()
         # An fp32 copy of the head only when the layers are not fp32 already (upcasting bf16 is exact).
-        self._head = weight if weight.dtype == torch.float32 else weight.float()
+        self._head = head_matmul(weight if weight.dtype == torch.float32 else weight.float(), lm_head_matmul)
         self.dtype: torch.dtype = weight.dtype
         self.device: torch.device = weight.device
         self.vocab_size = int(config.vocab_size)
@@ -61,6 +61,11 @@ class ModelRunner:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         self.max_positions = int(getattr(config, "max_position_embeddings", 2048))
+
+    @property
+    def head_matmul(self) -> HeadMatmul:
+        """The LM head's product, in the form chosen for each row count."""
+        return self._head
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -92,5 +97,5 @@ class ModelRunner:
         # RMSNorm computes in fp32 and multiplies by its weight; on fp32 input the result stays fp32.
         normed = self._inner.norm(rows.index_select(0, wanted).float())
         scored = normed[: score_rows.numel()]
-        logits = F.linear(scored, self._head) if scored.numel() else scored.new_zeros(0, self.vocab_size)
+        logits = self._head(scored) if scored.numel() else scored.new_zeros(0, self.vocab_size)
         return StepOutput(logits, normed[score_rows.numel() :])

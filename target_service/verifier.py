@@ -190,8 +190,9 @@ class Verifier:
         evict_idle_s: float = 2.0,
         cost_curve: CostCurve | None = None,
         throughput_guard: bool = True,
+        lm_head_matmul: str = "auto",
     ) -> None:
-        self._runner = ModelRunner(model)
+        self._runner = ModelRunner(model, lm_head_matmul)
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
         self.vocab_size = self._runner.vocab_size
@@ -250,6 +251,7 @@ class Verifier:
             admission_timeout_s=config.admission_timeout_s,
             evict_idle_s=config.evict_idle_s,
             throughput_guard=config.throughput_guard,
+            lm_head_matmul=config.lm_head_matmul,
         )
         if profile and config.profile_cost:
             verifier.profile_cost()
@@ -417,6 +419,11 @@ class Verifier:
     def release(self, session_id: str, owner: str = "") -> bool:
         released: bool = self._submit(_ReleaseCall(session_id, owner)).result()
         return released
+
+    @property
+    def lm_head_form(self) -> str:
+        """Which product form the LM head uses at which row counts (``specserve.head_matmul``)."""
+        return self._runner.head_matmul.describe()
 
     def profile_cost(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 2) -> CostCurve:
         """Measure this engine's cost curve on a scratch session and size draft budgets with it."""
