@@ -25,7 +25,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from specserve.hardware import DtypeChoice, choose_dtype
-from specserve.head_matmul import HeadMatmul, head_product
+from specserve.head_matmul import HeadMatmul, head_matmul, head_product
 
 FORMAT_VERSION = 1
 
@@ -214,14 +214,20 @@ def load_state(head: DraftHead, payload: dict[str, Any], path: Path) -> None:
         raise DraftHeadError(f"{path} does not fit this head's shape: {exc}") from exc
 
 
-def in_serving_dtype(head: DraftHead, requested: str = "auto") -> tuple[DraftHead, DtypeChoice]:
-    """``head`` in the dtype the drafter computes in (``--head-dtype``; auto: bf16 where the CPU runs it natively).
+def in_serving_dtype(
+    head: DraftHead, requested: str = "auto", logits_matmul: str = "auto"
+) -> tuple[DraftHead, DtypeChoice]:
+    """``head`` in the dtype the drafter computes in (``--head-dtype``; auto: bf16 where the CPU runs it natively),
+    its logits in the product form ``logits_matmul`` picks (``--head-logits-matmul``; auto: measured here).
 
     Loaded heads are fp32 (``load_draft_head``); the benchmarks call this too, so they draft as the service does.
     """
     choice = choose_dtype(requested, "cpu")
     head = head.to(getattr(torch, choice.dtype))
-    head.choose_logits_form()
+    if logits_matmul == "auto":
+        head.choose_logits_form()
+    else:
+        head.transposed_rows = head_matmul(head.draft_lm_head, logits_matmul).transposed_rows
     return head, choice
 
 

@@ -25,7 +25,7 @@ from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import AioInternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
-from specserve.head_matmul import HeadMatmul
+from specserve.head_matmul import FORMS, HeadMatmul
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -79,6 +79,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         default=env("SPECSERVE_HEAD_DTYPE", defaults.head_dtype),
         choices=["auto", "float32", "bfloat16"],
         help="the draft head's compute dtype (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)",
+    )
+    parser.add_argument(
+        "--head-logits-matmul",
+        default=env("SPECSERVE_HEAD_LOGITS_MATMUL", defaults.head_logits_matmul),
+        choices=FORMS,
+        help="auto: time F.linear against (W @ x.T).T for the draft logits at start-up and use the faster for each "
+        "row count; linear: always F.linear",
     )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
@@ -160,7 +167,7 @@ def load_head(config: DrafterConfig) -> DraftHead:
     head, _ = load_draft_head(
         Path(config.draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
     )
-    head, dtype = in_serving_dtype(head, config.head_dtype)
+    head, dtype = in_serving_dtype(head, config.head_dtype, config.head_logits_matmul)
     log.info(
         "draft head %s runs in %s (%s); its logits: %s",
         config.draft_head_path,
