@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-ROW_COUNTS = (1, 2, 4, 8, 16)
-"""Row counts timed at start-up; more rows always use ``F.linear`` (a full GEMM is what it is built for)."""
+ROW_COUNTS = (2, 4, 8, 16)
+"""Row counts timed at start-up. One row always uses ``F.linear``, so plain decoding computes its logits
+exactly as before; more than 16 rows too (a full GEMM is what it is built for)."""
 MARGIN = 0.9
 """The transposed form is kept only where it takes at most this fraction of ``F.linear``'s time."""
 FORMS = ("auto", "linear")
@@ -33,7 +34,9 @@ Timings = Mapping[tuple[str, int], float]  # (form, rows) -> seconds
 
 
 def rounded_rows(rows: int) -> int:
-    """The timed row count that stands for ``rows``: the next power of two (0 for more than the largest)."""
+    """The timed row count that stands for ``rows``: the next power of two (0 for one row or above the largest)."""
+    if rows <= 1:
+        return 0
     for count in ROW_COUNTS:
         if rows <= count:
             return count

@@ -263,10 +263,10 @@ def test_the_logits_form_changes_no_output() -> None:
     features, tokens = torch.randn(1, 4, 64), torch.randint(VOCAB, (1, 4))
     with torch.inference_mode():
         plain = head(features, tokens).logits
-        head.transposed_rows = frozenset({1, 2, 4, 8, 16})  # every small row count by (W @ x.T).T
+        head.transposed_rows = frozenset({2, 4, 8, 16})  # every small row count by (W @ x.T).T
         transposed = head(features, tokens).logits
         head.choose_logits_form()  # measured on this machine: whichever it keeps, the logits agree
         chosen = head(features, tokens).logits
     torch.testing.assert_close(transposed, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chosen, plain, rtol=1e-5, atol=1e-5)
-    assert head.transposed_rows <= frozenset({1, 2, 4, 8, 16})
+    assert head.transposed_rows <= frozenset({2, 4, 8, 16})

@@ -16,7 +16,7 @@ def weight() -> torch.Tensor:
     return torch.randn(1000, 64, generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16, 17, 40])
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 13, 16])
 def test_both_forms_give_the_same_logits(weight: torch.Tensor, rows: int) -> None:
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
     transposed = HeadMatmul(weight, frozenset(ROW_COUNTS))(x)
@@ -26,8 +26,15 @@ def test_both_forms_give_the_same_logits(weight: torch.Tensor, rows: int) -> Non
     assert torch.equal(transposed.argmax(-1), F.linear(x, weight).argmax(-1))
 
 
+@pytest.mark.parametrize("rows", [1, 17, 40])
+def test_one_row_and_many_rows_always_take_f_linear(weight: torch.Tensor, rows: int) -> None:
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    # Bit for bit: plain decoding's logits do not change whatever form the few-row counts use.
+    assert torch.equal(HeadMatmul(weight, frozenset(ROW_COUNTS))(x), F.linear(x, weight))
+
+
 def test_row_counts_round_up_to_the_timed_ones() -> None:
-    assert [rounded_rows(r) for r in (1, 2, 3, 4, 5, 9, 16, 17, 300)] == [1, 2, 4, 4, 8, 16, 16, 0, 0]
+    assert [rounded_rows(r) for r in (1, 2, 3, 4, 5, 9, 16, 17, 300)] == [0, 2, 4, 4, 8, 16, 16, 0, 0]
 
 
 def test_the_transposed_form_is_chosen_only_where_it_is_clearly_faster(weight: torch.Tensor) -> None:
@@ -35,7 +42,7 @@ def test_the_transposed_form_is_chosen_only_where_it_is_clearly_faster(weight: t
     timings[("transposed", 2)] = 0.4  # 2.5x faster: chosen
     timings[("transposed", 4)] = MARGIN  # exactly at the margin: chosen
     timings[("transposed", 8)] = MARGIN + 0.01  # within noise of F.linear: not chosen
-    timings[("transposed", 1)] = 2.0  # slower: not chosen
+    timings[("transposed", 16)] = 2.0  # slower: not chosen
     chosen = HeadMatmul.choose(weight, timings)
     assert chosen.transposed_rows == frozenset({2, 4})
     assert chosen.describe() == "(W @ x.T).T at 2,4 rows (rounded up), F.linear otherwise"
