@@ -23,7 +23,6 @@ import torch
 from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
-from specserve.head_matmul import HeadMatmul
 
 from . import machine
 from .run import DEFAULT_MODEL, draft_head, fp32_model, load_target, quiet_libraries
@@ -119,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "context": args.context,
         "rounds": args.rounds,
         "reps": args.reps,
-        "chosen": HeadMatmul(head.draft_lm_head, head.transposed_rows).describe(),
+        "chosen": head.logits_form,
         "machine": machine.describe(),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)

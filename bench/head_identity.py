@@ -9,30 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from draft_service.config import DrafterConfig
-
-HEAD_PATH_FLAG = "--draft-head-path"
-HEAD_PATH_ENV = "SPECSERVE_DRAFT_HEAD"
+from draft_service.main import parse_config
 
 
 def draft_head_path(drafter_args: Sequence[str] = ()) -> Path:
     """The head a drafter started with ``drafter_args`` (and this process's environment) loads.
 
-    The drafter's own precedence: the last ``--draft-head-path`` on its command line, else
-    ``$SPECSERVE_DRAFT_HEAD``, else the weights that ship with it.
+    Read by the drafter's own flag parsing, so its precedence holds: the last ``--draft-head-path``,
+    else ``$SPECSERVE_DRAFT_HEAD``, else the weights that ship with it.
     """
-    found: str | None = None
-    for i, word in enumerate(drafter_args):
-        if word == HEAD_PATH_FLAG and i + 1 < len(drafter_args):
-            found = drafter_args[i + 1]
-        elif word.startswith(HEAD_PATH_FLAG + "="):
-            found = word.split("=", 1)[1]
-    return Path(found or os.environ.get(HEAD_PATH_ENV) or DrafterConfig().draft_head_path)
+    return Path(parse_config(list(drafter_args))[0].draft_head_path)
 
 
 def describe_draft_head(path: Path) -> dict[str, Any]:

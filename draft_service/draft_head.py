@@ -143,10 +143,16 @@ class DraftHead(nn.Module):
             predicted, head_product(scored, self.draft_lm_head, self.transposed_rows), out.past_key_values
         )
 
-    def choose_logits_form(self) -> None:
-        """Time the draft LM head's two product forms in its current dtype and keep the faster per row count."""
+    def choose_logits_form(self, form: str = "auto") -> None:
+        """The draft logits' product form (``--head-logits-matmul``): 'auto' times both forms on the head in its
+        current dtype and keeps the faster per row count; 'linear' keeps F.linear."""
         with torch.inference_mode():
-            self.transposed_rows = HeadMatmul.measured(self.draft_lm_head).transposed_rows
+            self.transposed_rows = head_matmul(self.draft_lm_head, form).transposed_rows
+
+    @property
+    def logits_form(self) -> str:
+        """Which product form the draft logits use at which row counts, for logs and reports."""
+        return HeadMatmul(self.draft_lm_head, self.transposed_rows).describe()
 
     def save(self, path: Path, *, target_fingerprint: str, metadata: dict[str, Any] | None = None) -> None:
         """Weights in bfloat16 with the config, draft vocabulary and target fingerprint."""
@@ -224,10 +230,7 @@ def in_serving_dtype(
     """
     choice = choose_dtype(requested, "cpu")
     head = head.to(getattr(torch, choice.dtype))
-    if logits_matmul == "auto":
-        head.choose_logits_form()
-    else:
-        head.transposed_rows = head_matmul(head.draft_lm_head, logits_matmul).transposed_rows
+    head.choose_logits_form(logits_matmul)
     return head, choice
 
 

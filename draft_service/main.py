@@ -25,7 +25,7 @@ from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import AioInternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
-from specserve.head_matmul import FORMS, HeadMatmul
+from specserve.head_matmul import FORMS
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -173,7 +173,7 @@ def load_head(config: DrafterConfig) -> DraftHead:
         config.draft_head_path,
         dtype.dtype,
         dtype.reason,
-        HeadMatmul(head.draft_lm_head, head.transposed_rows).describe(),
+        head.logits_form,
     )
     return head
 

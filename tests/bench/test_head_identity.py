@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.head_identity import HEAD_PATH_ENV, describe_draft_head, draft_head_path, head_line
+from bench.head_identity import describe_draft_head, draft_head_path, head_line
 from bench.run import uses_head
 from draft_service.config import DrafterConfig
 
 
 def test_the_path_follows_the_drafters_precedence(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(HEAD_PATH_ENV, raising=False)
+    monkeypatch.delenv("SPECSERVE_DRAFT_HEAD", raising=False)
     assert draft_head_path() == Path(DrafterConfig().draft_head_path)
-    monkeypatch.setenv(HEAD_PATH_ENV, "/env/head.pt")
+    monkeypatch.setenv("SPECSERVE_DRAFT_HEAD", "/env/head.pt")
     assert draft_head_path() == Path("/env/head.pt")
     assert draft_head_path(["--torch-threads", "2", "--draft-head-path", "/a.pt"]) == Path("/a.pt")
     assert draft_head_path(["--draft-head-path=/a.pt", "--draft-head-path", "/b.pt"]) == Path("/b.pt")
