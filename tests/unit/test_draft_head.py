@@ -245,6 +245,7 @@ def test_the_drafter_refuses_to_start_without_its_head_weights(tmp_path: Path) -
         (["--unroll-steps", "0"], "--unroll-steps must be at least 1"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--learning-rate", "0"], "--learning-rate must be more than 0"),
+        (["--skip-prompts", "-1"], "--skip-prompts must be 0 or more"),
     ],
 )
 def test_train_draft_refuses_settings_that_cannot_train(
@@ -256,6 +257,18 @@ def test_train_draft_refuses_settings_that_cannot_train(
         parse_args(flags)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert parse_args(["--ce-weight", "0"]).ce_weight == 0.0
+
+
+def test_skipped_prompts_are_new_data_evaluated_on_the_same_held_out_prompts() -> None:
+    from draft_service.training.__main__ import split_prompts
+
+    mix = list(range(100))
+    first_held_out, first = split_prompts(mix, 10, 0, 40)
+    later_held_out, later = split_prompts(mix, 10, 40, 50)
+    assert first_held_out == later_held_out == list(range(10))
+    assert first == list(range(10, 50)) and later == list(range(50, 100))
+    with pytest.raises(SystemExit, match="only 100 prompts are available, 101 were asked for"):
+        split_prompts(mix, 10, 41, 50)
 
 
 def test_the_logits_form_changes_no_output() -> None:
