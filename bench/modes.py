@@ -216,8 +216,8 @@ class InProcessMode:
         self._tokenizer = tokenizer
         self._fingerprint = fingerprint
         self._eos_ids = eos_ids
-        self._verify_cost = info.verify_cost  # the verifier's measured curve, as a coordinator sends it
-        self._drafter = InProcessDrafter(build_drafter(self._drafter_config, head)[0], verify_cost=self._verify_cost)
+        self.verify_cost = info.verify_cost  # the verifier's measured curve, as a coordinator sends it
+        self._drafter = InProcessDrafter(build_drafter(self._drafter_config, head)[0], verify_cost=self.verify_cost)
         self._loop = asyncio.Runner()
 
     def run(self, prompt: Prompt) -> Outcome:
@@ -243,7 +243,7 @@ class InProcessMode:
 
     def reset(self) -> None:
         self._drafter = InProcessDrafter(
-            build_drafter(self._drafter_config, self._head)[0], verify_cost=self._verify_cost
+            build_drafter(self._drafter_config, self._head)[0], verify_cost=self.verify_cost
         )
 
     def close(self) -> None:

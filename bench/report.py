@@ -72,6 +72,21 @@ def dtype_line(settings: dict[str, Any]) -> str:
     return line + "."
 
 
+def verify_cost_line(settings: dict[str, Any]) -> str:
+    """The verify cost curves the in-process drafters cut their trees at ("" where none was recorded)."""
+    curves = {mode: points for mode, points in settings.get("verify_costs", {}).items() if points}
+    if not curves:
+        return ""
+    described = "; ".join(
+        f"`{mode}` " + ", ".join(f"{int(nodes)}: {ratio:.2f}" for nodes, ratio in points)
+        for mode, points in curves.items()
+    )
+    return (
+        "Verify cost c(n)/c(0) by draft nodes n, as each in-process mode's verifier measured it at start-up "
+        f"(its drafter keeps the nodes that pay for it): {described}."
+    )
+
+
 def identity_line(settings: dict[str, Any]) -> str:
     """What the Identical column and the divergence table compare, and what to expect of them."""
     dtype = settings.get("dtype", "float32")
@@ -249,6 +264,7 @@ def markdown(
         "",
         dtype_line(settings),
         "",
+        *([verify_cost_line(settings), ""] if verify_cost_line(settings) else []),
         "Speedup is `baseline` time / mode time on the same prompts (ratio of total times), `baseline` in "
         f"{settings.get('dtype', 'float32')} for every mode; τ is tokens committed per target forward "
         "(1.00 for `baseline`). " + identity_line(settings),

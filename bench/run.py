@@ -493,6 +493,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         meta["settings"]["mode_dtypes"] = {mode.name: mode.dtype for mode in modes}
+        # What cut the in-process drafters' trees: each mode's verifier measured its own curve at start-up.
+        meta["settings"]["verify_costs"] = {
+            mode.name: [list(point) for point in mode.verify_cost] for mode in modes if isinstance(mode, InProcessMode)
+        }
         # The first generation of each mode pays one-off costs (lazy initialisation, connections);
         # what the warm-up taught the n-gram pools is forgotten before measuring.
         warm_up = make_prompt(target, WARM_UP_TEXT, WARM_UP_TOKENS, sampling(0))

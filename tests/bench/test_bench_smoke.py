@@ -101,6 +101,16 @@ def test_the_report_names_the_dtype_and_why(result: dict[str, Any], out_dir: Pat
     assert "token-identical to `baseline` in the same dtype (float32)" in report
 
 
+def test_the_report_gives_the_cost_curve_the_inproc_trees_were_cut_at(result: dict[str, Any], out_dir: Path) -> None:
+    curves = result["meta"]["settings"]["verify_costs"]
+    assert set(curves) == {"inproc"}  # only in-process modes measure here; the cluster's verifier is elsewhere
+    nodes = [n for n, _ in curves["inproc"]]
+    assert nodes[0] == 0 and nodes == sorted(nodes) and len(nodes) >= 2
+    assert curves["inproc"][0][1] == 1.0 and all(ratio >= 1.0 for _, ratio in curves["inproc"])
+    report = (out_dir / "spec_bench.md").read_text()
+    assert "Verify cost c(n)/c(0) by draft nodes n" in report and "`inproc` 0: 1.00, 1: " in report
+
+
 def test_baseline_loop_matches_hf_generate(result: dict[str, Any]) -> None:
     checks = result["meta"]["checks"]
     assert checks["baseline_matches_hf_generate"], checks
