@@ -240,6 +240,7 @@ def markdown(
 ) -> str:
     settings = meta["settings"]
     machine = meta["machine"]
+    cost_line = verify_cost_line(settings)
     present = {s.group for s in summaries}
     mt = [c for c in MT_BENCH_CATEGORIES if c in present]
     decoding = "greedy" if settings["temperature"] == 0 else f"sampling at temperature {settings['temperature']}"
@@ -264,7 +265,7 @@ def markdown(
         "",
         dtype_line(settings),
         "",
-        *([verify_cost_line(settings), ""] if verify_cost_line(settings) else []),
+        *([cost_line, ""] if cost_line else []),
         "Speedup is `baseline` time / mode time on the same prompts (ratio of total times), `baseline` in "
         f"{settings.get('dtype', 'float32')} for every mode; τ is tokens committed per target forward "
         "(1.00 for `baseline`). " + identity_line(settings),
