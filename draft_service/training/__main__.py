@@ -306,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     held_out_prompts, train_prompts, source_of = prompt_mix(args, tokenizer)
     distill = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
     # Shards are named by batch index: anything that changes the batches gets its own directory.
+    skipped = f"@{args.skip_prompts}" if args.skip_prompts else ""  # unskipped runs keep their old directories
     data_dir = args.data_dir / (
-        f"{fingerprint}-v2-{args.held_out}+{args.prompts}p{f'@{args.skip_prompts}' if args.skip_prompts else ''}"
-        f"-{args.max_new_tokens}t"
+        f"{fingerprint}-v2-{args.held_out}+{args.prompts}p{skipped}-{args.max_new_tokens}t"
         f"-{args.max_prompt_tokens}pt-b{args.batch_size}"
     )
     planned = dict(Counter(source_of[tuple(ids)] for ids in train_prompts))
