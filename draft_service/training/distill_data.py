@@ -1,10 +1,12 @@
-"""Self-distillation data: the target's own greedy responses and its hidden features.
+"""Self-distillation data: the target's own responses and its hidden features.
 
-For each training prompt the target answers greedily (Seq-KD: the draft head
-learns what the target says, not what a dataset says), in batches with left
+For each training prompt the target answers (Seq-KD: the draft head learns
+what the target says, not what a dataset says), greedily or, to get more than
+one answer out of a prompt, by sampling at a temperature, in batches with left
 padding because batched decoding is many times cheaper per token on a CPU.
 The same pass keeps, for every position t, the target's feature f_t (its
-last hidden state after the final norm) and its greedy token after t. A
+last hidden state after the final norm) and its greedy token after t, which
+is what the head is trained to draft whichever token the answer went on with. A
 shard (one batch) is written as it finishes, so an interrupted run resumes
 where it stopped.
 
@@ -12,6 +14,7 @@ A shard holds a list of sequences, each a dict:
     tokens   int32 [n]        prompt and response token ids
     features float16 [n, d]   f_t for every position
     argmax   int32 [n]        the target's greedy next token after position t
+                              (equal to tokens[t + 1] in a greedy answer)
     prompt_length int
 """
 
@@ -36,6 +39,8 @@ class DistillSettings:
     batch_size: int = 256  # 2 EPYC cores decoded ~25x more tokens per second at 256 rows than at 1
     max_prompt_tokens: int = 320  # longer prompts are skipped: they would pad a whole batch
     max_minutes: float = 60.0  # no new training shard is started after this long
+    temperature: float = 0.0  # 0: greedy answers; above 0: sampled ones (the labels stay the greedy tokens)
+    seed: int = 0  # with the shard's index, seeds a sampled shard's generator (a resumed run samples the same)
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:
@@ -129,9 +134,21 @@ class _FinalNormTap:
 
 @torch.inference_mode()
 def distil_batch(
-    model: Any, prompts: Sequence[list[int]], max_new_tokens: int, eos_ids: frozenset[int], pad_id: int
+    model: Any,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    eos_ids: frozenset[int],
+    pad_id: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> list[dict[str, Any]]:
-    """The target's greedy answer to each prompt with its feature and greedy token at every position.
+    """The target's answer to each prompt with its feature and greedy token at every position.
+
+    The answer is greedy at ``temperature`` 0, else sampled from the target's
+    distribution at that temperature (with ``generator``); ``argmax`` always
+    holds the greedy token, the one a drafter serving greedy decoding must
+    guess. Sampled answers give a prompt further, different contexts: a second
+    pass over prompts that were already distilled greedily is new data.
 
     One pass does it all: a left-padded prefill, then one batched decode step
     per token. A hook on the final norm keeps each step's features, so no
@@ -141,9 +158,12 @@ def distil_batch(
     but the last: the last one's feature is never computed, and its greedy
     token is the previous position's ``argmax``.
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be 0 or more, not {temperature}")
+    pick = _Picker(temperature, generator)
     tap = _FinalNormTap(model)
     try:
-        return _distil(model, tap, prompts, max_new_tokens, eos_ids, pad_id)
+        return _distil(model, tap, prompts, max_new_tokens, eos_ids, pad_id, pick)
     finally:
         tap.close()
 
@@ -155,6 +175,7 @@ def _distil(
     max_new_tokens: int,
     eos_ids: frozenset[int],
     pad_id: int,
+    pick: _Picker,
 ) -> list[dict[str, Any]]:
     device = next(model.parameters()).device
     input_ids, mask = _left_pad(prompts, pad_id)
@@ -171,14 +192,16 @@ def _distil(
     hidden = prompt_features.shape[-1]
     answer_features = torch.zeros(rows, max_new_tokens, hidden, dtype=torch.float16)
     answers: list[list[int]] = [[] for _ in range(rows)]
+    greedy: list[list[int]] = [[] for _ in range(rows)]  # the target's greedy token at each answer step
     slots = torch.arange(rows)  # the prompt of each row of the running batch
     finished = torch.zeros(rows, dtype=torch.bool)  # by prompt
-    next_tokens = out.logits[:, -1].argmax(dim=-1)
+    best, next_tokens = pick(out.logits[:, -1])
     position = positions[:, -1]
     for step in range(max_new_tokens):
-        for row, token in zip(slots.tolist(), next_tokens.tolist(), strict=True):
+        for row, token, top in zip(slots.tolist(), next_tokens.tolist(), best.tolist(), strict=True):
             if not finished[row]:
                 answers[row].append(token)
+                greedy[row].append(top)
                 finished[row] = token in eos_ids or step + 1 == max_new_tokens
         running = ~finished[slots]
         if not running.any():
@@ -189,7 +212,8 @@ def _distil(
             on_device = keep.to(device)
             cache.batch_select_indices(on_device)
             slots, running = slots[keep], running[keep]
-            next_tokens, mask, position = next_tokens[on_device], mask[on_device], position[on_device]
+            next_tokens, best = next_tokens[on_device], best[on_device]
+            mask, position = mask[on_device], position[on_device]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         position = position + 1
         out = model(
@@ -200,7 +224,7 @@ def _distil(
         )
         features = tap.take()[:, -1].to("cpu", torch.float16)
         answer_features[slots[running], step] = features[running]
-        next_tokens = out.logits[:, -1].argmax(dim=-1)
+        best, next_tokens = pick(out.logits[:, -1])
     result = []
     for row, prompt in enumerate(prompts):
         features = prompt_features[row, width - len(prompt) :]
@@ -213,11 +237,27 @@ def _distil(
                 "features": torch.cat(
                     [features.to("cpu", torch.float16), answer_features[row, : len(answer) - 1]]
                 ).clone(),
-                "argmax": torch.cat([prompt_argmax, torch.tensor(answer, dtype=torch.int32)]),
+                "argmax": torch.cat([prompt_argmax, torch.tensor(greedy[row], dtype=torch.int32)]),
                 "prompt_length": len(prompt),
             }
         )
     return result
+
+
+class _Picker:
+    """(greedy token, token the answer goes on with) from each row's logits: the same at temperature 0."""
+
+    def __init__(self, temperature: float, generator: torch.Generator | None) -> None:
+        self.temperature = temperature
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        best = logits.argmax(dim=-1)
+        if self.temperature == 0:
+            return best, best
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        chosen = torch.multinomial(probs.cpu(), 1, generator=self.generator).flatten().to(best.device)
+        return best, chosen
 
 
 def length_sorted_batches(prompts: Sequence[list[int]], batch_size: int, group: int = 8) -> list[list[list[int]]]:
@@ -263,7 +303,10 @@ def generate_shards(
                 if max_minutes is not None and (time.monotonic() - started) / 60 >= max_minutes:
                     break
                 shard_started = time.monotonic()
-                shard = distil_batch(model, prompts, settings.max_new_tokens, eos_ids, pad_id)
+                generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + index)
+                shard = distil_batch(
+                    model, prompts, settings.max_new_tokens, eos_ids, pad_id, settings.temperature, generator
+                )
                 done_tokens += sum(int(row["tokens"].shape[0]) - int(row["prompt_length"]) + 1 for row in shard)
                 tmp = path.with_suffix(".tmp")
                 torch.save(shard, tmp)

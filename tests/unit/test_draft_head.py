@@ -95,6 +95,28 @@ def test_distilled_sequences_hold_the_targets_greedy_answer_features_and_tokens(
     assert len(distil_batch(TARGET, prompts, 10, eos, PAD)[1]["tokens"]) <= 5 + 4  # stopped at its EOS
 
 
+def test_sampled_answers_keep_the_targets_greedy_tokens_as_labels() -> None:
+    """At a temperature the answer is sampled, reproducibly, while ``argmax`` stays the greedy token."""
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9]]
+
+    def sampled(seed: int) -> list[dict[str, torch.Tensor | int]]:
+        return distil_batch(TARGET, prompts, 16, frozenset(), PAD, 1.5, torch.Generator().manual_seed(seed))
+
+    rows = sampled(0)
+    for prompt, row in zip(prompts, rows, strict=True):
+        tokens = row["tokens"]
+        assert isinstance(tokens, torch.Tensor) and tokens[: len(prompt)].tolist() == prompt
+        out = TARGET(input_ids=tokens[None].long(), output_hidden_states=True)
+        assert row["argmax"].tolist() == out.logits[0].argmax(-1).tolist()  # type: ignore[union-attr]
+        torch.testing.assert_close(row["features"].float(), out.hidden_states[-1][0], rtol=1e-2, atol=1e-2)
+    greedy = distil_batch(TARGET, prompts, 16, frozenset(), PAD)
+    assert any(not torch.equal(s["tokens"], g["tokens"]) for s, g in zip(rows, greedy, strict=True))
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(rows, sampled(0), strict=True))
+    assert any(not torch.equal(a["tokens"], b["tokens"]) for a, b in zip(rows, sampled(1), strict=True))
+    with pytest.raises(ValueError, match="temperature must be 0 or more"):
+        distil_batch(TARGET, prompts, 4, frozenset(), PAD, -1.0)
+
+
 # Settings that train a head on the tiny target in seconds.
 TINY_TRAINING = TrainSettings(
     draft_vocab_size=32, intermediate_size=96, window=32, batch_size=4, learning_rate=3e-3, ce_weight=1.0
@@ -246,6 +268,7 @@ def test_the_drafter_refuses_to_start_without_its_head_weights(tmp_path: Path) -
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--learning-rate", "0"], "--learning-rate must be more than 0"),
         (["--skip-prompts", "-1"], "--skip-prompts must be 0 or more"),
+        (["--temperature", "-0.1"], "--temperature must be 0"),
     ],
 )
 def test_train_draft_refuses_settings_that_cannot_train(
