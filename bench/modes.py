@@ -31,6 +31,7 @@ from draft_service.drafter import ALL_SOURCES, NGRAM_SOURCES
 from draft_service.main import build_drafter
 from specserve.sampling import SamplingParams
 from target_service.config import VerifierConfig
+from target_service.draft_budget import flattened
 from target_service.verifier import Verifier
 
 from .decoding import Fp32Head, hf_generate, plain_decode
@@ -202,13 +203,18 @@ class InProcessMode:
         sources: tuple[str, ...] = DrafterConfig().sources,
         head: DraftHead | None = None,
         throughput_guard: bool = VerifierConfig().throughput_guard,
+        flat_verify_cost: bool = False,
     ) -> None:
+        """``flat_verify_cost``: size trees as if extra draft nodes cost nothing (``flattened``), not at the
+        curve the verifier measures here."""
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
         self._head = head
         config = VerifierConfig(throughput_guard=throughput_guard)
         self._verifier = Verifier.from_config(model, fingerprint, config)
+        if flat_verify_cost:
+            self._verifier.use_cost_curve(flattened(self._verifier.cost_curve))
         self.dtype = self._verifier.dtype  # the model's: the harness loaded it in the run's dtype
         info = verifier_info(self._verifier)
         self._policy = round_policy(CoordinatorConfig(), info)

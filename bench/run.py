@@ -154,6 +154,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="verifiers (inproc, distributed) size trees by their cost model alone, never switching drafting off "
         "on measured throughput: compares the drafting itself",
     )
+    parser.add_argument(
+        "--flat-verify-cost",
+        action="store_true",
+        help="in-process verifiers and drafters size trees as if extra draft nodes cost nothing to verify (a GPU's "
+        "nearly flat curve for a small model): the acceptance larger trees reach, at this CPU's throughput cost",
+    )
     parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     parser.add_argument(
         "--redis-url",
@@ -191,6 +197,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--prompts-per-category, --max-new-tokens and --torch-threads must be at least 1")
     if args.warm_pool < 0:
         parser.error("--warm-pool must be at least 0")
+    clusters = [m for m in args.modes if m.startswith("distributed")]
+    if args.flat_verify_cost and clusters:
+        parser.error(f"--flat-verify-cost sets the in-process verifiers' curve only; drop {', '.join(clusters)}")
     args.pinning = None
     if args.pin_verifier_cpus:
         try:
@@ -273,7 +282,14 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             sources = mode_sources(name) or DrafterConfig().sources
             head = draft_head(target, fp32) if HeadProposer.name in sources else None
             mode = InProcessMode(
-                target.model, target.tokenizer, target.fingerprint, target.eos_ids, sources, head, args.throughput_guard
+                target.model,
+                target.tokenizer,
+                target.fingerprint,
+                target.eos_ids,
+                sources,
+                head,
+                args.throughput_guard,
+                args.flat_verify_cost,
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
@@ -477,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "eos_token_ids": sorted(target.eos_ids),
             "pinning": None if args.pinning is None else args.pinning.describe(),
             "throughput_guard": args.throughput_guard,
+            "flat_verify_cost": args.flat_verify_cost,
             "draft_head": describe_draft_head(draft_head_path()) if uses_head(args.modes) else None,
         },
         "machine": machine.describe(),

@@ -98,6 +98,16 @@ def flat_curve() -> CostCurve:
     return CostCurve((1,), (1.0,))
 
 
+def flattened(curve: CostCurve) -> CostCurve:
+    """``curve`` with every measured size costing what its first does: extra draft nodes free, as on a GPU.
+
+    For a small model on a GPU the curve is nearly flat over tree sizes, so
+    trees are bounded by the tree limits; a benchmark uses this on a CPU to see
+    the acceptance that such trees reach (at the CPU's throughput cost).
+    """
+    return CostCurve(curve.tokens, (curve.seconds[0],) * len(curve.tokens), curve.per_session_s)
+
+
 def measure_curve(
     run: Callable[[int, int], None],
     sizes: Sequence[int],

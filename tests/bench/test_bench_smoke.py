@@ -207,13 +207,26 @@ def test_default_modes_add_the_fp32_baseline_outside_float32() -> None:
     assert run.parse_args(["--dtype", "bfloat16", "--modes", "baseline,inproc"]).modes == ["baseline", "inproc"]
 
 
+def test_a_flat_verify_cost_is_refused_for_modes_whose_verifier_runs_elsewhere(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run.parse_args(["--modes", "baseline,inproc", "--flat-verify-cost"]).flat_verify_cost
+    with pytest.raises(SystemExit):
+        run.parse_args(["--modes", "baseline,distributed", "--flat-verify-cost"])
+    assert "drop distributed" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def bf16_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One prompt, 8 tokens, in bfloat16 with the fp32 baseline (no cluster: that is the float32 run's job)."""
+    """One prompt, 8 tokens, in bfloat16 with the fp32 baseline (no cluster: that is the float32 run's job).
+
+    Its in-process verifier sizes trees at a flat cost curve (``--flat-verify-cost``), as on a GPU.
+    """
     out = tmp_path_factory.mktemp("bench-bf16")
     modes = ["baseline", FP32_BASELINE, "inproc"]
     argv = ["--dtype", "bfloat16", "--modes", ",".join(modes), "--categories", "writing", "--prompts-per-category"]
-    code = run.main([*argv, "1", "--max-new-tokens", "8", "--redis-url", "", "--no-progress", "--out-dir", str(out)])
+    argv += ["1", "--max-new-tokens", "8", "--redis-url", "", "--flat-verify-cost"]
+    code = run.main([*argv, "--no-progress", "--out-dir", str(out)])
     assert code == 0, "the harness stopped early; see its stderr"
     return out
 
@@ -240,6 +253,11 @@ def test_bf16_run_has_an_fp32_baseline_row_compared_with_nothing(bf16_out_dir: P
     assert f"`{FP32_BASELINE}` ran in another dtype and is compared with nothing" in report
     fp32_row = next(line for line in report.splitlines() if line.startswith(f"| `{FP32_BASELINE}` | 1 |"))
     assert fp32_row.endswith("| n/a |")
+    # The curve its trees were sized at: flat, and the report says it was set, not measured.
+    assert settings["flat_verify_cost"] is True
+    (points,) = settings["verify_costs"].values()
+    assert len(points) >= 2 and {ratio for _, ratio in points} == {1.0}
+    assert "set flat (`--flat-verify-cost`" in report
 
 
 @pytest.fixture(scope="module")

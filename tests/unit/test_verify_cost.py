@@ -17,7 +17,7 @@ from draft_service.tree_builder import CPU_VERIFY_COST, VerifyCost
 from specserve.drain import Drain
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
-from target_service.draft_budget import CostCurve, flat_curve
+from target_service.draft_budget import CostCurve, DraftBudget, flat_curve, flattened
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier
@@ -33,6 +33,14 @@ def test_a_measured_curve_gives_the_cost_by_draft_nodes_and_an_unmeasured_one_no
     assert sorted(cost) == [0, 1, 3, 7, 15, 31, 63, 127]  # tokens scored minus the pending one
     assert cost[0] == 1.0 and cost[127] == pytest.approx(1.3)
     assert flat_curve().verify_cost() == {}
+
+
+def test_a_flattened_curve_prices_every_measured_size_as_one_token_so_trees_fill_the_limit() -> None:
+    steep = CostCurve((1, 4, 8, 16), (0.020, 0.021, 0.024, 0.030), per_session_s=0.001)
+    flat = flattened(steep)
+    assert flat.tokens == steep.tokens and flat.per_session_s == steep.per_session_s
+    assert set(flat.verify_cost().values()) == {1.0} and sorted(flat.verify_cost()) == [0, 3, 7, 15]
+    assert DraftBudget(steep, 16).nodes_for(1) < 16 == DraftBudget(flat, 16).nodes_for(1)
 
 
 @pytest.mark.parametrize(
