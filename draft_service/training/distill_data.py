@@ -144,12 +144,12 @@ def distil_batch(
 ) -> list[dict[str, Any]]:
     """The target's answer to each prompt with its feature and greedy token at every position.
 
-    The answer is greedy at ``temperature`` 0, else sampled from the target's
-    distribution at that temperature among its top ``_Picker.TOP_K`` tokens
-    (with ``generator``); ``argmax`` always
-    holds the greedy token, the one a drafter serving greedy decoding must
-    guess. Sampled answers give a prompt further, different contexts: a second
-    pass over prompts that were already distilled greedily is new data.
+    The answer is greedy at ``temperature`` 0, else sampled (with ``generator``)
+    from the target's distribution at that temperature over its
+    ``_Picker.TOP_K`` likeliest tokens; ``argmax`` always holds the greedy
+    token, the one a drafter serving greedy decoding must guess. Sampled
+    answers give a prompt further, different contexts: a second pass over
+    prompts that were already distilled greedily is new data.
 
     One pass does it all: a left-padded prefill, then one batched decode step
     per token. A hook on the final norm keeps each step's features, so no
