@@ -84,8 +84,8 @@ def verify_cost_line(settings: dict[str, Any]) -> str:
     if settings.get("flat_verify_cost"):
         return (
             "Verify cost c(n)/c(0) by draft nodes n, set flat (`--flat-verify-cost`: extra nodes cost nothing, as "
-            "on a GPU), so trees grow to the tree limits; this CPU's real curve is steeper, and the speed-ups "
-            f"above pay for the larger trees at it: {described}."
+            "on a GPU), so trees grow to the tree limits; this CPU's real curve is steeper, and the speed-ups in "
+            f"this report pay for the larger trees at it: {described}."
         )
     return (
         "Verify cost c(n)/c(0) by draft nodes n, as each in-process mode's verifier measured it at start-up "
