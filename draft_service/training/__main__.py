@@ -38,6 +38,7 @@ from draft_service.draft_head import (
     truncate_cache,
 )
 from draft_service.training.distill_data import (
+    SAMPLE_TOP_K,
     DistillSettings,
     distill_minutes,
     encode_chat,
@@ -212,8 +213,8 @@ def model_card(m: dict[str, Any], config: DraftHeadConfig, out: Path) -> str:
     skipped = f" (those after the first {data['skip_prompts']} of the mix)" if data.get("skip_prompts") else ""
     temperature = data.get("temperature", 0)
     answers = (
-        f"answers sampled at temperature {temperature:g} (labelled with the target's greedy token at each "
-        "position, which is what greedy serving asks the head to draft)"
+        f"answers sampled at temperature {temperature:g} among its {SAMPLE_TOP_K} likeliest tokens (labelled with "
+        "the target's greedy token at each position, which is what greedy serving asks the head to draft)"
         if temperature
         else "greedy answers"
     )

@@ -32,6 +32,8 @@ from tqdm import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+SAMPLE_TOP_K = 64  # a sampled answer's next token comes from the target's this many likeliest
+
 
 @dataclass(frozen=True)
 class DistillSettings:
@@ -146,7 +148,7 @@ def distil_batch(
 
     The answer is greedy at ``temperature`` 0, else sampled (with ``generator``)
     from the target's distribution at that temperature over its
-    ``_Picker.TOP_K`` likeliest tokens; ``argmax`` always holds the greedy
+    ``SAMPLE_TOP_K`` likeliest tokens; ``argmax`` always holds the greedy
     token, the one a drafter serving greedy decoding must guess. Sampled
     answers give a prompt further, different contexts: a second pass over
     prompts that were already distilled greedily is new data.
@@ -248,13 +250,11 @@ def _distil(
 class _Picker:
     """(greedy token, token the answer goes on with) from each row's logits: the same at temperature 0.
 
-    A sampled token comes from the ``TOP_K`` most likely: a softmax and a
+    A sampled token comes from the ``SAMPLE_TOP_K`` most likely: a softmax and a
     multinomial draw over the whole vocabulary of 256 rows took half a second
     a step on a CPU, several times the forward, and at the temperatures that
     give sensible answers the tail beyond them holds almost nothing.
     """
-
-    TOP_K = 64
 
     def __init__(self, temperature: float, generator: torch.Generator | None) -> None:
         self.temperature = temperature
@@ -264,7 +264,7 @@ class _Picker:
         best = logits.argmax(dim=-1)  # argmax, not the top-k's first: ties resolve as greedy decoding's do
         if self.temperature == 0:
             return best, best
-        top, ids = logits.topk(min(self.TOP_K, logits.shape[-1]), dim=-1)
+        top, ids = logits.topk(min(SAMPLE_TOP_K, logits.shape[-1]), dim=-1)
         probs = torch.softmax(top.float() / self.temperature, dim=-1).cpu()
         pick = torch.multinomial(probs, 1, generator=self.generator)
         return best, ids.gather(-1, pick.to(ids.device)).flatten()

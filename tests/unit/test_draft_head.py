@@ -306,3 +306,18 @@ def test_the_logits_form_changes_no_output() -> None:
     torch.testing.assert_close(transposed, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chosen, plain, rtol=1e-5, atol=1e-5)
     assert head.transposed_rows <= frozenset({2, 4, 8, 16})
+
+
+def test_the_model_card_says_whether_the_answers_were_greedy_or_sampled() -> None:
+    import json
+
+    from draft_service.training.__main__ import model_card
+
+    metrics = json.loads(Path("draft_service/weights/smollm2-draft-head.json").read_text())
+    config = DraftHeadConfig(576, 1024, 9, 3, 1e5, 1e-5, 8192, 8192)
+    out = Path("head.pt")
+    greedy = model_card({**metrics, "data": {**metrics["data"], "temperature": 0.0}}, config, out)
+    assert "the target's own greedy answers (at most" in greedy
+    sampled = model_card({**metrics, "data": {**metrics["data"], "temperature": 0.7}}, config, out)
+    assert "answers sampled at temperature 0.7 among its 64 likeliest tokens (labelled with" in sampled
+    assert "greedy answers (at most" not in sampled
