@@ -107,7 +107,7 @@ def test_sampled_answers_keep_the_targets_greedy_tokens_as_labels() -> None:
         tokens = row["tokens"]
         assert isinstance(tokens, torch.Tensor) and tokens[: len(prompt)].tolist() == prompt
         out = TARGET(input_ids=tokens[None].long(), output_hidden_states=True)
-        assert row["argmax"].tolist() == out.logits[0].argmax(-1).tolist()  # type: ignore[union-attr]
+        assert row["argmax"].tolist() == out.logits[0].argmax(-1).tolist()
         torch.testing.assert_close(row["features"].float(), out.hidden_states[-1][0], rtol=1e-2, atol=1e-2)
     greedy = distil_batch(TARGET, prompts, 16, frozenset(), PAD)
     assert any(not torch.equal(s["tokens"], g["tokens"]) for s, g in zip(rows, greedy, strict=True))
