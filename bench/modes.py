@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -57,6 +57,11 @@ def default_modes(dtype: str) -> tuple[str, ...]:
 def model_dtype(model: Any) -> str:
     """A model's parameter dtype as the verifier names it ("float32", "bfloat16")."""
     return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def cluster_modes(names: Sequence[str]) -> list[str]:
+    """The modes that start specserve's three processes (their verifier runs outside this one)."""
+    return [name for name in names if name.startswith("distributed")]
 
 
 def mode_sources(name: str) -> tuple[str, ...] | None:

@@ -72,6 +72,7 @@ from .modes import (
     Mode,
     Outcome,
     Prompt,
+    cluster_modes,
     default_modes,
     mode_sources,
     model_dtype,
@@ -197,7 +198,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--prompts-per-category, --max-new-tokens and --torch-threads must be at least 1")
     if args.warm_pool < 0:
         parser.error("--warm-pool must be at least 0")
-    clusters = [m for m in args.modes if m.startswith("distributed")]
+    clusters = cluster_modes(args.modes)
     if args.flat_verify_cost and clusters:
         parser.error(f"--flat-verify-cost sets the in-process verifiers' curve only; drop {', '.join(clusters)}")
     args.pinning = None
@@ -464,8 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = check_baseline(fp32, target, prompts[0])
     if not checks["baseline_matches_hf_generate"]:
         print(f"warning: the baseline loop differs from transformers' generate: {checks}", file=sys.stderr)
-    distributed = any(mode.startswith("distributed") for mode in args.modes)
-    pool = choose_pool(args.redis_url) if distributed else PoolBackend(None, "not used")
+    pool = choose_pool(args.redis_url) if cluster_modes(args.modes) else PoolBackend(None, "not used")
     policy = CoordinatorConfig()
     meta: dict[str, Any] = {
         "started_at": started_at,
