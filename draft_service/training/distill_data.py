@@ -42,7 +42,6 @@ class DistillSettings:
     max_prompt_tokens: int = 320  # longer prompts are skipped: they would pad a whole batch
     max_minutes: float = 60.0  # no new training shard is started after this long
     temperature: float = 0.0  # 0: greedy answers; above 0: sampled ones (the labels stay the greedy tokens)
-    seed: int = 0  # with the shard's index, seeds a sampled shard's generator (a resumed run samples the same)
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:
@@ -313,7 +312,7 @@ def generate_shards(
                 if max_minutes is not None and (time.monotonic() - started) / 60 >= max_minutes:
                     break
                 shard_started = time.monotonic()
-                generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + index)
+                generator = torch.Generator().manual_seed(index)  # a resumed run samples the same answers
                 shard = distil_batch(
                     model, prompts, settings.max_new_tokens, eos_ids, pad_id, settings.temperature, generator
                 )
