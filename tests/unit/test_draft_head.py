@@ -321,3 +321,20 @@ def test_the_model_card_says_whether_the_answers_were_greedy_or_sampled() -> Non
     sampled = model_card({**metrics, "data": {**metrics["data"], "temperature": 0.7}}, config, out)
     assert "answers sampled at temperature 0.7 among its 64 likeliest tokens (labelled with" in sampled
     assert "greedy answers (at most" not in sampled
+
+
+def test_the_held_out_prompts_are_named_by_a_digest_that_the_model_card_shows() -> None:
+    import json
+
+    from draft_service.training.__main__ import model_card, prompts_digest
+
+    held_out = [[1, 2, 3], [4, 5]]
+    assert prompts_digest(held_out) == prompts_digest([list(ids) for ids in held_out])
+    assert prompts_digest(held_out) != prompts_digest([[1, 2, 3], [4, 6]])
+    assert prompts_digest(held_out) != prompts_digest(held_out[::-1])
+    metrics = json.loads(Path("draft_service/weights/smollm2-draft-head.json").read_text())
+    config = DraftHeadConfig(576, 1024, 9, 3, 1e5, 1e-5, 8192, 8192)
+    digest = prompts_digest(held_out)
+    card = model_card({**metrics, "data": {**metrics["data"], "held_out_digest": digest}}, config, Path("head.pt"))
+    assert f"held out for evaluation (prompt digest `{digest}`" in card
+    assert "prompt digest" not in model_card(metrics, config, Path("head.pt"))  # the shipped v6 recorded none
