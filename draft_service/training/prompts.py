@@ -177,14 +177,15 @@ def all_prompts(seed: int = 0) -> list[str]:
     return prompts
 
 
-def _normalise(text: str) -> str:
+def normalise(text: str) -> str:
+    """A prompt up to case and spacing: two prompts with one normal form are one prompt."""
     return " ".join(text.lower().split())
 
 
 def training_prompts(count: int, excluded: Iterable[str], seed: int = 0, allow_fewer: bool = False) -> list[str]:
     """The first ``count`` generated prompts that are not among ``excluded`` (the benchmark's questions)."""
-    banned = {_normalise(text) for text in excluded}
-    prompts = [p for p in all_prompts(seed) if _normalise(p) not in banned]
+    banned = {normalise(text) for text in excluded}
+    prompts = [p for p in all_prompts(seed) if normalise(p) not in banned]
     if count > len(prompts) and not allow_fewer:
         raise ValueError(f"only {len(prompts)} training prompts can be generated, {count} were asked for")
     return prompts[:count]
