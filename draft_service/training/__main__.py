@@ -353,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         f"-{args.max_prompt_tokens}pt-b{args.batch_size}{sampled}"
     )
     planned = dict(Counter(source_of[tuple(ids)] for ids in train_prompts))
+    held_out_digest = prompts_digest(held_out_prompts)
     print(
         f"distilling in {dtype.dtype} ({dtype.reason}) on {device} into {data_dir}; prompts by source: {planned}; "
-        f"held-out prompt digest {prompts_digest(held_out_prompts)}"
+        f"held-out prompt digest {held_out_digest}"
     )
     eval_paths = generate_shards(
         model,
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_prompts_by_source": sources,
             "skip_prompts": args.skip_prompts,
             "held_out_prompts": len(held_out),
-            "held_out_digest": prompts_digest(held_out_prompts),
+            "held_out_digest": held_out_digest,
             "train_positions": sum(int(s["tokens"].shape[0]) for s in sequences),
             "answer_positions": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in sequences),
             "max_new_tokens": args.max_new_tokens,
