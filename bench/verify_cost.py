@@ -122,6 +122,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the verifier's LM head product (as its flag): auto, or linear to measure F.linear alone "
         "(file names then end in _linear-head)",
     )
+    parser.add_argument(
+        "--layers-matmul",
+        choices=FORMS,
+        default="auto",
+        help="the verifier's decoder-layer products (as its flag): auto, or linear to measure F.linear alone "
+        "(file names then end in _linear-layers)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     args.sizes = _ints(args.sizes)
@@ -356,6 +363,7 @@ def build_verifier(model: Any, label: str, args: argparse.Namespace) -> Verifier
         max_batch_tokens=max(256, biggest_tree + 1, batch * batch_tokens),
         max_batch_sessions=max(64, batch),
         lm_head_matmul=args.lm_head_matmul,
+        layers_matmul=args.layers_matmul,
     )
 
 
@@ -390,7 +398,9 @@ def markdown(label: str, meta: dict[str, Any], rows: list[dict[str, float]], bat
         f"{settings['context']}-token context (grows by one per repetition, up to {settings['max_context']}); "
         f"median of {settings['reps']} after {settings['warmup']} warm-up repetitions; {meta['measured_at']}. "
         f"LM head product: {settings.get('lm_head_form', 'F.linear at every row count')} "
-        f"(`--lm-head-matmul {settings.get('lm_head_matmul', 'linear')}`).",
+        f"(`--lm-head-matmul {settings.get('lm_head_matmul', 'linear')}`). "
+        f"Layer products: {settings.get('layers_form', 'F.linear at every row count')} "
+        f"(`--layers-matmul {settings.get('layers_matmul', 'linear')}`).",
         "",
         "## One session",
         "",
@@ -466,7 +476,7 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
         )
     finally:
         verifier.close()
-    head_form = verifier.lm_head_form
+    head_form, layers_form = verifier.lm_head_form, verifier.layers_form
     times, tree_times = by_shape["chain"], by_shape["tree"]
     rows = summarize(times)
     tree_base = statistics.median(times[min(times)])  # both shapes relative to plain decoding
@@ -476,6 +486,7 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
     batched_rows = summarize_batched(batched) if batched else []
     auto = choose_dtype("auto", args.device)
     suffix = "_linear-head" if args.lm_head_matmul == "linear" else ""
+    suffix += "_linear-layers" if args.layers_matmul == "linear" else ""
     stem = f"{label}_{args.device.replace(':', '')}_{dtype}{suffix}"
     meta = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -496,6 +507,8 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
             "warmup": args.warmup,
             "lm_head_matmul": args.lm_head_matmul,
             "lm_head_form": head_form,
+            "layers_matmul": args.layers_matmul,
+            "layers_form": layers_form,
         },
         "machine": machine.describe(),
     }

@@ -26,6 +26,7 @@ from transformers import LlamaConfig, LlamaModel
 
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.head_matmul import HeadMatmul, head_matmul, head_product
+from specserve.layer_matmul import LayerMatmul, install_layer_matmul
 
 FORMAT_VERSION = 1
 
@@ -118,6 +119,7 @@ class DraftHead(nn.Module):
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
         # Row counts whose logits use (W @ x.T).T (``choose_logits_form``); none while training.
         self.transposed_rows: frozenset[int] = frozenset()
+        self.layer_matmul = LayerMatmul()  # the same for the fc and the layer's linears, once chosen
 
     def forward(
         self,
@@ -144,15 +146,24 @@ class DraftHead(nn.Module):
         )
 
     def choose_logits_form(self, form: str = "auto") -> None:
-        """The draft logits' product form (``--head-logits-matmul``): 'auto' times both forms on the head in its
-        current dtype and keeps the faster per row count; 'linear' keeps F.linear."""
+        """The product form of the draft logits and of the head's linears (``--head-matmul``): 'auto' times both
+        forms on the head in its current dtype and keeps the faster per row count; 'linear' keeps F.linear.
+
+        Called on a head ready to serve: the linears become ``FormedLinear`` over the same parameters.
+        """
         with torch.inference_mode():
             self.transposed_rows = head_matmul(self.draft_lm_head, form).transposed_rows
+        self.layer_matmul = install_layer_matmul(self, form)
 
     @property
     def logits_form(self) -> str:
         """Which product form the draft logits use at which row counts, for logs and reports."""
         return HeadMatmul(self.draft_lm_head, self.transposed_rows).describe()
+
+    @property
+    def layers_form(self) -> str:
+        """Which product form the fc and the layer's linears use at which row counts."""
+        return self.layer_matmul.describe()
 
     def save(self, path: Path, *, target_fingerprint: str, metadata: dict[str, Any] | None = None) -> None:
         """Weights in bfloat16 with the config, draft vocabulary and target fingerprint."""
@@ -224,7 +235,7 @@ def in_serving_dtype(
     head: DraftHead, requested: str = "auto", logits_matmul: str = "auto"
 ) -> tuple[DraftHead, DtypeChoice]:
     """``head`` in the dtype the drafter computes in (``--head-dtype``; auto: bf16 where the CPU runs it natively),
-    its logits in the product form ``logits_matmul`` picks (``--head-logits-matmul``; auto: measured here).
+    its logits and linears in the product form ``logits_matmul`` picks (``--head-matmul``; auto: measured here).
 
     Loaded heads are fp32 (``load_draft_head``); the benchmarks call this too, so they draft as the service does.
     """

@@ -81,11 +81,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         help="the draft head's compute dtype (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)",
     )
     parser.add_argument(
+        "--head-matmul",
         "--head-logits-matmul",
+        dest="head_logits_matmul",
         default=env("SPECSERVE_HEAD_LOGITS_MATMUL", defaults.head_logits_matmul),
         choices=FORMS,
-        help="auto: time F.linear against (W @ x.T).T for the draft logits at start-up and use the faster for each "
-        "row count; linear: always F.linear",
+        help="auto: time F.linear against (W @ x.T).T for the draft logits and for the head's linears at start-up "
+        "and use the faster for each row count; linear: always F.linear",
     )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
@@ -169,11 +171,12 @@ def load_head(config: DrafterConfig) -> DraftHead:
     )
     head, dtype = in_serving_dtype(head, config.head_dtype, config.head_logits_matmul)
     log.info(
-        "draft head %s runs in %s (%s); its logits: %s",
+        "draft head %s runs in %s (%s); its logits: %s; its linears: %s",
         config.draft_head_path,
         dtype.dtype,
         dtype.reason,
         head.logits_form,
+        head.layers_form,
     )
     return head
 

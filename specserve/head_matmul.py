@@ -16,7 +16,7 @@ product may differ in the last bits, as it already does between one batch size a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +64,7 @@ class HeadMatmul:
     @classmethod
     def choose(cls, weight: torch.Tensor, timings: Timings) -> HeadMatmul:
         """The form per row count from measured ``timings`` of both forms at each of ``ROW_COUNTS``."""
-        faster = frozenset(
-            rows for rows in ROW_COUNTS if timings[("transposed", rows)] <= MARGIN * timings[("linear", rows)]
-        )
-        return cls(weight, faster)
+        return cls(weight, faster_rows(timings))
 
     @classmethod
     def measured(
@@ -76,28 +73,59 @@ class HeadMatmul:
         """Time both forms on ``weight`` (best of ``repeats`` after a warm-up) and choose; GPUs keep F.linear."""
         if weight.device.type != "cpu":
             return cls(weight)
-        generator = torch.Generator().manual_seed(0)
-        timings: dict[tuple[str, int], float] = {}
-        with torch.inference_mode():
-            for rows in ROW_COUNTS:
-                x = torch.randn(rows, weight.shape[1], generator=generator, dtype=weight.dtype)
-                forms = {"linear": cls(weight), "transposed": cls(weight, frozenset(ROW_COUNTS))}
-                for name, form in forms.items():
-                    form(x)
-                    best = float("inf")
-                    for _ in range(repeats):
-                        start = clock()
-                        form(x)
-                        best = min(best, clock() - start)
-                    timings[(name, rows)] = best
-        return cls.choose(weight, timings)
+        return cls.choose(weight, time_forms([weight], repeats, clock))
 
     def describe(self) -> str:
         """For logs and cache keys: which row counts use the transposed form."""
-        if not self.transposed_rows:
-            return "F.linear at every row count"
-        rows = ",".join(str(r) for r in sorted(self.transposed_rows))
-        return f"(W @ x.T).T at {rows} rows (rounded up), F.linear otherwise"
+        return describe_rows(self.transposed_rows)
+
+
+def faster_rows(timings: Timings) -> frozenset[int]:
+    """The row counts where the transposed form took at most ``MARGIN`` of ``F.linear``'s time."""
+    return frozenset(rows for rows in ROW_COUNTS if timings[("transposed", rows)] <= MARGIN * timings[("linear", rows)])
+
+
+def time_forms(
+    weights: Sequence[torch.Tensor], repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> dict[tuple[str, int], float]:
+    """Seconds to multiply by every one of ``weights`` in turn, in each form at each of ``ROW_COUNTS``.
+
+    Best of ``repeats`` after a warm-up. Timing the weights one after another, as a forward uses them, keeps
+    the measurement honest for small layers: one small weight timed on its own stays in the CPU's cache,
+    which a forward that streams hundreds of megabytes of layers never sees.
+    """
+    generator = torch.Generator().manual_seed(0)
+    timings: dict[tuple[str, int], float] = {}
+    with torch.inference_mode():
+        for rows in ROW_COUNTS:
+            inputs = {
+                width: torch.randn(rows, width, generator=generator, dtype=weights[0].dtype)
+                for width in {w.shape[1] for w in weights}
+            }
+            for name, transposed in (("linear", frozenset[int]()), ("transposed", frozenset(ROW_COUNTS))):
+                _multiply_all(inputs, weights, transposed)
+                best = float("inf")
+                for _ in range(repeats):
+                    start = clock()
+                    _multiply_all(inputs, weights, transposed)
+                    best = min(best, clock() - start)
+                timings[(name, rows)] = best
+    return timings
+
+
+def _multiply_all(
+    inputs: Mapping[int, torch.Tensor], weights: Sequence[torch.Tensor], transposed: frozenset[int]
+) -> None:
+    for w in weights:
+        head_product(inputs[w.shape[1]], w, transposed)
+
+
+def describe_rows(transposed_rows: frozenset[int]) -> str:
+    """For logs and cache keys: which row counts use the transposed form."""
+    if not transposed_rows:
+        return "F.linear at every row count"
+    rows = ",".join(str(r) for r in sorted(transposed_rows))
+    return f"(W @ x.T).T at {rows} rows (rounded up), F.linear otherwise"
 
 
 def head_matmul(weight: torch.Tensor, form: str) -> HeadMatmul:

@@ -31,6 +31,7 @@ class VerifierConfig:
     profile_cost: bool = True  # measure the engine's cost curve at start-up (sizes the draft budget)
     throughput_guard: bool = True  # keep speculation on only while measured throughput says it wins
     lm_head_matmul: str = "auto"  # auto: time the LM head's two product forms at start-up, keep the faster per rows
+    layers_matmul: str = "auto"  # the same choice for the decoder layers' linears (specserve.layer_matmul)
     torch_threads: int = 0  # 0: torch's default
     max_workers: int = 256  # concurrent RPCs (they wait on the engine; forwards are batched)
     metrics_port: int = 0  # 0: no Prometheus endpoint

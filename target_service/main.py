@@ -100,6 +100,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         "row count (on some CPUs a few rows cost 2-3x one row in F.linear); linear: always F.linear",
     )
     parser.add_argument(
+        "--layers-matmul",
+        choices=FORMS,
+        default=env("SPECSERVE_LAYERS_MATMUL", defaults.layers_matmul),
+        help="the same choice for the decoder layers' linear products, timed over all of them at start-up",
+    )
+    parser.add_argument(
         "--no-throughput-guard",
         dest="throughput_guard",
         action="store_false",
@@ -132,19 +138,20 @@ def build_verifier(config: VerifierConfig) -> Verifier:
     fingerprint = vocab_fingerprint(load_tokenizer(source))
     verifier = Verifier.from_config(model, fingerprint, config, profile=False)
     log.info("LM head product: %s (--lm-head-matmul %s)", verifier.lm_head_form, config.lm_head_matmul)
+    log.info("layer products: %s (--layers-matmul %s)", verifier.layers_form, config.layers_matmul)
     if config.profile_cost:
         _size_budgets(verifier, cache_root / "cost-curves" / f"{_curve_key(source.name, verifier, config)}.json")
     return verifier
 
 
 def _curve_key(model_name: str, verifier: Verifier, config: VerifierConfig) -> str:
-    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget, the LM head's form."""
+    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget, the product forms."""
     import torch
 
     from specserve.hardware import cpu_model
 
     parts = [model_name, verifier.dtype, str(verifier.device), cpu_model(), str(torch.get_num_threads())]
-    parts += [str(config.max_batch_tokens), verifier.lm_head_form]
+    parts += [str(config.max_batch_tokens), verifier.lm_head_form, verifier.layers_form]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

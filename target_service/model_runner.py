@@ -5,6 +5,8 @@ rotary embedding and final norm); the loop over layers, the attention over
 the KV arena (``ragged_attention``) and the output head are ours, so that:
 
 - many sessions' tokens share every matmul (one sequence of T rows);
+- the layers' and the LM head's products take the faster of two equal forms for few rows
+  (``specserve.layer_matmul``, ``specserve.head_matmul``);
 - the final norm and LM head run in fp32 whatever the layers run in, and only
   for the rows whose scores decide something: bf16 rounding in the head would
   manufacture argmax ties;
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from specserve.head_matmul import HeadMatmul, head_matmul
+from specserve.layer_matmul import LayerMatmul, install_layer_matmul
 from target_service.kv_arena import KVArena, bytes_per_token
 from target_service.ragged_attention import StepPlan, install
 
@@ -40,7 +43,7 @@ class UnsupportedModelError(ValueError):
 class ModelRunner:
     """Drives a transformers causal LM layer by layer over a StepPlan."""
 
-    def __init__(self, model: Any, lm_head_matmul: str = "auto") -> None:
+    def __init__(self, model: Any, lm_head_matmul: str = "auto", layers_matmul: str = "auto") -> None:
         config = model.config
         model_type = getattr(config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -53,6 +56,7 @@ class ModelRunner:
         weight = model.lm_head.weight.detach()
         # An fp32 copy of the head only when the layers are not fp32 already (upcasting bf16 is exact).
         self._head = head_matmul(weight if weight.dtype == torch.float32 else weight.float(), lm_head_matmul)
+        self._layers = install_layer_matmul(self._inner.layers, layers_matmul)
         self.dtype: torch.dtype = weight.dtype
         self.device: torch.device = weight.device
         self.vocab_size = int(config.vocab_size)
@@ -66,6 +70,11 @@ class ModelRunner:
     def head_matmul(self) -> HeadMatmul:
         """The LM head's product, in the form chosen for each row count."""
         return self._head
+
+    @property
+    def layers_matmul(self) -> LayerMatmul:
+        """The decoder layers' linear products, in the form chosen for each row count."""
+        return self._layers
 
     @property
     def kv_bytes_per_token(self) -> int:
