@@ -1,8 +1,9 @@
-"""The draft head's step with its logits by ``F.linear`` against the form chosen at start-up, side by side.
+"""The draft head's step with its products by ``F.linear`` against the forms chosen at start-up, side by side.
 
 A dynamic-tree round runs the head over 1 row (the newest committed token) and then over the beam's
-rows (4 by default) at each level. This times both row counts on a cached context, alternating the two
-logits forms round by round, in the serving dtype, and reports medians and their ratio.
+rows (4 by default) at each level. This times both row counts on a cached context, alternating
+``F.linear`` everywhere with the chosen forms of the logits and of the head's linears (``--head-matmul``)
+round by round, in the serving dtype, and reports medians and their ratio.
 
     python -m bench.draft_step [--context 300] [--rounds 3] [--reps 30] [--out-dir bench/results/draft-step]
 """
@@ -47,8 +48,8 @@ def time_steps(head: DraftHead, context: int, rounds: int, reps: int) -> dict[st
     """Median ms of one step per (form, rows), one entry per round; forms alternate within each round."""
     hidden = head.config.hidden_size
     generator = torch.Generator().manual_seed(0)
-    chosen = head.transposed_rows
-    forms = {"F.linear": frozenset[int](), "chosen": chosen}
+    chosen = (head.transposed_rows, head.layer_matmul.transposed_rows)
+    forms = {"F.linear": (frozenset[int](), frozenset[int]()), "chosen": chosen}
     times: dict[str, dict[int, list[float]]] = {name: {rows: [] for rows in ROWS} for name in forms}
     with torch.inference_mode():
         cache = DynamicCache()
@@ -68,8 +69,8 @@ def time_steps(head: DraftHead, context: int, rounds: int, reps: int) -> dict[st
             truncate_cache(cache, context)
 
         for _ in range(rounds):
-            for name, transposed in forms.items():
-                head.transposed_rows = transposed
+            for name, (logits_rows, layer_rows) in forms.items():
+                head.transposed_rows, head.layer_matmul.transposed_rows = logits_rows, layer_rows
                 for rows in ROWS:
                     for _ in range(3):
                         step(rows)
@@ -79,18 +80,19 @@ def time_steps(head: DraftHead, context: int, rounds: int, reps: int) -> dict[st
                         step(rows)
                         samples.append(time.perf_counter() - start)
                     times[name][rows].append(statistics.median(samples) * 1000)
-    head.transposed_rows = chosen
+    head.transposed_rows, head.layer_matmul.transposed_rows = chosen
     return times
 
 
 def markdown(meta: dict[str, Any], times: dict[str, dict[int, list[float]]]) -> str:
     m = meta["machine"]
     lines = [
-        "# Draft head step: F.linear against the chosen logits form",
+        "# Draft head step: F.linear against the chosen product forms",
         "",
         f"{meta['measured_at']}; {m['cpu_model']}, {m['torch_threads']} threads (native bf16: "
         f"{', '.join(m.get('cpu_bf16_flags') or []) or 'no'}), torch {m['torch_version']}; head in "
-        f"{meta['dtype']}, {meta['context']}-token cached context; chosen form: {meta['chosen']}. "
+        f"{meta['dtype']}, {meta['context']}-token cached context; chosen forms: logits {meta['chosen']}; "
+        f"linears {meta.get('chosen_layers', 'F.linear at every row count')}. "
         f"Median of {meta['reps']} steps per round, {meta['rounds']} rounds with the forms alternating.",
         "",
         "| rows | F.linear ms (per round) | chosen ms (per round) | chosen / F.linear (median of rounds) |",
@@ -119,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": args.rounds,
         "reps": args.reps,
         "chosen": head.logits_form,
+        "chosen_layers": head.layers_form,
         "machine": machine.describe(),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,11 @@ def test_both_forms_are_timed_alternately_and_the_chosen_form_is_restored() -> N
         target.get_output_embeddings().weight.detach(),
         torch.arange(16),
     ).eval()
+    head.choose_logits_form("linear")  # the head's linears become FormedLinear, as in serving
     head.transposed_rows = frozenset({4})
+    head.layer_matmul.transposed_rows = frozenset({2, 4})
     times = time_steps(head, context=20, rounds=2, reps=2)
-    assert head.transposed_rows == frozenset({4})
+    assert head.transposed_rows == frozenset({4}) and head.layer_matmul.transposed_rows == frozenset({2, 4})
     assert set(times) == {"F.linear", "chosen"}
     assert all(len(times[form][rows]) == 2 and min(times[form][rows]) > 0 for form in times for rows in ROWS)
     meta = {

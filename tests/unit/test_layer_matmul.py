@@ -7,26 +7,18 @@ import itertools
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaModel
+from transformers import LlamaModel
 
 from specserve.head_matmul import ROW_COUNTS, time_forms
 from specserve.layer_matmul import FormedLinear, LayerMatmul, install_layer_matmul
+from tests.conftest import tiny_llama
 
 EVERY_SMALL_COUNT = frozenset(ROW_COUNTS)
 
 
-def tiny_llama() -> LlamaModel:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaModel(config).eval()
+def tiny_body() -> LlamaModel:
+    body: LlamaModel = tiny_llama(vocab_size=97, context=64).model
+    return body
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -45,7 +37,7 @@ def test_a_formed_linear_computes_what_nn_linear_does(bias: bool, rows: int) -> 
 
 
 def test_installing_keeps_the_parameters_and_the_outputs() -> None:
-    model = tiny_llama()
+    model = tiny_body()
     before = {name: p for name, p in model.named_parameters()}
     ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
     with torch.no_grad():
@@ -64,7 +56,7 @@ def test_installing_keeps_the_parameters_and_the_outputs() -> None:
 
 
 def test_installing_again_replaces_the_earlier_choice() -> None:
-    model = tiny_llama()
+    model = tiny_body()
     first = install_layer_matmul(model.layers, "linear")
     first.transposed_rows = EVERY_SMALL_COUNT
     second = install_layer_matmul(model.layers, "linear")
@@ -73,7 +65,7 @@ def test_installing_again_replaces_the_earlier_choice() -> None:
 
 
 def test_auto_times_the_layers_here_and_unknown_forms_are_refused() -> None:
-    model = tiny_llama()
+    model = tiny_body()
     forms = install_layer_matmul(model.layers, "auto")
     assert forms.transposed_rows <= EVERY_SMALL_COUNT
     assert forms.describe().endswith("F.linear otherwise") or forms.describe() == "F.linear at every row count"
