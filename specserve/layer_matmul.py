@@ -63,17 +63,21 @@ def install_layer_matmul(root: nn.Module, form: str) -> LayerMatmul:
     """Route every ``nn.Linear`` under ``root`` through one ``LayerMatmul``; 'auto' times both forms here.
 
     The parameters stay the same objects under the same names, so state dicts and ``.to()`` are unaffected.
-    'linear' keeps ``F.linear`` everywhere, as GPUs do. Installing again replaces the earlier choice.
+    'linear' keeps ``F.linear`` everywhere, as GPUs do. A model holds one choice: installing again (a second
+    verifier over the same model, as the benchmarks build) makes the new choice, in the same ``LayerMatmul``.
     """
     if form not in FORMS:
         raise ValueError(f"layer matmul form {form!r}: choose one of {', '.join(FORMS)}")
-    forms = LayerMatmul()
+    installed = [m.forms for m in root.modules() if isinstance(m, FormedLinear)]
+    forms = installed[0] if installed else LayerMatmul()
     weights: list[torch.Tensor] = []
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, FormedLinear) or type(child) is nn.Linear:
-                setattr(parent, name, FormedLinear(child, forms))
+                if not (isinstance(child, FormedLinear) and child.forms is forms):
+                    setattr(parent, name, FormedLinear(child, forms))
                 weights.append(child.weight.detach())
+    forms.transposed_rows = frozenset()  # F.linear while timing and where 'linear' is asked
     if form == "auto" and weights and weights[0].device.type == "cpu":
         forms.transposed_rows = faster_rows(time_forms(weights))
     return forms

@@ -55,13 +55,16 @@ def test_installing_keeps_the_parameters_and_the_outputs() -> None:
         assert torch.equal(model(ids[:, :1]).last_hidden_state, one_row)
 
 
-def test_installing_again_replaces_the_earlier_choice() -> None:
+def test_a_model_holds_one_choice_that_installing_again_makes_anew() -> None:
     model = tiny_body()
     first = install_layer_matmul(model.layers, "linear")
     first.transposed_rows = EVERY_SMALL_COUNT
+    formed = [m for m in model.modules() if isinstance(m, FormedLinear)]
+    # A second verifier over the same model: the same shared choice, made again, over the same modules.
     second = install_layer_matmul(model.layers, "linear")
-    assert second is not first and second.transposed_rows == frozenset()
-    assert all(m.forms is second for m in model.modules() if isinstance(m, FormedLinear))
+    assert second is first and first.transposed_rows == frozenset()
+    assert [m for m in model.modules() if isinstance(m, FormedLinear)] == formed
+    assert all(m.forms is first for m in formed)
 
 
 def test_auto_times_the_layers_here_and_unknown_forms_are_refused() -> None:
