@@ -43,12 +43,16 @@ def rounded_rows(rows: int) -> int:
     return 0
 
 
-def head_product(x: torch.Tensor, weight: torch.Tensor, transposed_rows: frozenset[int]) -> torch.Tensor:
-    """``x @ weight.T`` for x of [..., hidden], as ``(W @ x.T).T`` where its row count is in ``transposed_rows``."""
+def head_product(
+    x: torch.Tensor, weight: torch.Tensor, transposed_rows: frozenset[int], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for x of [..., hidden], as ``(W @ x.T).T`` where its row count is in
+    ``transposed_rows``; other row counts get exactly ``F.linear``'s result, bias included."""
     flat = x.reshape(-1, x.shape[-1])
     if rounded_rows(flat.shape[0]) not in transposed_rows:
-        return F.linear(x, weight)
-    return (weight @ flat.T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
+    out = (weight @ flat.T).T.contiguous().reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specserve.head_matmul import FORMS, describe_rows, faster_rows, head_product, rounded_rows, time_forms
+from specserve.head_matmul import FORMS, describe_rows, faster_rows, head_product, time_forms
 
 
 @dataclass
@@ -52,11 +51,7 @@ class FormedLinear(nn.Module):
         self.forms = forms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rounded_rows(rows) not in self.forms.transposed_rows:
-            return F.linear(x, self.weight, self.bias)  # exactly nn.Linear's product
-        out = head_product(x, self.weight, self.forms.transposed_rows)
-        return out if self.bias is None else out + self.bias
+        return head_product(x, self.weight, self.forms.transposed_rows, self.bias)
 
 
 def install_layer_matmul(root: nn.Module, form: str) -> LayerMatmul:
@@ -73,8 +68,9 @@ def install_layer_matmul(root: nn.Module, form: str) -> LayerMatmul:
     weights: list[torch.Tensor] = []
     for parent in list(root.modules()):
         for name, child in list(parent.named_children()):
+            # Plain nn.Linear only: a subclass may compute something else.
             if isinstance(child, FormedLinear) or type(child) is nn.Linear:
-                if not (isinstance(child, FormedLinear) and child.forms is forms):
+                if not isinstance(child, FormedLinear) or child.forms is not forms:
                     setattr(parent, name, FormedLinear(child, forms))
                 weights.append(child.weight.detach())
     forms.transposed_rows = frozenset()  # F.linear while timing and where 'linear' is asked
