@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import transformers
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
 
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
@@ -57,6 +59,8 @@ def describe() -> dict[str, Any]:
         "cpu_cores_per_socket": int(cpu["cpu cores"]) if cpu.get("cpu cores", "").isdigit() else None,
         # Whether bf16 runs natively here: it decides the dtype that `--dtype auto` picks.
         "cpu_bf16_flags": [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu.get("flags", "").split()],
+        # The vector extensions that decide which kernels run (and how fast each dtype is).
+        "cpu_flags": [flag for flag in ISA_FLAGS if flag in cpu.get("flags", "").split()],
         "logical_cpus": os.cpu_count(),
         "cpus_available": len(os.sched_getaffinity(0)),
         "memory_gib": _memory_gib(),

@@ -6,9 +6,15 @@ prompt's token ids to the last token; ``distributed`` starts from the request
 on the wire, so it also pays the coordinator's chat template and tokenization,
 well under a millisecond).
 
+``baseline`` is plain decoding through specserve's own engine (the
+verifier's step with prepacked weights, one token a forward): the bar every
+speed-up is measured against. ``baseline-eager`` is the same with
+``--compile off``, and ``hf-plain`` transformers' own eager loop: what the
+engine's step gains over each.
+
 Every mode runs the target in the run's dtype except ``baseline-fp32``, plain
-decoding in float32: what bf16 costs or saves against the dtype the project
-used to run in.
+decoding through the engine in float32: what bf16 costs or saves against the
+dtype the project used to run in.
 """
 
 from __future__ import annotations
@@ -30,14 +36,18 @@ from draft_service.draft_head import DraftHead
 from draft_service.drafter import ALL_SOURCES, NGRAM_SOURCES
 from draft_service.main import build_drafter
 from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
 from target_service.config import VerifierConfig
 from target_service.draft_budget import flattened
 from target_service.verifier import Verifier
 
 from .decoding import Fp32Head, hf_generate, plain_decode
 
-BASELINE = "baseline"
+BASELINE = "baseline"  # plain decoding through the engine (--compile auto)
+EAGER_BASELINE = "baseline-eager"  # plain decoding through the engine with --compile off
+HF_PLAIN = "hf-plain"  # plain decoding in transformers' eager model (fp32 head, as the verifier's)
 FP32_BASELINE = "baseline-fp32"  # plain decoding in float32, whatever the run's dtype
+PLAIN_MODES = (BASELINE, EAGER_BASELINE, HF_PLAIN, FP32_BASELINE)
 FLOAT32 = "float32"
 COMPARED_MODES = ("hf-pld", "inproc", "distributed")
 # Draft sources alone or combined, in process: `inproc:prompt_lookup`, `inproc:draft_model`,
@@ -45,13 +55,14 @@ COMPARED_MODES = ("hf-pld", "inproc", "distributed")
 SOURCE_MODES = (*(f"inproc:{source}" for source in ALL_SOURCES), "inproc:" + "+".join(NGRAM_SOURCES))
 # The distributed mode with the drafter's pre-drafting off: what drafting ahead adds, measured side by side.
 NO_PREDRAFT = "distributed-no-predraft"
-MODES = (BASELINE, FP32_BASELINE, *COMPARED_MODES, NO_PREDRAFT, *SOURCE_MODES)
+MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, *SOURCE_MODES)
 
 
 def default_modes(dtype: str) -> tuple[str, ...]:
-    """``baseline``, ``hf-pld``, ``inproc`` and ``distributed``; with ``baseline-fp32`` when ``dtype`` is not fp32."""
+    """``baseline``, ``baseline-eager``, ``hf-pld``, ``inproc`` and ``distributed``; with ``baseline-fp32`` when
+    ``dtype`` is not fp32."""
     extra = (FP32_BASELINE,) if dtype != FLOAT32 else ()
-    return (BASELINE, *extra, *COMPARED_MODES)
+    return (BASELINE, EAGER_BASELINE, *extra, *COMPARED_MODES)
 
 
 def model_dtype(model: Any) -> str:
@@ -110,12 +121,54 @@ class Mode(Protocol):
     def close(self) -> None: ...
 
 
-class BaselineMode:
-    """The project's plain decoding loop: one target forward per token (fp32 head, as the verifier's)."""
+class EnginePlainMode:
+    """Plain decoding through the verifier's engine: one forward per token, a tree of size zero each round.
+
+    The same step, KV arena and acceptance code the speculative modes run, so a speed-up over it is what
+    speculation adds and nothing else; ``compile`` is the verifier's flag.
+    """
 
     learns = False
 
-    def __init__(self, model: Any, eos_ids: frozenset[int], name: str = BASELINE) -> None:
+    def __init__(self, model: Any, fingerprint: str, eos_ids: frozenset[int], name: str, compile: str) -> None:
+        self.name = name
+        self.dtype = model_dtype(model)
+        self._eos_ids = eos_ids
+        config = VerifierConfig(compile=compile, profile_cost=False, throughput_guard=False)
+        self._verifier = Verifier.from_config(model, fingerprint, config, profile=False)
+
+    def run(self, prompt: Prompt) -> Outcome:
+        start = time.perf_counter_ns()
+        committed = list(prompt.token_ids)
+        tokens: list[int] = []
+        eos = False
+        verify_ns = self._verifier.prefill("plain", committed, prompt.sampling).prefill_ns
+        empty = TokenTree()
+        for _ in range(prompt.max_new_tokens):
+            result = self._verifier.verify("plain", len(committed), empty)
+            verify_ns += result.verify_ns
+            if result.bonus_token in self._eos_ids:
+                eos = True
+                break
+            committed.append(result.bonus_token)
+            tokens.append(result.bonus_token)
+        self._verifier.release("plain")
+        wall_ns = time.perf_counter_ns() - start
+        return Outcome(tokens, eos, wall_ns, len(tokens) + eos, 0, 0, draft_ns=0, verify_ns=verify_ns)
+
+    def reset(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._verifier.close()
+
+
+class HfPlainMode:
+    """Plain decoding in transformers' eager model: one target forward per token (fp32 head, as the verifier's)."""
+
+    learns = False
+
+    def __init__(self, model: Any, eos_ids: frozenset[int], name: str = HF_PLAIN) -> None:
         self.name = name
         self.dtype = model_dtype(model)
         self._model = model

@@ -57,16 +57,20 @@ from .cluster import (
     start_cluster,
 )
 from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
-from .decoding import Fp32Head, hf_generate, plain_decode, top2_gap
+from .decoding import Fp32Head, hf_generate, top2_gap
 from .head_identity import describe_draft_head, draft_head_path
 from .modes import (
     BASELINE,
+    EAGER_BASELINE,
     FLOAT32,
     FP32_BASELINE,
+    HF_PLAIN,
     MODES,
     NO_PREDRAFT,
-    BaselineMode,
+    PLAIN_MODES,
     DistributedMode,
+    EnginePlainMode,
+    HfPlainMode,
     HfPromptLookupMode,
     InProcessMode,
     Mode,
@@ -110,8 +114,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.run", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
         "--modes",
-        help=f"comma-separated, from {', '.join(MODES)} (default: baseline, {FP32_BASELINE} unless the dtype is "
-        "float32, hf-pld, inproc, distributed)",
+        help=f"comma-separated, from {', '.join(MODES)} (default: baseline, {EAGER_BASELINE}, {FP32_BASELINE} "
+        "unless the dtype is float32, hf-pld, inproc, distributed); baseline is plain decoding through the engine",
     )
     parser.add_argument(
         "--dtype",
@@ -250,13 +254,17 @@ def make_prompt(target: Target, text: str, max_new_tokens: int, sampling: Sampli
 
 
 def check_baseline(model: Any, target: Target, prompt: Prompt) -> dict[str, Any]:
-    """Does the project's plain loop produce exactly what transformers' greedy generate does?
+    """Does plain decoding through the engine (``baseline``) produce exactly what transformers' greedy generate does?
 
-    Checked on the fp32 ``model``, where they must agree token for token: in bf16 the loop's fp32 head
+    Checked on the fp32 ``model``, where they must agree token for token: in bf16 the engine's fp32 head
     (the verifier's numerics) and transformers' bf16 head part at near-ties.
     """
     greedy = Prompt(prompt.text, prompt.token_ids, prompt.max_new_tokens, SamplingParams())
-    ours = plain_decode(model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
+    engine = EnginePlainMode(model, target.fingerprint, target.eos_ids, BASELINE, "auto")
+    try:
+        ours = engine.run(greedy)
+    finally:
+        engine.close()
     theirs = hf_generate(model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
     mismatch = first_divergence(ours.tokens, ours.eos, theirs.tokens, theirs.eos, target.eos_id)
     return {
@@ -273,10 +281,12 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
     modes: list[Mode] = []
     for name in args.modes:
         mode: Mode
-        if name == BASELINE:
-            mode = BaselineMode(target.model, target.eos_ids)
-        elif name == FP32_BASELINE:
-            mode = BaselineMode(fp32, target.eos_ids, name=FP32_BASELINE)
+        if name in (BASELINE, EAGER_BASELINE, FP32_BASELINE):
+            model = fp32 if name == FP32_BASELINE else target.model
+            compile = "off" if name == EAGER_BASELINE else "auto"
+            mode = EnginePlainMode(model, target.fingerprint, target.eos_ids, name, compile)
+        elif name == HF_PLAIN:
+            mode = HfPlainMode(target.model, target.eos_ids)
         elif name == "hf-pld":
             mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens)
         elif name == "inproc" or name.startswith("inproc:"):
@@ -329,7 +339,7 @@ def uses_head(modes: Sequence[str]) -> bool:
         if name == "inproc" or name.startswith("inproc:"):
             if HeadProposer.name in (mode_sources(name) or DrafterConfig().sources):
                 return True
-        elif name not in (BASELINE, FP32_BASELINE, "hf-pld"):
+        elif name not in (*PLAIN_MODES, "hf-pld"):
             return True
     return False
 

@@ -43,11 +43,11 @@ import torch
 
 from specserve.acceptance import VerifyResult
 from specserve.hardware import choose_dtype
-from specserve.head_matmul import FORMS
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.kv_arena import bytes_per_token
+from target_service.model_runner import COMPILE_CHOICES
 from target_service.verifier import Verifier
 
 from . import machine
@@ -116,18 +116,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--torch-threads", type=int, default=len(os.sched_getaffinity(0)), help="default: the CPUs available"
     )
     parser.add_argument(
-        "--lm-head-matmul",
-        choices=FORMS,
-        default="auto",
-        help="the verifier's LM head product (as its flag): auto, or linear to measure F.linear alone "
-        "(file names then end in _linear-head)",
-    )
-    parser.add_argument(
-        "--layers-matmul",
-        choices=FORMS,
-        default="auto",
-        help="the verifier's decoder-layer products (as its flag): auto, or linear to measure F.linear alone "
-        "(file names then end in _linear-layers)",
+        "--compile",
+        default="auto,off",
+        help="comma-separated engine steps to measure, as the verifier's flag: auto (prepacked products at row "
+        "buckets) and off (eager F.linear); each gets its own files (names end in _compile-auto / _compile-off)",
     )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
@@ -138,6 +130,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.batch_sizes and (args.batch_sizes[0] < 1 or not args.batch_draft_nodes or args.batch_draft_nodes[0] < 0):
         parser.error("--batch-sizes must be positive and --batch-draft-nodes non-negative integers")
     args.dtypes = list(dict.fromkeys(d.strip() for d in args.dtypes.split(",") if d.strip()))
+    args.compile = list(dict.fromkeys(c.strip() for c in args.compile.split(",") if c.strip()))
+    if not args.compile or any(c not in COMPILE_CHOICES for c in args.compile):
+        parser.error(f"--compile takes a comma-separated list from {', '.join(COMPILE_CHOICES)}")
     unknown = [d for d in args.dtypes if d not in ("float32", "bfloat16", "float16")]
     if unknown or not args.dtypes:
         parser.error(f"unknown dtypes {unknown}: choose from float32, bfloat16, float16")
@@ -340,7 +335,7 @@ def kv_cache_bytes(model: Any, sessions: int, tokens_per_session: int) -> int:
     return 2 * sessions * (tokens_per_session + PREFILL_HEADROOM_TOKENS) * per_token
 
 
-def build_verifier(model: Any, label: str, args: argparse.Namespace) -> Verifier:
+def build_verifier(model: Any, label: str, args: argparse.Namespace, compile: str) -> Verifier:
     """An engine whose limits hold every measured case: the cost of n tokens is measured, not the policy."""
     biggest_tree = max([*args.sizes, *(k + 1 for k in args.batch_draft_nodes)])
     batch = max(args.batch_sizes, default=0)
@@ -362,8 +357,7 @@ def build_verifier(model: Any, label: str, args: argparse.Namespace) -> Verifier
         kv_cache_bytes=memory,
         max_batch_tokens=max(256, biggest_tree + 1, batch * batch_tokens),
         max_batch_sessions=max(64, batch),
-        lm_head_matmul=args.lm_head_matmul,
-        layers_matmul=args.layers_matmul,
+        compile=compile,
     )
 
 
@@ -397,10 +391,8 @@ def markdown(label: str, meta: dict[str, Any], rows: list[dict[str, float]], bat
         f"torch {m['torch_version']}; "
         f"{settings['context']}-token context (grows by one per repetition, up to {settings['max_context']}); "
         f"median of {settings['reps']} after {settings['warmup']} warm-up repetitions; {meta['measured_at']}. "
-        f"LM head product: {settings.get('lm_head_form', 'F.linear at every row count')} "
-        f"(`--lm-head-matmul {settings.get('lm_head_matmul', 'linear')}`). "
-        f"Layer products: {settings.get('layers_form', 'F.linear at every row count')} "
-        f"(`--layers-matmul {settings.get('layers_matmul', 'linear')}`).",
+        f"CPU flags: {', '.join(m.get('cpu_flags', [])) or 'not recorded'}. "
+        f"Engine step: {settings.get('step_form', 'not recorded')} (`--compile {settings.get('compile', '?')}`).",
         "",
         "## One session",
         "",
@@ -463,10 +455,10 @@ def batched_markdown(settings: dict[str, Any], rows: list[dict[str, Any]]) -> li
     return lines
 
 
-def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, Any], str]:
-    """Both curves in ``dtype``: (file stem, JSON document, Markdown)."""
+def measure_dtype(args: argparse.Namespace, dtype: str, compile: str) -> tuple[str, dict[str, Any], str]:
+    """Both curves in ``dtype`` with the engine step ``compile``: (file stem, JSON document, Markdown)."""
     model, label = load_target(args, dtype)
-    verifier = build_verifier(model, label, args)
+    verifier = build_verifier(model, label, args, compile)
     try:
         by_shape, longest = measure(verifier, args.context, args.sizes, args.reps, args.warmup)
         batched = (
@@ -476,7 +468,7 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
         )
     finally:
         verifier.close()
-    head_form, layers_form = verifier.lm_head_form, verifier.layers_form
+    step_form = verifier.step_form
     times, tree_times = by_shape["chain"], by_shape["tree"]
     rows = summarize(times)
     tree_base = statistics.median(times[min(times)])  # both shapes relative to plain decoding
@@ -485,9 +477,7 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
         row["tree_ratio"] = statistics.median(tree_times[n]) / tree_base
     batched_rows = summarize_batched(batched) if batched else []
     auto = choose_dtype("auto", args.device)
-    suffix = "_linear-head" if args.lm_head_matmul == "linear" else ""
-    suffix += "_linear-layers" if args.layers_matmul == "linear" else ""
-    stem = f"{label}_{args.device.replace(':', '')}_{dtype}{suffix}"
+    stem = f"{label}_{args.device.replace(':', '')}_{dtype}_compile-{compile}"
     meta = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": {
@@ -505,10 +495,8 @@ def measure_dtype(args: argparse.Namespace, dtype: str) -> tuple[str, dict[str, 
             "batch_draft_nodes": args.batch_draft_nodes,
             "reps": args.reps,
             "warmup": args.warmup,
-            "lm_head_matmul": args.lm_head_matmul,
-            "lm_head_form": head_form,
-            "layers_matmul": args.layers_matmul,
-            "layers_form": layers_form,
+            "compile": compile,
+            "step_form": step_form,
         },
         "machine": machine.describe(),
     }
@@ -533,10 +521,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes:
-        stem, document, text = measure_dtype(args, dtype)
-        (args.out_dir / f"verify_cost_{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
-        (args.out_dir / f"verify_cost_{stem}.md").write_text(text)
-        print(text, flush=True)
+        for compile in args.compile:
+            stem, document, text = measure_dtype(args, dtype, compile)
+            (args.out_dir / f"verify_cost_{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
+            (args.out_dir / f"verify_cost_{stem}.md").write_text(text)
+            print(text, flush=True)
     return 0
 
 

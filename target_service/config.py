@@ -30,8 +30,7 @@ class VerifierConfig:
     evict_idle_s: float = 2.0  # a prefill short of memory may evict sessions idle this long
     profile_cost: bool = True  # measure the engine's cost curve at start-up (sizes the draft budget)
     throughput_guard: bool = True  # keep speculation on only while measured throughput says it wins
-    lm_head_matmul: str = "auto"  # auto: time the LM head's two product forms at start-up, keep the faster per rows
-    layers_matmul: str = "auto"  # the same choice for the decoder layers' linears (specserve.layer_matmul)
+    compile: str = "auto"  # auto: prepacked products at static row buckets where the CPU has them; off: eager
     torch_threads: int = 0  # 0: torch's default
     max_workers: int = 256  # concurrent RPCs (they wait on the engine; forwards are batched)
     metrics_port: int = 0  # 0: no Prometheus endpoint

@@ -16,7 +16,6 @@ from specserve.auth.interceptors import InternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
 from specserve.hardware import choose_dtype
-from specserve.head_matmul import FORMS
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -32,6 +31,7 @@ from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
 from target_service.draft_budget import CostCurve
 from target_service.metrics import VerifierMetrics
+from target_service.model_runner import COMPILE_CHOICES
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier
 
@@ -93,17 +93,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         help="skip measuring the cost curve at start-up (draft budgets then follow the tree limits only)",
     )
     parser.add_argument(
-        "--lm-head-matmul",
-        choices=FORMS,
-        default=env("SPECSERVE_LM_HEAD_MATMUL", defaults.lm_head_matmul),
-        help="auto: time F.linear against (W @ x.T).T for the LM head at start-up and use the faster for each "
-        "row count (on some CPUs a few rows cost 2-3x one row in F.linear); linear: always F.linear",
-    )
-    parser.add_argument(
-        "--layers-matmul",
-        choices=FORMS,
-        default=env("SPECSERVE_LAYERS_MATMUL", defaults.layers_matmul),
-        help="the same choice for the decoder layers' linear products, timed over all of them at start-up",
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default=env("SPECSERVE_COMPILE", defaults.compile),
+        help="auto: the step's weights prepacked for the CPU's GEMM kernels at static row counts (a verify of "
+        "2-8 rows then costs about one row); off: eager F.linear, for debugging and comparison",
     )
     parser.add_argument(
         "--no-throughput-guard",
@@ -137,21 +131,20 @@ def build_verifier(config: VerifierConfig) -> Verifier:
     model = load_model(source, device=config.device, dtype=dtype.dtype)
     fingerprint = vocab_fingerprint(load_tokenizer(source))
     verifier = Verifier.from_config(model, fingerprint, config, profile=False)
-    log.info("LM head product: %s (--lm-head-matmul %s)", verifier.lm_head_form, config.lm_head_matmul)
-    log.info("layer products: %s (--layers-matmul %s)", verifier.layers_form, config.layers_matmul)
+    log.info("engine step: %s (--compile %s)", verifier.step_form, config.compile)
     if config.profile_cost:
         _size_budgets(verifier, cache_root / "cost-curves" / f"{_curve_key(source.name, verifier, config)}.json")
     return verifier
 
 
 def _curve_key(model_name: str, verifier: Verifier, config: VerifierConfig) -> str:
-    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget, the product forms."""
+    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget, the step's form."""
     import torch
 
     from specserve.hardware import cpu_model
 
     parts = [model_name, verifier.dtype, str(verifier.device), cpu_model(), str(torch.get_num_threads())]
-    parts += [str(config.max_batch_tokens), verifier.lm_head_form, verifier.layers_form]
+    parts += [str(config.max_batch_tokens), verifier.step_form]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -6,26 +6,19 @@ matmuls run once for all of them. Attention is the only place where the
 sessions must not mix: this module gives each session's rows its own
 attention over its own cached context in the KV arena, with its own mask.
 
-It is installed as a transformers attention implementation, so the model
-definitions stay transformers' own: their attention layers compute q, k and v
-(rotary embedding applied) and call ``ragged_attention``, which writes k and v
-into the arena in place and attends per segment. Called without a step plan
-(plain ``model.generate`` on the same model object) it is ordinary SDPA.
+The engine's forward (``llama_forward``) computes q, k and v (rotary
+embedding applied) and calls ``attend_segments`` through an opaque op, which
+writes k and v into the arena in place and attends per segment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from target_service.kv_arena import KVArena, Region
-
-ATTENTION_NAME = "specserve_ragged"
 
 
 @dataclass
@@ -70,46 +63,27 @@ def causal_mask(num_cached: int, num_new: int, device: torch.device) -> torch.Te
     return allowed
 
 
-def ragged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """query [1, heads, T, d], key/value [1, kv_heads, T, d] -> output [1, T, heads, d]."""
-    plan: StepPlan | None = kwargs.pop("specserve_step", None)
-    if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
-    layer = int(module.layer_idx)  # type: ignore[arg-type]
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, d]
-    gqa = query.shape[1] != key.shape[1]
+def attend_segments(
+    plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """q [T, heads, d], k and v [T, kv_heads, d] -> [T, heads, d]; rows in no segment (padding) get 0.
+
+    Each segment's keys and values are written into the arena, then its rows
+    attend over the segment's cached context and themselves, with its mask.
+    """
+    out = q.new_zeros(q.shape)
+    gqa = q.shape[1] != k.shape[1]
     # PyTorch's CPU SDPA is slow in bf16 for short queries (4-6x fp32 at one query row over 500 keys,
     # measured on AVX512-BF16): on CPU the attention itself runs in fp32, which is also more exact.
-    upcast = query.device.type == "cpu" and query.dtype != torch.float32
+    upcast = q.device.type == "cpu" and q.dtype != torch.float32
     for seg in plan.segments:
-        plan.arena.write(layer, seg.region, seg.num_cached, key[0, :, seg.rows], value[0, :, seg.rows])
+        plan.arena.write(layer, seg.region, seg.num_cached, k[seg.rows].transpose(0, 1), v[seg.rows].transpose(0, 1))
         keys, values = plan.arena.read(layer, seg.region, seg.num_cached + seg.num_new)
-        q, k, v = query[:, :, seg.rows], keys[None], values[None]
+        query, key, value = q[seg.rows].transpose(0, 1)[None], keys[None], values[None]
         if upcast:
-            q, k, v = q.float(), k.float(), v.float()
+            query, key, value = query.float(), key.float(), value.float()
         attended = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=seg.mask,
-            is_causal=seg.causal,
-            scale=scaling,
-            enable_gqa=gqa,
+            query, key, value, attn_mask=seg.mask, is_causal=seg.causal, scale=scaling, enable_gqa=gqa
         )
-        out[seg.rows] = attended[0].transpose(0, 1)
-    return out[None], None
-
-
-def install(model: Any) -> None:
-    """Route the model's attention through ``ragged_attention`` (registered once per process)."""
-    AttentionInterface.register(ATTENTION_NAME, ragged_attention)
-    model.set_attn_implementation(ATTENTION_NAME)
+        out[seg.rows] = attended[0].transpose(0, 1).to(out.dtype)
+    return out

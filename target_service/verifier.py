@@ -190,10 +190,9 @@ class Verifier:
         evict_idle_s: float = 2.0,
         cost_curve: CostCurve | None = None,
         throughput_guard: bool = True,
-        lm_head_matmul: str = "auto",
-        layers_matmul: str = "auto",
+        compile: str = "auto",
     ) -> None:
-        self._runner = ModelRunner(model, lm_head_matmul, layers_matmul)
+        self._runner = ModelRunner(model, compile)
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
         self.vocab_size = self._runner.vocab_size
@@ -252,8 +251,7 @@ class Verifier:
             admission_timeout_s=config.admission_timeout_s,
             evict_idle_s=config.evict_idle_s,
             throughput_guard=config.throughput_guard,
-            lm_head_matmul=config.lm_head_matmul,
-            layers_matmul=config.layers_matmul,
+            compile=config.compile,
         )
         if profile and config.profile_cost:
             verifier.profile_cost()
@@ -423,14 +421,9 @@ class Verifier:
         return released
 
     @property
-    def lm_head_form(self) -> str:
-        """Which product form the LM head uses at which row counts (``specserve.head_matmul``)."""
-        return self._runner.head_matmul.describe()
-
-    @property
-    def layers_form(self) -> str:
-        """Which product form the decoder layers' linears use at which row counts (``specserve.layer_matmul``)."""
-        return self._runner.layers_matmul.describe()
+    def step_form(self) -> str:
+        """How the engine's step runs: prepacked products and row buckets, or eager (``ModelRunner.describe``)."""
+        return self._runner.describe()
 
     def profile_cost(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5) -> CostCurve:
         """Measure this engine's cost curve on a scratch session and size draft budgets with it.

@@ -203,7 +203,12 @@ def test_the_warm_pool_pass_uses_other_prompts_of_the_same_categories(result: di
 
 def test_default_modes_add_the_fp32_baseline_outside_float32() -> None:
     assert run.parse_args(["--dtype", "float32"]).modes == list(DEFAULT_MODES)
-    assert run.parse_args(["--dtype", "bfloat16"]).modes == ["baseline", FP32_BASELINE, *DEFAULT_MODES[1:]]
+    assert run.parse_args(["--dtype", "bfloat16"]).modes == [
+        "baseline",
+        "baseline-eager",
+        FP32_BASELINE,
+        *DEFAULT_MODES[2:],
+    ]
     assert run.parse_args(["--dtype", "bfloat16", "--modes", "baseline,inproc"]).modes == ["baseline", "inproc"]
 
 

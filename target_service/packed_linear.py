@@ -1,0 +1,93 @@
+"""Linear products with weights prepacked once for the CPU's GEMM kernels.
+
+On a CPU a verify step reads every weight once, so its cost should hardly
+grow from 1 to 8 rows. ``F.linear`` does not behave so: it repacks the weight
+into the GEMM kernel's blocked layout on every call, and for fp32 at 3-32 rows
+that repacking costs more than the product (measured on an AVX512 Xeon over
+SmolLM2-135M's layers: 4 rows 41 ms against 23 ms prepacked, 16 rows 105 ms
+against 31 ms). Prepacking once at start-up is what inductor's "freezing" does
+for a compiled graph; here it is explicit, so it costs no compile time and no
+graph cache.
+
+- **fp32 on an x86 CPU with MKL**: ``torch.ops.mkl._mkl_linear`` with a weight
+  packed by ``cblas_sgemm_pack`` for one row count. A pack serves only the row
+  count it was made for (any other count falls back to an unpacked product),
+  so the engine runs steps at a few static row counts (buckets) and keeps a
+  pack per bucket. MKL's packed kernel computes each row alike at every row
+  count from 2 up (bit for bit on the CPUs measured so far;
+  ``tests/unit/test_step_invariance.py`` checks the machine it runs on),
+  while one row takes a GEMV path that rounds differently: one row runs as two.
+- **bf16 or fp16 on a CPU**: oneDNN's packed linear
+  (``torch.ops.mkldnn._linear_pointwise``), one pack for every row count.
+- **anything else** (GPUs, CPUs without MKL, ``--compile off``): ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Packing = Literal["mkl", "onednn", "none"]
+
+# Row counts a step is padded up to; a step with more rows runs unpadded.
+DEFAULT_BUCKETS: tuple[int, ...] = (2, 4, 8, 16, 32)
+
+
+def available_packing(dtype: torch.dtype, device: torch.device) -> Packing:
+    """The packed kernel this dtype and device have, or "none"."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return "none"
+    if dtype == torch.float32:
+        return "mkl" if torch.backends.mkl.is_available() else "none"
+    if dtype in (torch.bfloat16, torch.float16):
+        return "onednn"
+    return "none"
+
+
+def bucket_for(rows: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds ``rows``; ``rows`` itself beyond the largest."""
+    for bucket in buckets:
+        if rows <= bucket:
+            return bucket
+    return rows
+
+
+class PackedLinear:
+    """``y = x @ W.T + b`` with ``W`` prepacked for ``packing``; ``x`` is [rows, in]."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, packing: Packing, buckets: Sequence[int]
+    ) -> None:
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.packing = packing
+        self.buckets = tuple(buckets)
+        self._mkl: dict[int, torch.Tensor] = {}
+        self._onednn: torch.Tensor | None = None
+        with torch.inference_mode():
+            if packing == "mkl":
+                # The MKL pack must stay where it was made (its layout depends on its alignment): never copy it.
+                self._mkl = {rows: torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows) for rows in buckets}
+            elif packing == "onednn":
+                hint = self.buckets[len(self.buckets) // 2] if self.buckets else 8
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, hint)
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.packing == "mkl":
+            bucket = bucket_for(rows, self.buckets)
+            packed = self._mkl.get(bucket)
+            if packed is None:  # beyond the largest bucket
+                return F.linear(x, self.weight, self.bias)
+            padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
+            return torch.ops.mkl._mkl_linear(padded, packed, self.weight, self.bias, bucket)[:rows]
+        if self._onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
