@@ -10,13 +10,17 @@ for a compiled graph; here it is explicit, so it costs no compile time and no
 graph cache.
 
 - **fp32 on an x86 CPU with MKL**: ``torch.ops.mkl._mkl_linear`` with a weight
-  packed by ``cblas_sgemm_pack`` for one row count. A pack serves only the row
-  count it was made for (any other count falls back to an unpacked product),
-  so the engine runs steps at a few static row counts (buckets) and keeps a
-  pack per bucket. MKL's packed kernel computes each row alike at every row
-  count from 2 up (bit for bit on the CPUs measured so far;
-  ``tests/unit/test_step_invariance.py`` checks the machine it runs on),
-  while one row takes a GEMV path that rounds differently: one row runs as two.
+  packed by ``cblas_sgemm_pack`` for one row count; called with any other
+  count it falls back to an unpacked product, so the engine runs steps at a
+  few static row counts (buckets). One pack serves every bucket where MKL's
+  packed layout does not depend on the row count: checked once per weight
+  shape at start-up (``one_pack_serves``: the shared pack must give exactly
+  the bits of a pack made for each bucket), else each bucket keeps its own
+  pack (one more copy of the weights per bucket). MKL's packed kernel
+  computes each row alike at every row count from 2 up (bit for bit on the
+  CPUs measured so far; ``tests/unit/test_step_invariance.py`` checks the
+  machine it runs on), while one row takes a GEMV path that rounds
+  differently: one row runs as two.
 - **bf16 or fp16 on a CPU**: oneDNN's packed linear
   (``torch.ops.mkldnn._linear_pointwise``), one pack for every row count.
 - **anything else** (GPUs, CPUs without MKL, ``--compile off``): ``F.linear``.
@@ -25,6 +29,7 @@ graph cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 from typing import Literal
 
 import torch
@@ -55,6 +60,26 @@ def bucket_for(rows: int, buckets: Sequence[int]) -> int:
     return rows
 
 
+@cache
+def one_pack_serves(out_features: int, in_features: int, buckets: tuple[int, ...]) -> bool:
+    """Whether one MKL pack made for the largest bucket computes every bucket exactly as its own pack does.
+
+    The packed layout is a function of the shape, the row count, the CPU and MKL, not of the values, so
+    random weights of the same shape decide it; a different layout would give wrong numbers, not rounding.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(max(buckets), in_features, generator=generator)
+    with torch.inference_mode():
+        shared = torch.ops.mkl._mkl_reorder_linear_weight(weight, max(buckets))
+        for rows in buckets:
+            own = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            expected = torch.ops.mkl._mkl_linear(x[:rows], own, weight, None, rows)
+            if not torch.equal(torch.ops.mkl._mkl_linear(x[:rows], shared, weight, None, rows), expected):
+                return False
+    return True
+
+
 class PackedLinear:
     """``y = x @ W.T + b`` with ``W`` prepacked for ``packing``; ``x`` is [rows, in]."""
 
@@ -68,9 +93,14 @@ class PackedLinear:
         self._mkl: dict[int, torch.Tensor] = {}
         self._onednn: torch.Tensor | None = None
         with torch.inference_mode():
-            if packing == "mkl":
+            if packing == "mkl" and self.buckets:
                 # The MKL pack must stay where it was made (its layout depends on its alignment): never copy it.
-                self._mkl = {rows: torch.ops.mkl._mkl_reorder_linear_weight(self.weight, rows) for rows in buckets}
+                out_features, in_features = self.weight.shape
+                if one_pack_serves(out_features, in_features, self.buckets):
+                    shared = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, max(self.buckets))
+                    self._mkl = dict.fromkeys(self.buckets, shared)
+                else:
+                    self._mkl = {n: torch.ops.mkl._mkl_reorder_linear_weight(self.weight, n) for n in self.buckets}
             elif packing == "onednn":
                 hint = self.buckets[len(self.buckets) // 2] if self.buckets else 8
                 self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, hint)
