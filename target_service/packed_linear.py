@@ -89,7 +89,7 @@ class PackedLinear:
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packing = packing
-        self.buckets = tuple(buckets)
+        self.buckets = tuple(sorted(buckets))
         self._mkl: dict[int, torch.Tensor] = {}
         self._onednn: torch.Tensor | None = None
         with torch.inference_mode():
