@@ -54,13 +54,14 @@ def load_average() -> list[float] | None:
 
 def describe() -> dict[str, Any]:
     cpu = _cpuinfo()
+    flags = set(cpu.get("flags", "").split())
     return {
         "cpu_model": cpu.get("model name") or platform.processor() or "unknown",
         "cpu_cores_per_socket": int(cpu["cpu cores"]) if cpu.get("cpu cores", "").isdigit() else None,
         # Whether bf16 runs natively here: it decides the dtype that `--dtype auto` picks.
-        "cpu_bf16_flags": [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu.get("flags", "").split()],
+        "cpu_bf16_flags": [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags],
         # The vector extensions that decide which kernels run (and how fast each dtype is).
-        "cpu_flags": [flag for flag in ISA_FLAGS if flag in cpu.get("flags", "").split()],
+        "cpu_flags": [flag for flag in ISA_FLAGS if flag in flags],
         "logical_cpus": os.cpu_count(),
         "cpus_available": len(os.sched_getaffinity(0)),
         "memory_gib": _memory_gib(),

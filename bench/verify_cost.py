@@ -455,9 +455,11 @@ def batched_markdown(settings: dict[str, Any], rows: list[dict[str, Any]]) -> li
     return lines
 
 
-def measure_dtype(args: argparse.Namespace, dtype: str, compile: str) -> tuple[str, dict[str, Any], str]:
-    """Both curves in ``dtype`` with the engine step ``compile``: (file stem, JSON document, Markdown)."""
-    model, label = load_target(args, dtype)
+def measure_step(
+    args: argparse.Namespace, model: Any, label: str, dtype: str, compile: str
+) -> tuple[str, dict[str, Any], str]:
+    """Both curves of ``model`` (in ``dtype``) with the engine step ``compile``: (file stem, JSON document,
+    Markdown)."""
     verifier = build_verifier(model, label, args, compile)
     try:
         by_shape, longest = measure(verifier, args.context, args.sizes, args.reps, args.warmup)
@@ -508,10 +510,6 @@ def measure_dtype(args: argparse.Namespace, dtype: str, compile: str) -> tuple[s
         "batched_rows": batched_rows,
         "batched_samples_s": {f"{b},{k}": t for (b, k), t in batched.times.items()} if batched else {},
     }
-    del model, verifier
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return stem, document, markdown(stem, meta, rows, batched_rows)
 
 
@@ -521,11 +519,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes:
+        model, label = load_target(args, dtype)  # once per dtype: every step form measures the same weights
         for compile in args.compile:
-            stem, document, text = measure_dtype(args, dtype, compile)
+            stem, document, text = measure_step(args, model, label, dtype, compile)
             (args.out_dir / f"verify_cost_{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
             (args.out_dir / f"verify_cost_{stem}.md").write_text(text)
             print(text, flush=True)
+            gc.collect()  # the step's verifier and its packed weights
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -59,7 +59,7 @@ class ModelRunner:
         shape = self._forward.shape
         # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
         head_packing = available_packing(torch.float32, self.device) if compile == "auto" else "none"
-        self._head = PackedLinear(weight.float(), None, head_packing, buckets if head_packing == "mkl" else ())
+        self._head = PackedLinear(weight.float(), None, head_packing, buckets)
         self._norm = self._forward.norm.float()
         self._eps = shape.rms_norm_eps
         self.packing = packing
@@ -87,7 +87,7 @@ class ModelRunner:
 
     def padded_rows(self, rows: int) -> int:
         """The rows a step of ``rows`` tokens runs as."""
-        return bucket_for(rows, self.buckets) if self.buckets else rows
+        return bucket_for(rows, self.buckets)
 
     @torch.inference_mode()
     def forward(
