@@ -1,17 +1,38 @@
-"""Random draws keyed by (seed, sequence position), so a seed fixes the tokens whatever was drafted.
+"""Random draws keyed by (seed, sequence position, token id), so a seed fixes the tokens whatever was drafted.
 
 A stateful generator shared by a request's rounds makes its output depend on
 how many draws each round took, and that depends on the drafts: on the
 drafter tier's pools, which every request's traffic changes. The same seed
 would then give different text from one call to the next. Keyed draws remove
-that dependence. The token at position t is the target's sample from its
-distribution p_t by inverse CDF with the uniform u(seed, t). Verifying a
-deterministic draft (n-gram pools, token recycling, top-k model trees) then
-asks only "is the draft the target's own sample?", the same question greedy
-verification asks of the argmax, so the output is token-identical to plain
-decoding with the same seed. It is exactly distributed as p: each position's
-uniform is used once, for the token committed there, and nothing that shaped
-the context or the draft has seen it.
+that dependence.
+
+The token at position t is the target's **Gumbel-max** sample from its
+distribution p_t: argmax over the vocabulary of log p_t(i) + G(seed, t, i),
+where G is a standard Gumbel draw keyed by the seed, the position and the
+token id (``gumbel``). That is an exact sample from p_t (the Gumbel-max
+trick), drawn with noise that exists before p_t does, so
+
+- verifying a deterministic draft (n-gram pools, token recycling, top-k
+  model trees) asks only "is the draft the target's own sample?", the same
+  question greedy verification asks of the argmax, and the output is
+  token-identical to plain decoding with the same seed;
+- a drafter that knows the seed can sample **with the same noise**: its
+  token argmax_i log q(i) + G(seed, t, i) equals the target's with
+  probability at least (1 - TV(p, q)) / (1 + TV(p, q)) (Daliri, Musco and
+  Suresh 2024, "Drafter-Invariant Speculative Decoding"), where an
+  independent draw matches only with probability sum_i p(i) q(i). The
+  target still draws its own token from its own distribution, so the output
+  stays exactly distributed as p and the same with any drafter.
+
+Each position's noise decides only the token committed there, and nothing
+that shaped the context (earlier positions' noise, the committed tokens)
+depends on it: the output is exactly distributed as p.
+
+The noise is float64 from 53 random bits, strictly inside (0, 1) before the
+logarithms: a float32 uniform (24 bits) would cut the Gumbel tail at about
+16.6 and the rarest tokens would never be drawn. The hash is computed in
+unsigned 64-bit arithmetic (numpy ``uint64``: shifts are logical, products
+wrap), never in torch's signed int64, whose right shift is arithmetic.
 """
 
 from __future__ import annotations
@@ -19,21 +40,24 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
 
 # Independent streams of draws at one position.
-SAMPLE_STREAM = 0  # the inverse-CDF uniform for deterministic drafts and plain decoding
+SAMPLE_STREAM = 0  # the Gumbel noise of the target's own sample (and of coupled drafts)
 REJECTION_STREAM = 1  # the generator seed for rejection sampling against sampled drafts
 
 
 def _splitmix64(x: int) -> int:
     """One step of SplitMix64 (Steele et al. 2014): a bijective 64-bit mixer with good avalanche."""
     x = (x + _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
     return x ^ (x >> 31)
 
 
@@ -47,20 +71,35 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(8), "little")
 
 
-def sample_with_uniform(p: torch.Tensor, u: float) -> int:
-    """Inverse-CDF sample of one token from probabilities ``p`` [vocab] with ``u`` in [0, 1).
+def token_uniforms(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
+    """float64 uniforms strictly inside (0, 1), one per token id, keyed by (seed, position, token id).
 
-    Never returns a token of probability zero: the CDF is flat there, and the
-    first index whose CDF exceeds u * total always has positive mass.
+    Token i takes output i + 1 of a SplitMix64 generator seeded with ``mix(seed, position)``: its state
+    advances by the golden-ratio increment, and the output is the mixed state (SplitMix64's own stream,
+    which passes BigCrush). The top 53 bits, plus half a unit, give a uniform that is never 0 or 1.
     """
-    cdf = p.double().cumsum(0)
-    total = float(cdf[-1])
-    if not total > 0.0:
+    state = np.uint64(mix(seed, position, SAMPLE_STREAM))
+    ids = np.asarray(token_ids, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = state + (ids + np.uint64(1)) * np.uint64(_GOLDEN)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
+        x = x ^ (x >> np.uint64(31))
+    return ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+
+
+def gumbel(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
+    """Standard Gumbel draws (float64), one per token id, keyed by (seed, position, token id)."""
+    return -np.log(-np.log(token_uniforms(seed, position, token_ids)))
+
+
+def gumbel_max(log_p: torch.Tensor, noise: torch.Tensor) -> int:
+    """argmax of log_p + noise over tokens with mass; ValueError when no token has any."""
+    scores = log_p.double() + noise
+    token = int(torch.argmax(scores))
+    if scores[token] == float("-inf"):
         raise ValueError("cannot sample from a distribution with no mass")
-    index = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True))
-    if index >= p.shape[0]:  # u * total rounded up to total: the last token with mass
-        index = int(torch.nonzero(p).flatten()[-1])
-    return index
+    return token
 
 
 @dataclass(frozen=True)
@@ -70,13 +109,16 @@ class PositionNoise:
     seed: int
     first_position: int
 
-    def uniform(self, offset: int) -> float:
-        """The uniform in [0, 1) for position first_position + offset (53 random bits)."""
-        return (mix(self.seed, self.first_position + offset, SAMPLE_STREAM) >> 11) * 2.0**-53
+    def gumbel(self, offset: int, token_ids: np.ndarray) -> torch.Tensor:
+        """Gumbel noise (float64) of ``token_ids`` at position first_position + offset."""
+        return torch.from_numpy(gumbel(self.seed, self.first_position + offset, token_ids))
 
     def sample(self, p: torch.Tensor, offset: int) -> int:
-        """The target's own token at position first_position + offset, given its distribution ``p``."""
-        return sample_with_uniform(p, self.uniform(offset))
+        """The target's own token at position first_position + offset, given its distribution ``p`` [vocab].
+
+        Never a token of probability zero: its log is -inf, below every token with mass.
+        """
+        return gumbel_max(torch.log(p.double()), self.gumbel(offset, np.arange(p.shape[0])))
 
     def generator(self, offset: int) -> torch.Generator:
         """A generator for the draws rejection sampling makes at position first_position + offset."""
