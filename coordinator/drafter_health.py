@@ -40,6 +40,7 @@ from typing import Any
 from coordinator.ports import DrafterPort, DraftStream
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterFailed, DrafterSkipped
+from specserve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +163,17 @@ class HealthCheckedDrafter:
             self._tripped = asyncio.get_running_loop().create_future()
         return self._tripped
 
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream:
+    async def open(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        vocab_fingerprint: str,
+        sampling: SamplingParams = GREEDY,
+    ) -> DraftStream:
         if self._circuit.is_open:
             raise DrafterSkipped(self.skip_reason())
         self._probe_fingerprint = vocab_fingerprint
-        opening = self._inner.open(session_id, prompt_tokens, vocab_fingerprint)
+        opening = self._inner.open(session_id, prompt_tokens, vocab_fingerprint, sampling)
         inner = await self._bounded(opening, self.latency.ceiling_s)
         stream = _HealthCheckedStream(self, inner, session_id)
         self._streams[session_id] = stream

@@ -16,7 +16,7 @@ from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import DRAINING_METADATA
 from specserve.errors import DrafterFailed, ReplicaDraining, ReplicaUnreachable
-from specserve.sampling import SamplingParams
+from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -192,6 +192,7 @@ class GrpcDraftStream:
         vocab_fingerprint: str,
         vocab_size: int = 0,
         verify_cost: Sequence[tuple[int, float]] = (),
+        sampling: SamplingParams = GREEDY,
     ) -> None:
         start = drafter_pb2.StartSession(
             session_id=session_id,
@@ -200,6 +201,7 @@ class GrpcDraftStream:
             vocab_size=vocab_size,
             pool_namespace=current_tenant().pool_namespace,
             verify_cost=cost_to_proto(dict(verify_cost)),
+            sampling=sampling_to_proto(sampling),
         )
         await self._write(drafter_pb2.DraftRequest(start=start))
 
@@ -266,12 +268,18 @@ class GrpcDrafter:
     async def info(self) -> drafter_pb2.DrafterInfoResponse:
         return await self._stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=5.0, metadata=self._metadata())
 
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> GrpcDraftStream:
+    async def open(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        vocab_fingerprint: str,
+        sampling: SamplingParams = GREEDY,
+    ) -> GrpcDraftStream:
         if self._wants_features is None:
             try:
                 self._wants_features = (await self.info()).wants_features
             except grpc.aio.AioRpcError as exc:
                 raise DrafterFailed(f"drafter at {self._target}: {exc.code().name}: {exc.details()}") from exc
         stream = GrpcDraftStream(self._stub.Draft(metadata=self._metadata()), self._target, self._wants_features)
-        await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost)
+        await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost, sampling)
         return stream

@@ -14,7 +14,7 @@ from draft_service.tree_builder import VerifyCost
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterFailed
-from specserve.sampling import SamplingParams
+from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier
@@ -104,7 +104,11 @@ class InProcessDrafter:
         self._verify_cost = VerifyCost.from_points(verify_cost) if verify_cost else None
 
     async def open(
-        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        vocab_fingerprint: str,
+        sampling: SamplingParams = GREEDY,
     ) -> _InProcessDraftStream:
         try:
             session = self._drafter.open_session(
@@ -114,6 +118,7 @@ class InProcessDrafter:
                 self._vocab_size,
                 current_tenant().pool_namespace,
                 self._verify_cost,
+                sampling,
             )
             return _InProcessDraftStream(session, self._predraft)
         except ValueError as exc:  # the drafter cannot serve this session (a draft head for another vocabulary)

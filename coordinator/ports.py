@@ -20,7 +20,7 @@ from typing import Protocol
 
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.sampling import SamplingParams
+from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import TokenTree
 
 
@@ -73,7 +73,15 @@ class DraftStream(Protocol):
 
 
 class DrafterPort(Protocol):
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream: ...
+    async def open(
+        self,
+        session_id: str,
+        prompt_tokens: Sequence[int],
+        vocab_fingerprint: str,
+        sampling: SamplingParams = GREEDY,
+    ) -> DraftStream:
+        """A draft stream for one session; ``sampling`` (seed included) lets the drafter couple its drafts."""
+        ...
 
 
 class DrafterMonitor(Protocol):

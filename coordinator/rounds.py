@@ -105,6 +105,7 @@ class GenerationStats:
     drafter_error: str = ""
     finish_reason: FinishReason = FinishReason.LENGTH
     speculation: SpeculationMode = SpeculationMode.AUTO  # what the request ran with
+    sampled: bool = False  # the request sampled (temperature > 0); else greedy
     max_draft_tokens: int = 0  # its cap on draft tokens per round: the request's, within the server's (0: off)
 
     @property
@@ -146,6 +147,9 @@ class Generation:
 
     def __post_init__(self) -> None:
         self._committed = list(self.request.prompt_ids)
+        # One seed for the whole request, fixed here: the verifier samples with it, the drafter drafts with the
+        # same keyed noise (coupled drafts), and a session moved to another verifier replica keeps it.
+        self._sampling = self.request.sampling.with_seed()
         self._draft: DraftStream | None = None
         self._unreported: list[int] = []  # committed tokens the drafter has not been told about
         self._successors: list[tuple[int, tuple[int, ...]]] = []  # last round's target top tokens
@@ -158,6 +162,7 @@ class Generation:
         self._finished = False
         self.stats.num_prompt_tokens = len(self.request.prompt_ids)
         self.stats.speculation = self.request.speculation.mode
+        self.stats.sampled = not self.request.sampling.greedy
         self.stats.max_draft_tokens = self.request.speculation.draft_limit(self.policy.max_draft_tokens)
 
     async def stream(self) -> AsyncGenerator[TextChunk | GenerationStats, None]:
@@ -252,7 +257,9 @@ class Generation:
         timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
-                self._draft = await self.drafter.open(self.session_id, self.request.prompt_ids, self.vocab_fingerprint)
+                self._draft = await self.drafter.open(
+                    self.session_id, self.request.prompt_ids, self.vocab_fingerprint, self._sampling
+                )
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's
             self._drop_drafter(exc)
@@ -331,7 +338,7 @@ class Generation:
         for _ in range(self.policy.max_reprefills_per_round):
             try:
                 prefill = await self.verifier.prefill(
-                    self.session_id, self._committed, self.request.sampling, self._wants_features
+                    self.session_id, self._committed, self._sampling, self._wants_features
                 )
             except SessionMoved:
                 self.stats.num_reprefills += 1
@@ -349,7 +356,7 @@ class Generation:
             try:
                 if lost:
                     # The drafter already has the features of these positions: none are asked for.
-                    prefill = await self.verifier.prefill(self.session_id, self._committed, self.request.sampling)
+                    prefill = await self.verifier.prefill(self.session_id, self._committed, self._sampling)
                     self.stats.verify_ns += prefill.prefill_ns
                     lost = False
                 result = await self.verifier.verify(

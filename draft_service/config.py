@@ -40,6 +40,8 @@ class DrafterConfig:
     torch_threads: int = 0  # 0: torch's default
     # Outcomes of each tree drafted ahead while the verifier checks it (pre-drafting); 0: off.
     predraft_outcomes: int = 3
+    # Sampled sessions: the draft head drafts with the target's keyed Gumbel noise (off: its top-k, as greedy).
+    coupled_sampling: bool = True
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send
     # Bytes of in-memory n-gram pools and per-session drafting state (POOL_SHARE of it for the pools); over it
     # the least recently used sessions' draft-head state is freed (they go on with n-gram drafting).

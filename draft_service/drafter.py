@@ -36,6 +36,7 @@ from draft_service.tree_builder import (
 )
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.ngram_pool import NgramPool
+from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree
 
@@ -230,6 +231,7 @@ class Drafter:
         tree_shape: TreeShape | None = None,
         predraft_outcomes: int = 0,
         memory: SessionMemory | None = None,
+        coupled_sampling: bool = True,
     ) -> None:
         unknown = set(sources) - set(ALL_SOURCES)
         if unknown:
@@ -248,6 +250,8 @@ class Drafter:
         # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
         # where drafting has its own cores: in one process with the verifier it would take the verifier's.
         self.predraft_outcomes = predraft_outcomes
+        # Sampled sessions' head drafts use the target's keyed noise (coupled); off: its top-k, as for greedy.
+        self.coupled_sampling = coupled_sampling
         # Open sessions' bytes, bounded (--max-memory-mib): the least recently used ones' head state goes first.
         self.memory = memory if memory is not None else SessionMemory(max_bytes=UNBOUNDED)
         self.predraft_counts = PredraftCounts()
@@ -270,13 +274,15 @@ class Drafter:
         vocab_size: int = 0,
         pool_namespace: str = "",
         verify_cost: VerifyCost | None = None,
+        sampling: SamplingParams = GREEDY,
     ) -> DraftSession:
         """A session for a target of ``vocab_fingerprint``; ValueError when the draft head cannot serve it.
 
         ``vocab_size``: the target's (0: unknown); draft tokens outside it are dropped. ``pool_namespace``: the
         tenant's n-gram pool and successor table (``Tenant.pool_namespace``; empty: the anonymous tenant's).
         ``verify_cost``: what verification costs on the session's verifier (its measured curve); None: this
-        drafter's own (``cost``).
+        drafter's own (``cost``). ``sampling``: how the target samples the session, seed included; at temperature
+        > 0 the draft head drafts with the target's keyed noise (``coupled_sampling``).
         """
         if self._head is not None and self._head.target_fingerprint not in ("", vocab_fingerprint):
             raise ValueError(
@@ -294,7 +300,8 @@ class Drafter:
             TokenRecyclingProposer.name: TokenRecyclingProposer(successors),
         }
         if self._head is not None:
-            available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape)
+            coupled = sampling if self.coupled_sampling else GREEDY
+            available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape, coupled)
         shared = self._stats.setdefault(vocab_fingerprint, AcceptanceStats())
         builder = TreeBuilder(AcceptanceStats(parent=shared), verify_cost or self._cost)
         proposers = [available[name] for name in self.sources]

@@ -26,6 +26,20 @@ deterministic drafts for the verifier (``sampled`` false); their probabilities
 (``TokenTree.node_probs``) let the tree builder weigh each node by its
 calibrated confidence.
 Speculative entries are cut from the cache after each proposal.
+
+**Coupled drafts** (sampled sessions with a seed): the target's token at
+position t is argmax_i log p_t(i) + G(seed, t, i) (``keyed_noise``), so a
+node's children are ranked by the same perturbed score under the head's
+distribution q at the session's temperature, top-k and top-p: the first
+child is the head's own Gumbel-max sample with the target's noise, which is
+the target's token with probability at least (1 - TV) / (1 + TV), and the
+next ones are the following Gumbel top-k candidates (a sample without
+replacement from q). Every node at one depth shares that depth's position,
+so one noise vector serves a whole level. A child of rank r carries the r-th
+largest q as its probability, as a greedy child of rank r does: that is its
+chance under greedy decoding, and as the temperature falls the perturbed
+ranking becomes the greedy one. The drafts stay deterministic guesses: the
+verifier checks them against its own keyed sample, so output never changes.
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
 from specserve.draft_feedback import DraftFeedback
+from specserve.keyed_noise import PositionNoise
+from specserve.sampling import GREEDY, SamplingParams, target_probs
 from specserve.token_tree import ROOT, TokenTree
 from specserve.tree_masks import additive_mask, ancestor_matrix
 
@@ -100,8 +116,11 @@ class HeadProposer:
     name = "draft_model"
     wants_features = True
 
-    def __init__(self, head: DraftHead, shape: TreeShape = TreeShape()) -> None:
+    def __init__(self, head: DraftHead, shape: TreeShape = TreeShape(), sampling: SamplingParams = GREEDY) -> None:
         self._head = head
+        # Sampled with a seed: children ranked under the target's keyed noise (coupled drafts); else by q.
+        self._coupled = None if sampling.greedy or sampling.seed is None else sampling
+        self._draft_ids = head.draft_vocab.numpy()  # the target's id of each draft logit: the noise's keys
         self._dtype = head.draft_lm_head.dtype  # the target's features arrive in fp32
         self.features = FeatureLog()  # the target's features at the committed positions, as reported
         self._shape = shape
@@ -153,7 +172,7 @@ class HeadProposer:
             return TokenTree()
         self._feed(tokens, known)
         self._feed_speculative(tokens[known + 1 :])
-        return self._grow(min(max_nodes, self._shape.max_nodes))
+        return self._grow(min(max_nodes, self._shape.max_nodes), first_position=len(tokens))
 
     @torch.inference_mode()
     def digest(self, tokens: Sequence[int]) -> bool:
@@ -196,7 +215,8 @@ class HeadProposer:
             self._outputs.append((out.features[0, -1], out.logits[0, -1]))
             self._speculative.append(token)
 
-    def _grow(self, budget: int) -> TokenTree:
+    def _grow(self, budget: int, first_position: int) -> TokenTree:
+        """The tree after the context; its root's children are at sequence position ``first_position``."""
         # The best ``budget`` nodes are closed under parents (a path's probability only falls), so they lie
         # within ``budget`` levels and among each level's ``budget`` likeliest nodes: a small budget (the
         # verifier's, under load) grows a small tree and runs fewer head forwards, losing nothing.
@@ -207,10 +227,14 @@ class HeadProposer:
         outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {ROOT: self._outputs[-1]}
         frontier = [ROOT]
         tree_entries: list[int] = []  # node index of each tree node's cache entry, in cache order
+        seed = None if self._coupled is None else self._coupled.seed
+        noise = None if seed is None else PositionNoise(seed, first_position)
         for level in range(1, depth + 1):
             children: list[int] = []
+            # One noise vector a level: every node at depth `level` sits at the same sequence position.
+            gumbel = None if noise is None else noise.gumbel(level - 1, self._draft_ids)
             for parent in frontier:
-                children += self._expand(parent, outputs[parent][1], nodes, level)
+                children += self._expand(parent, outputs[parent][1], nodes, level, gumbel)
             if level == depth or not children:
                 break
             frontier = sorted(children, key=lambda i: -nodes[i].log_prob)[:beam]
@@ -224,13 +248,24 @@ class HeadProposer:
         logits: torch.Tensor,
         nodes: list[_Node],
         depth: int,
+        gumbel: torch.Tensor | None = None,
     ) -> list[int]:
-        log_q = torch.log_softmax(logits.float(), dim=-1)
-        top = torch.topk(log_q, self._shape.branching)
+        """Add ``parent``'s children: q's top-k, or with ``gumbel`` (coupled) the Gumbel top-k under q."""
+        if gumbel is None:
+            log_q = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(log_q, self._shape.branching)
+            chosen, log_probs = top.indices, top.values.tolist()
+        else:
+            assert self._coupled is not None
+            # q as the target's own p is shaped: the session's temperature, top-k and top-p.
+            log_q = torch.log(target_probs(logits[None], self._coupled)[0])
+            top = torch.topk(log_q.double() + gumbel, self._shape.branching)
+            chosen = top.indices[top.values > float("-inf")]  # never a token q has no mass for
+            log_probs = torch.topk(log_q, chosen.numel()).values.tolist()  # rank r: the r-th largest q
         base = 0.0 if parent == ROOT else nodes[parent].log_prob
-        tokens = self._head.draft_vocab[top.indices].tolist()
+        tokens = self._head.draft_vocab[chosen].tolist()
         first = len(nodes)
-        for token, log_p in zip(tokens, top.values.tolist(), strict=True):
+        for token, log_p in zip(tokens, log_probs, strict=True):
             nodes.append(_Node(token, parent, max(math.exp(log_p), 1e-12), base + log_p, depth))
         return list(range(first, len(nodes)))
 

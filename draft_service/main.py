@@ -102,6 +102,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         help="likeliest outcomes of each tree to draft the next round for while the verifier checks it (0: off)",
     )
     parser.add_argument(
+        "--coupled-sampling",
+        action=argparse.BooleanOptionalAction,
+        default=env("SPECSERVE_COUPLED_SAMPLING", "on" if defaults.coupled_sampling else "off") != "off",
+        help="for sampled requests, the draft head drafts with the target's keyed Gumbel noise, so its first "
+        "candidate is the target's own token far more often (--no-coupled-sampling: its top-k, as for greedy)",
+    )
+    parser.add_argument(
         "--max-memory-mib",
         type=int,
         default=int(env("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", str(defaults.max_memory_mib))),
@@ -150,6 +157,7 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
         draft_head=head,
         tree_shape=tree,
         predraft_outcomes=config.predraft_outcomes,
+        coupled_sampling=config.coupled_sampling,
         memory=SessionMemory(memory_bytes - pool_bytes),
     )
     return drafter, pools

@@ -19,7 +19,7 @@ from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import Drain
 from specserve.rpc import refused_while_draining
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
-from specserve.wire import cost_from_proto, features_from_proto, tree_to_proto
+from specserve.wire import cost_from_proto, features_from_proto, sampling_from_proto, tree_to_proto
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,6 +151,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             verify_cost = VerifyCost.from_points(cost_from_proto(start.verify_cost)) if start.verify_cost else None
         except ValueError as exc:
             raise errors.InvalidArgument(f"start.verify_cost: {exc}") from exc
+        sampling = sampling_from_proto(start.sampling)
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise errors.InvalidArgument(f"start.sampling: {exc}") from exc
         try:
             session = self._drafter.open_session(
                 start.session_id,
@@ -159,6 +164,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 start.vocab_size,
                 start.pool_namespace,
                 verify_cost,
+                sampling,
             )
         except ValueError as exc:
             raise errors.FailedPrecondition(str(exc)) from exc

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from specserve.keyed_noise import fresh_seed
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def with_seed(self) -> SamplingParams:
+        """These parameters with a seed: their own, else a fresh one (greedy decoding needs none)."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=fresh_seed())
 
     def validate(self) -> None:
         """ValueError naming the field when a value is not one the sampler handles safely.
@@ -42,6 +50,9 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an unsigned 64-bit integer, got {self.seed}")
 
+
+GREEDY = SamplingParams()
+"""Greedy decoding: the default everywhere a session's sampling is not given."""
 
 MIN_TEMPERATURE = 1e-3
 """Least non-zero temperature: logits / temperature must stay finite in float32.

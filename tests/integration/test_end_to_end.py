@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,15 +145,23 @@ def test_drafter_stream_must_start_with_start(cluster: LocalCluster) -> None:
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_killing_the_drafter_mid_generation_keeps_the_output_identical(cluster: LocalCluster, target: Target) -> None:
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.7, seed=77)], ids=["greedy", "sampled"]
+)
+def test_killing_the_drafter_mid_generation_keeps_the_output_identical(
+    cluster: LocalCluster, target: Target, sampling: SamplingParams
+) -> None:
+    """Greedy, and seeded sampling with coupled drafts: the text is plain decoding's whether or not a drafter
+    drafted (and with which noise)."""
     text = "Write a long story about a dragon who learns to read."
+    params = GenerationParams(max_new_tokens=160, temperature=sampling.temperature, seed=sampling.seed)
     chunks_seen = threading.Event()
     tokens: list[int] = []
     stats: list[Stats] = []
 
     def consume() -> None:
         with SpecserveClient(cluster.coordinator_address) as client:
-            for event in client.generate_chat([("user", text)], GenerationParams(max_new_tokens=160)):
+            for event in client.generate_chat([("user", text)], params):
                 if isinstance(event, TextChunk):
                     tokens.extend(event.token_ids)
                     if len(tokens) >= 8:
@@ -167,7 +176,7 @@ def test_killing_the_drafter_mid_generation_keeps_the_output_identical(cluster: 
     consumer.join(timeout=300)
     assert not consumer.is_alive()
     try:
-        assert tokens == target.greedy(target.chat_ids(text), 160)
+        assert tokens == target.decode(target.chat_ids(text), 160, sampling)
         assert stats and stats[0].num_rounds_without_drafter > 0
         assert stats[0].drafter_error.startswith("drafter dropped")
     finally:
@@ -177,11 +186,15 @@ def test_killing_the_drafter_mid_generation_keeps_the_output_identical(cluster: 
 def test_seeded_sampling_through_the_three_processes_is_plain_seeded_decoding(
     cluster: LocalCluster, target: Target
 ) -> None:
-    """A seed fixes the text even though the shared pool learns from the first run and drafts differently."""
+    """A seed fixes the text even though the shared pool learns from the first run and drafts differently, and
+    with speculation off; the drafter's coupled drafts (its head samples with the target's keyed noise) are
+    accepted."""
     text = "Tell me a short story about a cat."
-    params = GenerationParams(max_new_tokens=40, temperature=0.8, top_p=0.95, top_k=50, seed=1234)
+    params = GenerationParams(max_new_tokens=40, temperature=0.7, top_p=0.95, top_k=50, seed=1234)
     runs = []
-    for _ in range(2):
+    accepted = 0
+    for speculation in ("auto", "auto", "off"):
+        params = replace(params, speculation=speculation)
         tokens: list[int] = []
         with SpecserveClient(cluster.coordinator_address) as client:
             for event in client.generate_chat([("user", text)], params):
@@ -190,7 +203,9 @@ def test_seeded_sampling_through_the_three_processes_is_plain_seeded_decoding(
                 else:
                     stats = event
         runs.append(tokens)
-    assert runs[0] == runs[1]
+        accepted += stats.num_accepted_tokens
+    assert runs[0] == runs[1] == runs[2]
+    assert accepted > 0
     sampling = SamplingParams(params.temperature, params.top_p, params.top_k, params.seed)
     assert runs[0] == target.decode(target.chat_ids(text), params.max_new_tokens, sampling)
     assert stats.num_generated_tokens == len(runs[0]) > 0

@@ -53,7 +53,9 @@ class FakeDrafter:
         self.opens = 0
         self.proposals = 0
 
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> FakeStream:
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
+    ) -> FakeStream:
         self.opens += 1
         if self.mode == "fail":
             raise DrafterFailed("connection refused")

@@ -85,7 +85,9 @@ class FlakyDrafter:
         self._inner = drafter()
         self._rounds = rounds
 
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream:
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
+    ) -> DraftStream:
         return FailingAfter(await self._inner.open(session_id, prompt_tokens, vocab_fingerprint), self._rounds)
 
 
@@ -113,7 +115,9 @@ class CountingDrafter:
         self._inner = drafter()
         self.opened = 0
 
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream:
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
+    ) -> DraftStream:
         self.opened += 1
         return await self._inner.open(session_id, prompt_tokens, vocab_fingerprint)
 
@@ -354,7 +358,9 @@ class HoldingDrafter:
         self._hold = hold
         self.stream: HeldReply | None = None
 
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> DraftStream:
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
+    ) -> DraftStream:
         self.stream = HeldReply(await self._inner.open(session_id, prompt_tokens, vocab_fingerprint), self._hold)
         return self.stream
 
@@ -447,7 +453,9 @@ class OracleDrafter:
     def __init__(self, stream: OracleStream) -> None:
         self.stream = stream
 
-    async def open(self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str) -> OracleStream:
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
+    ) -> OracleStream:
         return self.stream
 
 

@@ -88,7 +88,9 @@ class BadTreeDrafter:
         self.stream = BadTreeStream(tree)
         self.faults: list[str] = []
 
-    async def open(self, session_id: str, prompt_tokens: object, vocab_fingerprint: str) -> BadTreeStream:
+    async def open(
+        self, session_id: str, prompt_tokens: object, vocab_fingerprint: str, sampling: object = None
+    ) -> BadTreeStream:
         return self.stream
 
     def misbehaved(self, session_id: str, reason: str) -> None:
