@@ -13,6 +13,10 @@ which give the acceptance rate and the mean acceptance length:
     rate(specserve_generation_tokens_total[5m]) / rate(specserve_rounds_total[5m])
                                                                         tau: tokens per target forward
 
+Each of these carries ``decoding``: "greedy" (temperature 0) or "sampled", since acceptance differs between
+them (a sampled request's drafts are accepted only when they hold the target's own random draw); sum over it
+for the whole. The per-position counter's ``position`` is the draft depth.
+
 Owned by the instance (its own registry), not module globals.
 """
 
@@ -22,6 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from coordinator.admission import AdmissionController
 from coordinator.rounds import FinishReason, GenerationStats
+
+DECODING_KINDS = ("greedy", "sampled")
 
 # Time to first token: tens of milliseconds on a GPU, seconds for a long prompt on a CPU or behind a queue.
 TTFT_BUCKETS_S = (
@@ -67,7 +73,10 @@ class CoordinatorMetrics:
             "specserve_prompt_tokens", "Prompt tokens of finished requests (after the chat template)", registry=r
         )
         self.generation_tokens = Counter(
-            "specserve_generation_tokens", "Tokens generated and streamed to clients", registry=r
+            "specserve_generation_tokens",
+            "Tokens generated and streamed to clients, by decoding (greedy or sampled)",
+            ["decoding"],
+            registry=r,
         )
         self.time_to_first_token = Histogram(
             "specserve_time_to_first_token_seconds",
@@ -110,24 +119,34 @@ class CoordinatorMetrics:
             self.admission_rejections.labels(reason)
 
         # Speculative decoding (vLLM's spec_decode_* counters) and rounds
+        decoding = ["decoding"]
         self.rounds = Counter(
-            "specserve_rounds", "Verifier forwards of a request after its prefill, drafted or not", registry=r
+            "specserve_rounds", "Verifier forwards of a request after its prefill, drafted or not", decoding, registry=r
         )
         self.num_drafts = Counter(
-            "specserve_spec_decode_num_drafts", "Rounds whose tree held at least one draft token", registry=r
+            "specserve_spec_decode_num_drafts", "Rounds whose tree held at least one draft token", decoding, registry=r
         )
         self.num_draft_tokens = Counter(
-            "specserve_spec_decode_num_draft_tokens", "Draft tokens sent to the verifier", registry=r
+            "specserve_spec_decode_num_draft_tokens", "Draft tokens sent to the verifier", decoding, registry=r
         )
         self.num_accepted_tokens = Counter(
-            "specserve_spec_decode_num_accepted_tokens", "Draft tokens the verifier accepted", registry=r
+            "specserve_spec_decode_num_accepted_tokens", "Draft tokens the verifier accepted", decoding, registry=r
         )
         self.num_accepted_tokens_per_pos = Counter(
             "specserve_spec_decode_num_accepted_tokens_per_pos",
             "Rounds whose accepted path reached draft position `position` + 1 (0: the first draft token)",
-            ["position"],
+            ["decoding", "position"],
             registry=r,
         )
+        for kind in DECODING_KINDS:  # both series exist from the start
+            for counter in (
+                self.generation_tokens,
+                self.rounds,
+                self.num_drafts,
+                self.num_draft_tokens,
+                self.num_accepted_tokens,
+            ):
+                counter.labels(kind)
         self.reprefills = Counter(
             "specserve_reprefills", "Verifier sessions rebuilt from the committed tokens after loss", registry=r
         )
@@ -194,14 +213,15 @@ class CoordinatorMetrics:
         self.e2e_request_latency.observe(e2e_seconds)
         self.request_success.labels(stats.finish_reason.value).inc()
         self.prompt_tokens.inc(stats.num_prompt_tokens)
-        self.generation_tokens.inc(stats.num_generated_tokens)
-        self.rounds.inc(stats.num_rounds)
-        self.num_drafts.inc(stats.num_drafts)
-        self.num_draft_tokens.inc(stats.num_draft_tokens)
-        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        kind = "sampled" if stats.sampled else "greedy"
+        self.generation_tokens.labels(kind).inc(stats.num_generated_tokens)
+        self.rounds.labels(kind).inc(stats.num_rounds)
+        self.num_drafts.labels(kind).inc(stats.num_drafts)
+        self.num_draft_tokens.labels(kind).inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.labels(kind).inc(stats.num_accepted_tokens)
         for position, count in enumerate(stats.num_accepted_tokens_per_pos):
             if count:
-                self.num_accepted_tokens_per_pos.labels(str(position)).inc(count)
+                self.num_accepted_tokens_per_pos.labels(kind, str(position)).inc(count)
         self.reprefills.inc(stats.num_reprefills)
         self.drafter_trees.inc(stats.num_drafter_trees)
         self.predraft_hits.inc(stats.num_predraft_hits)

@@ -43,27 +43,35 @@ def test_finished_requests_count_under_vllm_spec_decode_names() -> None:
     stats.drafter_error = "drafter dropped: no answer within 1000 ms"
     metrics.observe_finished(stats, e2e_seconds=1.5)
     metrics.observe_finished(GenerationStats(num_generated_tokens=3, num_rounds=3), e2e_seconds=0.2)
+    sampled = GenerationStats(num_generated_tokens=6, num_rounds=4, num_drafts=2, num_draft_tokens=8, sampled=True)
+    sampled.num_accepted_tokens, sampled.num_accepted_tokens_per_pos = 2, [2]
+    metrics.observe_finished(sampled, e2e_seconds=0.3)
     value = metrics.registry.get_sample_value
+    for name, greedy, by_sampling in (
+        ("specserve_generation_tokens_total", 15, 6),
+        ("specserve_rounds_total", 8, 4),
+        ("specserve_spec_decode_num_drafts_total", 4, 2),
+        ("specserve_spec_decode_num_draft_tokens_total", 20, 8),
+        ("specserve_spec_decode_num_accepted_tokens_total", 7, 2),
+    ):
+        assert value(name, {"decoding": "greedy"}) == greedy, name
+        assert value(name, {"decoding": "sampled"}) == by_sampling, name
     assert value("specserve_request_success_total", {"finished_reason": "eos"}) == 1
-    assert value("specserve_request_success_total", {"finished_reason": "length"}) == 1
+    assert value("specserve_request_success_total", {"finished_reason": "length"}) == 2
     assert value("specserve_request_success_total", {"finished_reason": "stop"}) == 0  # exists before the first
     assert value("specserve_prompt_tokens_total") == 9
-    assert value("specserve_generation_tokens_total") == 15
-    assert value("specserve_rounds_total") == 8
-    assert value("specserve_spec_decode_num_drafts_total") == 4
-    assert value("specserve_spec_decode_num_draft_tokens_total") == 20
-    assert value("specserve_spec_decode_num_accepted_tokens_total") == 7
     per_pos = "specserve_spec_decode_num_accepted_tokens_per_pos_total"
-    assert [value(per_pos, {"position": str(i)}) for i in range(4)] == [4, 2, 1, None]
+    assert [value(per_pos, {"decoding": "greedy", "position": str(i)}) for i in range(4)] == [4, 2, 1, None]
+    assert [value(per_pos, {"decoding": "sampled", "position": str(i)}) for i in range(2)] == [2, None]
     assert value("specserve_reprefills_total") == 1
     assert value("specserve_drafter_trees_total") == 4
     assert value("specserve_predraft_hits_total") == 3
     assert value("specserve_predraft_hidden_seconds_total") == pytest.approx(0.25)
     assert value("specserve_drafter_drops_total") == 1
     assert value("specserve_drafter_skips_total") == 0
-    assert value("specserve_e2e_request_latency_seconds_count") == 2
-    assert value("specserve_e2e_request_latency_seconds_sum") == pytest.approx(1.7)
-    assert value("specserve_e2e_request_latency_seconds_bucket", {"le": "1.0"}) == 1
+    assert value("specserve_e2e_request_latency_seconds_count") == 3
+    assert value("specserve_e2e_request_latency_seconds_sum") == pytest.approx(2.0)
+    assert value("specserve_e2e_request_latency_seconds_bucket", {"le": "1.0"}) == 2
 
 
 def test_latencies_and_errors_land_in_their_buckets() -> None:
