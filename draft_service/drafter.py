@@ -244,7 +244,9 @@ class Drafter:
         self._prompt_lookup = prompt_lookup or PromptLookupProposer()
         self.sources = tuple(sources)
         self._cost = cost or VerifyCost()
-        self._stats: dict[str, AcceptanceStats] = {}
+        # Acceptance learnt across sessions, per vocabulary and per decoding: a sampled session accepts a draft only
+        # when it holds the target's random draw, so its sources are calibrated apart from greedy sessions'.
+        self._stats: dict[tuple[str, bool], AcceptanceStats] = {}
         # Per (vocabulary, pool namespace): the target's top tokens after each token are the tenant's text too.
         self._successors: dict[tuple[str, str], SuccessorTable] = {}
         # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
@@ -302,7 +304,7 @@ class Drafter:
         if self._head is not None:
             coupled = sampling if self.coupled_sampling else GREEDY
             available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape, coupled)
-        shared = self._stats.setdefault(vocab_fingerprint, AcceptanceStats())
+        shared = self._stats.setdefault((vocab_fingerprint, sampling.greedy), AcceptanceStats())
         builder = TreeBuilder(AcceptanceStats(parent=shared), verify_cost or self._cost)
         proposers = [available[name] for name in self.sources]
         session = DraftSession(

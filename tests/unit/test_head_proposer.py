@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import numpy as np
@@ -321,6 +322,47 @@ def test_coupled_drafts_are_accepted_more_often_than_the_heads_top_k_when_sampli
             accepted[coupled] += stats.num_accepted_tokens
         assert outputs[0] == outputs[1]
     assert accepted[True] > 3 * accepted[False], accepted  # 92 against 7 when written
+
+
+def test_concurrent_sampled_sessions_with_coupled_drafts_share_steps_and_each_is_plain_decoding(
+    head: DraftHead,
+) -> None:
+    """Four seeded sessions (two temperatures, one with top-p) drafted by one drafter and verified in shared
+    engine steps: each is exactly its own plain seeded decoding."""
+    head.target_fingerprint = "fp"
+    pool = InMemoryNgramPool()
+    drafter = InProcessDrafter(Drafter(lambda *_: pool, sources=("draft_model",), cost=FREE, draft_head=head))
+    verifier = Verifier(TARGET, "fp")
+    requests = [
+        GenerationRequest([2, 7, 1, 8], 32, SamplingParams(temperature=0.7, seed=1)),
+        GenerationRequest([3, 1, 4, 1, 5], 32, SamplingParams(temperature=1.0, seed=2)),
+        GenerationRequest([9, 2, 6], 32, SamplingParams(temperature=0.7, top_p=0.9, seed=3)),
+        GenerationRequest([5, 3, 5], 32, SamplingParams(temperature=1.0, top_k=10, seed=4)),
+    ]
+    finished: list[GenerationStats] = []
+
+    async def run(request: GenerationRequest) -> list[int]:
+        generation = Generation(
+            request, InProcessVerifier(verifier), drafter, CharTokenizer(), frozenset({-1}), "fp", RoundPolicy(8)
+        )
+        tokens: list[int] = []
+        async for event in generation.stream():
+            if isinstance(event, GenerationStats):
+                finished.append(event)
+            else:
+                tokens.extend(event.token_ids)
+        return tokens
+
+    async def together() -> list[list[int]]:
+        return list(await asyncio.gather(*(run(r) for r in requests)))
+
+    outputs = asyncio.run(together())
+    steps = verifier.stats().num_steps
+    verifier.close()
+    for request, output in zip(requests, outputs, strict=True):
+        assert output == plain_decode(TARGET, request.prompt_ids, 32, request.sampling)
+    assert sum(stats.num_accepted_tokens for stats in finished) > 0  # coupled drafts were accepted
+    assert steps < sum(stats.num_rounds for stats in finished) + len(requests)  # prefills and rounds shared steps
 
 
 def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead) -> None:

@@ -5,9 +5,10 @@ import pytest
 
 from draft_service.drafter import Drafter
 from draft_service.proposers import PoolProposer, PromptLookupProposer, suffix_matches
-from draft_service.tree_builder import VerifyCost
+from draft_service.tree_builder import AcceptanceStats, VerifyCost
 from specserve.draft_feedback import DraftFeedback
 from specserve.ngram_pool import InMemoryNgramPool, PoolShape
+from specserve.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -72,3 +73,21 @@ def test_draft_session_records_only_generated_output_and_falls_back_to_the_pool(
     second = drafter.open_session("b", [9, 8, 4, 5], "fp")
     tree = second.propose(DraftFeedback(), max_nodes=4).tree
     assert tree.token_ids[:2] == (6, 7)
+
+
+def test_sampled_and_greedy_sessions_learn_acceptance_apart() -> None:
+    """What greedy sessions taught about a source (accepted every time) is not what a sampled session expects:
+    its drafts are accepted only when they hold the target's random draw."""
+    pool = InMemoryNgramPool(PoolShape(key_len=2, continuation_len=2))
+    drafter = Drafter(lambda *_: pool, sources=("prompt_lookup",), cost=VerifyCost({0: 1.0, 64: 1.0}))
+    prompt = [1, 2, 3, 1, 2]
+    teacher = drafter.open_session("a", prompt, "fp")
+    for _ in range(20):  # prompt lookup proposes 3, 1, 2 after "1 2"; the verifier accepts its first node
+        tree = teacher.propose(DraftFeedback(), max_nodes=1).tree
+        assert tree.token_ids == (3,)
+        teacher.propose(DraftFeedback((3, 1, 2), accepted_node_indices=(0,)), max_nodes=0)
+    greedy = drafter.open_session("b", prompt, "fp")
+    sampled = drafter.open_session("c", prompt, "fp", sampling=SamplingParams(temperature=0.7, seed=1))
+    learnt = greedy._builder.stats.estimate("prompt_lookup", 1)
+    fresh = sampled._builder.stats.estimate("prompt_lookup", 1)
+    assert learnt > 0.8 and fresh == pytest.approx(AcceptanceStats().prior)
