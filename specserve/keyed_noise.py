@@ -116,9 +116,14 @@ class PositionNoise:
     def sample(self, p: torch.Tensor, offset: int) -> int:
         """The target's own token at position first_position + offset, given its distribution ``p`` [vocab].
 
-        Never a token of probability zero: its log is -inf, below every token with mass.
+        Only tokens with mass compete (the noise of the others is never drawn: top-k or top-p leave a few),
+        and since each token's noise depends on its id alone, that is the argmax over the whole vocabulary.
         """
-        return gumbel_max(torch.log(p.double()), self.gumbel(offset, np.arange(p.shape[0])))
+        support = torch.nonzero(p).flatten()
+        if support.numel() == 0:
+            raise ValueError("cannot sample from a distribution with no mass")
+        log_p = torch.log(p[support].double())
+        return int(support[gumbel_max(log_p, self.gumbel(offset, support.numpy()))])
 
     def generator(self, offset: int) -> torch.Generator:
         """A generator for the draws rejection sampling makes at position first_position + offset."""
