@@ -5,11 +5,13 @@
 #   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/results/load/)
 #   make bench-head           the draft head's offline figures (top-1, chains, trees) on Spec-Bench's own answers, per task,
 #                             beside a Spec-Bench run's served head-alone tau (bench/results/head_offline/)
+#   make bench-sampling       seeded chat prompts at T = 0, 0.7, 1.0 with speculation on and off through the three
+#                             processes, the drafter with coupled drafts and without (bench/results/sampling/)
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/results/numerics/)
 #   make bench-peers          specserve against llama.cpp on the same prompts (bench/results/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
 # All write to bench/results/. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
-# BENCH_HEAD_ARGS / BENCH_PEERS_ARGS, e.g.
+# BENCH_HEAD_ARGS / BENCH_PEERS_ARGS / BENCH_SAMPLING_ARGS, e.g.
 #   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/results/tmp"
 #   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtypes bfloat16 --device cuda"
 #   make bench-load BENCH_LOAD_ARGS="--levels 1,2 --max-new-tokens 8 --verifier-arg='--dtype bfloat16'"
@@ -24,8 +26,9 @@ BENCH_LOAD_ARGS ?=
 BENCH_NUMERICS_ARGS ?=
 BENCH_HEAD_ARGS ?=
 BENCH_PEERS_ARGS ?=
+BENCH_SAMPLING_ARGS ?=
 
-.PHONY: bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install
+.PHONY: bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -38,6 +41,9 @@ bench-load: proto
 
 bench-head: proto
 	$(PY) -m bench.head_offline $(BENCH_HEAD_ARGS)
+
+bench-sampling: proto
+	$(PY) -m bench.sampling $(BENCH_SAMPLING_ARGS)
 
 bench-numerics: proto
 	$(PY) -m bench.numerics $(BENCH_NUMERICS_ARGS)
