@@ -84,5 +84,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     logs = tmp_path_factory.mktemp("cluster-logs")
     cluster = LocalCluster(free_port(), free_port(), free_port(), redis_url=system_redis_url(), log_dir=logs)
     cluster.extra_verifier_args = EVERY_ROUND_DRAFTS
+    # Tests here kill the drafter and restart it: a short backoff has the coordinator use it again within seconds.
+    cluster.extra_coordinator_args = ["--drafter-backoff-ms", "500", "--drafter-max-backoff-ms", "2000"]
     with cluster as c:
         yield c

@@ -145,44 +145,6 @@ def test_drafter_stream_must_start_with_start(cluster: LocalCluster) -> None:
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.parametrize(
-    "sampling", [SamplingParams(), SamplingParams(temperature=0.7, seed=77)], ids=["greedy", "sampled"]
-)
-def test_killing_the_drafter_mid_generation_keeps_the_output_identical(
-    cluster: LocalCluster, target: Target, sampling: SamplingParams
-) -> None:
-    """Greedy, and seeded sampling with coupled drafts: the text is plain decoding's whether or not a drafter
-    drafted (and with which noise)."""
-    text = "Write a long story about a dragon who learns to read."
-    params = GenerationParams(max_new_tokens=160, temperature=sampling.temperature, seed=sampling.seed)
-    chunks_seen = threading.Event()
-    tokens: list[int] = []
-    stats: list[Stats] = []
-
-    def consume() -> None:
-        with SpecserveClient(cluster.coordinator_address) as client:
-            for event in client.generate_chat([("user", text)], params):
-                if isinstance(event, TextChunk):
-                    tokens.extend(event.token_ids)
-                    if len(tokens) >= 8:
-                        chunks_seen.set()
-                else:
-                    stats.append(event)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    assert chunks_seen.wait(timeout=120)
-    cluster.kill("drafter")
-    consumer.join(timeout=300)
-    assert not consumer.is_alive()
-    try:
-        assert tokens == target.decode(target.chat_ids(text), 160, sampling)
-        assert stats and stats[0].num_rounds_without_drafter > 0
-        assert stats[0].drafter_error.startswith("drafter dropped")
-    finally:
-        cluster.start_drafter()
-
-
 def test_seeded_sampling_through_the_three_processes_is_plain_seeded_decoding(
     cluster: LocalCluster, target: Target
 ) -> None:
@@ -210,6 +172,54 @@ def test_seeded_sampling_through_the_three_processes_is_plain_seeded_decoding(
     assert runs[0] == target.decode(target.chat_ids(text), params.max_new_tokens, sampling)
     assert stats.num_generated_tokens == len(runs[0]) > 0
     assert stats.finish_reason in ("length", "eos")
+
+
+def wait_for_drafter(address: str, timeout_s: float = 60.0) -> None:
+    """Requests until one drafts: a test here that kills the drafter leaves the coordinator skipping it until its
+    probe takes the restarted drafter back."""
+    deadline = time.monotonic() + timeout_s
+    while generate_with(address, "Say hi.", GenerationParams(max_new_tokens=2))[1].drafter_error:
+        assert time.monotonic() < deadline, "requests do not draft: the drafter is not back"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=0.7, seed=77)], ids=["greedy", "sampled"]
+)
+def test_killing_the_drafter_mid_generation_keeps_the_output_identical(
+    cluster: LocalCluster, target: Target, sampling: SamplingParams
+) -> None:
+    """Greedy, and seeded sampling with coupled drafts: the text is plain decoding's whether or not a drafter
+    drafted (and with which noise)."""
+    text = "Write a long story about a dragon who learns to read."
+    params = GenerationParams(max_new_tokens=160, temperature=sampling.temperature, seed=sampling.seed)
+    wait_for_drafter(cluster.coordinator_address)
+    chunks_seen = threading.Event()
+    tokens: list[int] = []
+    stats: list[Stats] = []
+
+    def consume() -> None:
+        with SpecserveClient(cluster.coordinator_address) as client:
+            for event in client.generate_chat([("user", text)], params):
+                if isinstance(event, TextChunk):
+                    tokens.extend(event.token_ids)
+                    if len(tokens) >= 8:
+                        chunks_seen.set()
+                else:
+                    stats.append(event)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert chunks_seen.wait(timeout=120)
+    cluster.kill("drafter")
+    consumer.join(timeout=300)
+    assert not consumer.is_alive()
+    try:
+        assert tokens == target.decode(target.chat_ids(text), 160, sampling)
+        assert stats and stats[0].num_rounds_without_drafter > 0
+        assert stats[0].drafter_error.startswith("drafter dropped")
+    finally:
+        cluster.start_drafter()
 
 
 def test_sixteen_concurrent_streams_are_each_identical_to_plain_greedy(cluster: LocalCluster, target: Target) -> None:
@@ -256,11 +266,7 @@ def test_speculation_off_or_capped_gives_the_same_tokens_and_the_stats_say_so(
 ) -> None:
     text = "List the planets of the solar system, one per line."
     expected = target.greedy(target.chat_ids(text), 32)
-    # An earlier test here kills the drafter: requests skip it until the coordinator's probe takes it back.
-    deadline = time.monotonic() + 60
-    while generate_with(cluster.coordinator_address, "Say hi.", GenerationParams(max_new_tokens=2))[1].drafter_error:
-        assert time.monotonic() < deadline, "requests do not draft: the drafter is not back"
-        time.sleep(0.5)
+    wait_for_drafter(cluster.coordinator_address)
     runs = {
         name: generate_with(cluster.coordinator_address, text, GenerationParams(max_new_tokens=32, **kwargs))
         for name, kwargs in (("auto", {}), ("off", {"speculation": "off"}), ("cap2", {"max_draft_tokens": 2}))
