@@ -152,9 +152,10 @@ class HealthCheckedDrafter:
         remaining = max(0.0, self._circuit.open_until - self._clock())
         until = time.strftime("%H:%M:%S", time.localtime(time.time() + remaining))
         state = "probing" if remaining == 0 else f"{remaining:.1f} s more"
+        # No address: this reaches clients (GenerationStats.drafter_error); the log names the drafter.
         return (
             f"drafter skipped: circuit open until {until} ({state}) after {self._circuit.failures_in_a_row} "
-            f"failure(s) in a row of the drafter at {self.name}, the last: {self._circuit.last_failure}"
+            f"failure(s) in a row, the last: {self._circuit.last_failure}"
         )
 
     def tripped(self) -> asyncio.Future[None]:
@@ -234,7 +235,10 @@ class HealthCheckedDrafter:
         reason = f"no answer within {timeout_s * 1000:.0f} ms"
         self.latency.observe(timeout_s)  # censored: the round trip took at least this long
         self.record_failure(reason)
-        raise DrafterFailed(f"{reason} (the drafter's timeout follows its p99 latency, capped by --draft-timeout-ms)")
+        raise DrafterFailed(
+            reason,
+            detail=f"drafter at {self.name}: {reason} (the timeout follows its p99 latency, capped by --draft-timeout-ms)",
+        )
 
     async def _probe_until_healthy(self) -> None:
         while self._circuit.open_until is not None:

@@ -149,6 +149,7 @@ class GenerationFrontend:
                         yield event
         except SpecserveError as exc:
             self._failed(record, exc.status, str(exc))
+            record.error_detail = exc.detail
             raise
         except (asyncio.CancelledError, GeneratorExit):
             if not record.finish_reason:  # after the stats the client has everything, whenever it hangs up

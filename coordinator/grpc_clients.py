@@ -46,6 +46,15 @@ _DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
 }
 
+# What a client reads when the verifier refuses a call; the verifier's own message (written for operators: flags,
+# limits) goes to the log as the error's detail.
+_VERIFIER_REFUSALS: dict[grpc.StatusCode, str] = {
+    grpc.StatusCode.NOT_FOUND: "the verifier no longer holds this request's session",
+    grpc.StatusCode.FAILED_PRECONDITION: "the verifier cannot serve this request's session now",
+    grpc.StatusCode.INVALID_ARGUMENT: "the verifier refused this request's input",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the verifier has no room for this request now: retry later or send a shorter prompt",
+}
+
 RELEASE_TIMEOUT_S = 5.0
 """Most a Release waits. Not bounded by the request's deadline: releasing is the clean-up after it passed."""
 
@@ -72,19 +81,21 @@ class GrpcVerifier:
         self._metadata = metadata
 
     def _translate(self, exc: grpc.aio.AioRpcError) -> errors.SpecserveError:
+        """The domain error for a failed call: a message for clients, the verifier's own words in ``detail``."""
+        detail = f"verifier at {self._target}: {exc.code().name}: {exc.details()}"
         error = _DOMAIN_ERRORS.get(exc.code())
         if error is not None:
-            return error(exc.details() or "")
+            return error(_VERIFIER_REFUSALS[exc.code()], detail=detail)
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # not a replica failure: no failover
             return errors.DeadlineExceeded(
-                f"verifier at {self._target} did not answer within the request's deadline "
-                "(or --verifier-timeout-s): give the request a longer deadline"
+                "the verifier did not answer within the request's deadline: give the request a longer deadline",
+                detail=detail,
             )
         if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
-            return ReplicaDraining(f"verifier at {self._target} is shutting down: {exc.details()}")
+            return ReplicaDraining("a verifier replica is shutting down", detail=detail)
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
-            return ReplicaUnreachable(f"verifier at {self._target} is unreachable: {exc.details()}")
-        return errors.Unavailable(f"verifier at {self._target} failed: {exc.code().name}: {exc.details()}")
+            return ReplicaUnreachable("a verifier replica is unreachable", detail=detail)
+        return errors.Unavailable(f"the verifier failed ({exc.code().name}); retry shortly", detail=detail)
 
     async def info(self) -> VerifierInfo:
         try:
@@ -159,7 +170,9 @@ class GrpcVerifier:
         try:
             return features_from_proto(message)
         except ValueError as exc:
-            raise errors.Unavailable(f"verifier at {self._target} sent malformed features: {exc}") from exc
+            raise errors.Unavailable(
+                "the verifier sent a malformed answer", detail=f"verifier at {self._target}: features: {exc}"
+            ) from exc
 
     async def release(self, session_id: str) -> None:
         try:
@@ -183,7 +196,7 @@ class GrpcDraftStream:
         try:
             await self._call.write(request)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise DrafterFailed(f"drafter at {self._target}: {exc}") from exc
+            raise DrafterFailed("connection lost", detail=f"drafter at {self._target}: {exc}") from exc
 
     async def start(
         self,
@@ -221,9 +234,11 @@ class GrpcDraftStream:
         try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise DrafterFailed(f"drafter at {self._target} failed: {exc.code().name}: {exc.details()}") from exc
+            raise DrafterFailed(
+                f"failed ({exc.code().name})", detail=f"drafter at {self._target}: {exc.code().name}: {exc.details()}"
+            ) from exc
         if response is grpc.aio.EOF:
-            raise DrafterFailed(f"drafter at {self._target} closed the session stream")
+            raise DrafterFailed("closed the session stream", detail=f"drafter at {self._target} closed the stream")
         return DraftReply(
             tree_from_proto(response.tree),
             int(response.draft_ns),
@@ -279,7 +294,10 @@ class GrpcDrafter:
             try:
                 self._wants_features = (await self.info()).wants_features
             except grpc.aio.AioRpcError as exc:
-                raise DrafterFailed(f"drafter at {self._target}: {exc.code().name}: {exc.details()}") from exc
+                raise DrafterFailed(
+                    f"unreachable ({exc.code().name})",
+                    detail=f"drafter at {self._target}: {exc.code().name}: {exc.details()}",
+                ) from exc
         stream = GrpcDraftStream(self._stub.Draft(metadata=self._metadata()), self._target, self._wants_features)
         await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost, sampling)
         return stream

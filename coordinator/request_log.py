@@ -34,7 +34,9 @@ class RequestRecord:
     api: str
     tenant: str
     status: str = "OK"  # a gRPC status name: OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, CANCELLED, ...
-    error: str = ""
+    error: str = ""  # what the client was told
+    error_detail: str = ""  # what operators need: addresses, a peer's own words (never sent to the client)
+    drafter_error: str = ""  # why drafting stopped, in full (the client's stats hold the short cause)
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -48,6 +50,7 @@ class RequestRecord:
 
     def finished(self, stats: GenerationStats, total_s: float) -> None:
         self.finish_reason = stats.finish_reason.value
+        self.drafter_error = stats.drafter_error_detail or stats.drafter_error
         self.prompt_tokens = stats.num_prompt_tokens
         self.completion_tokens = stats.num_generated_tokens
         self.rounds = stats.num_rounds

@@ -102,7 +102,8 @@ class GenerationStats:
     draft_ns: int = 0
     verify_ns: int = 0
     queue_ns: int = 0  # waiting for an admission slot before the stream started (not in total_ns)
-    drafter_error: str = ""
+    drafter_error: str = ""  # sent to the client: a short cause, no address or peer text
+    drafter_error_detail: str = ""  # the whole story (addresses, the peer's words), for the log line only
     finish_reason: FinishReason = FinishReason.LENGTH
     speculation: SpeculationMode = SpeculationMode.AUTO  # what the request ran with
     sampled: bool = False  # the request sampled (temperature > 0); else greedy
@@ -368,7 +369,7 @@ class Generation:
                 if not tree.token_ids:
                     raise
                 # The verifier refused the drafter's tree (past our checks): this round is plain decoding.
-                self._drafter_misbehaved(f"the verifier rejected its tree: {exc}")
+                self._drafter_misbehaved("the verifier rejected its tree", detail=exc.detail)
                 tree = TokenTree()
             except (NotFound, FailedPrecondition, SessionMoved):
                 # The verifier lost the session (or its replica died): rebuild it from what was committed, on
@@ -389,11 +390,11 @@ class Generation:
         if self._draft is not None and self._unreported:
             await self._ask_drafter(0)
 
-    def _drafter_misbehaved(self, reason: str) -> None:
+    def _drafter_misbehaved(self, reason: str, detail: str = "") -> None:
         """A drafter fault only the round loop sees: counted against the drafter, which is dropped."""
         if self.drafter_monitor is not None:
             self.drafter_monitor.misbehaved(self.session_id, reason)
-        self._drop_drafter(DrafterFailed(reason))
+        self._drop_drafter(DrafterFailed(reason, detail=detail))
 
     def _drop_drafter(self, exc: BaseException) -> None:
         if isinstance(exc, TimeoutError):
@@ -402,6 +403,7 @@ class Generation:
             reason = str(exc) or type(exc).__name__
         # A skipped drafter was never asked: its message says why and until when.
         self.stats.drafter_error = str(exc) if isinstance(exc, DrafterSkipped) else f"drafter dropped: {reason}"
+        self.stats.drafter_error_detail = getattr(exc, "detail", "") or self.stats.drafter_error
         draft, self._draft = self._draft, None
         if draft is not None:
             asyncio.get_running_loop().create_task(draft.close())

@@ -103,10 +103,13 @@ class StickyVerifierRouter:
 
     def _no_replica(self) -> Unavailable:
         if not self._replicas:
-            return Unavailable("no verifier replica is known: check the verifier address and its DNS name")
+            return Unavailable(
+                "no verifier replica is available: retry shortly",
+                detail="no verifier replica is known: check the verifier address and its DNS name",
+            )
         return Unavailable(
-            f"every verifier replica ({', '.join(sorted(self._replicas))}) failed within the last "
-            f"{self._down_s:g} s: check the verifier pods; retry once one is back"
+            f"every verifier replica failed within the last {self._down_s:g} s: retry once one is back",
+            detail=f"replicas down: {', '.join(sorted(self._replicas))}: check the verifier pods",
         )
 
     def _pin(self, session_id: str) -> str:
@@ -133,7 +136,10 @@ class StickyVerifierRouter:
             if creating:
                 return self._pin(session_id)
             self._pin(session_id)
-            raise SessionMoved(f"verifier replica {address} is down; the session moved to another replica")
+            raise SessionMoved(
+                "a verifier replica is down; the session moved to another replica",
+                detail=f"verifier replica {address} is down",
+            )
         return address
 
     async def _call(self, session_id: str, creating: bool, call: Callable[[VerifierPort], Awaitable[T]]) -> T:
@@ -149,15 +155,15 @@ class StickyVerifierRouter:
             try:
                 self._pin(session_id)
             except Unavailable:
-                raise Unavailable(str(exc)) from exc
-            raise SessionMoved(f"{exc}; the session moved to another replica") from exc
+                raise Unavailable(str(exc), detail=exc.detail) from exc
+            raise SessionMoved(f"{exc}; the session moved to another replica", detail=exc.detail) from exc
         except ReplicaUnreachable as exc:
             self._down_until[address] = self._clock() + self._down_s
             self._pinned.pop(session_id, None)
             if not any(self._is_up(a) for a in self._replicas):
                 raise self._no_replica() from exc
             self._pin(session_id)
-            raise SessionMoved(f"{exc}; the session moved to another replica") from exc
+            raise SessionMoved(f"{exc}; the session moved to another replica", detail=exc.detail) from exc
 
     async def info(self) -> VerifierInfo:
         self._refresh()

@@ -10,14 +10,18 @@ from __future__ import annotations
 class SpecserveError(Exception):
     """Base class; ``status`` names a grpc.StatusCode member.
 
-    ``metadata`` goes to the client as trailing metadata with the status (``retry-after-ms`` on an overload).
+    The message (``str(exc)``) is what a client sees: a short cause it can act on, never an internal address,
+    a peer's own error text or a library's message. Those go in ``detail``, which only the service's log gets
+    (under the request id). ``metadata`` goes to the client as trailing metadata with the status
+    (``retry-after-ms`` on an overload).
     """
 
     status = "INTERNAL"
 
-    def __init__(self, message: str = "", metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(self, message: str = "", metadata: tuple[tuple[str, str], ...] = (), detail: str = "") -> None:
         super().__init__(message)
         self.metadata = metadata
+        self.detail = detail
 
 
 class InvalidArgument(SpecserveError):
