@@ -237,7 +237,7 @@ class HealthCheckedDrafter:
         self.record_failure(reason)
         raise DrafterFailed(
             reason,
-            detail=f"drafter at {self.name}: {reason} (the timeout follows its p99 latency, capped by --draft-timeout-ms)",
+            detail=f"drafter at {self.name}: {reason} (the timeout follows its p99 latency, within --draft-timeout-ms)",
         )
 
     async def _probe_until_healthy(self) -> None:

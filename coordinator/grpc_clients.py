@@ -52,7 +52,7 @@ _VERIFIER_REFUSALS: dict[grpc.StatusCode, str] = {
     grpc.StatusCode.NOT_FOUND: "the verifier no longer holds this request's session",
     grpc.StatusCode.FAILED_PRECONDITION: "the verifier cannot serve this request's session now",
     grpc.StatusCode.INVALID_ARGUMENT: "the verifier refused this request's input",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "the verifier has no room for this request now: retry later or send a shorter prompt",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the verifier has no room for this request now: retry later",
 }
 
 RELEASE_TIMEOUT_S = 5.0

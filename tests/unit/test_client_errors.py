@@ -9,7 +9,7 @@ import socket
 import grpc
 import pytest
 
-from coordinator.grpc_clients import GrpcDraftStream, GrpcDrafter, GrpcVerifier
+from coordinator.grpc_clients import GrpcDrafter, GrpcDraftStream, GrpcVerifier
 from coordinator.verifier_router import StickyVerifierRouter
 from specserve.draft_feedback import DraftFeedback
 from specserve.drain import DRAINING_METADATA
