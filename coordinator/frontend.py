@@ -126,6 +126,7 @@ class GenerationFrontend:
         record = RequestRecord(call.request_id, call.api, call.tenant.name)
         started = time.monotonic()
         last_chunk: float | None = None
+        generation: Generation | None = None
         try:
             backend = self._backend
             if backend is None:
@@ -150,6 +151,8 @@ class GenerationFrontend:
         except SpecserveError as exc:
             self._failed(record, exc.status, str(exc))
             record.error_detail = exc.detail
+            if generation is not None:  # why drafting stopped, if it did, belongs in the same line
+                record.drafter_error = generation.stats.drafter_error_detail or generation.stats.drafter_error
             raise
         except (asyncio.CancelledError, GeneratorExit):
             if not record.finish_reason:  # after the stats the client has everything, whenever it hangs up

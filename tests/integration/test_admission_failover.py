@@ -155,6 +155,7 @@ def test_a_killed_verifier_replica_costs_no_token(cluster: LocalCluster, referen
     print(stats.summary(), f"| {stats.num_reprefills} re-prefills")
     assert tokens == reference
     assert stats.num_reprefills >= 1
+    assert "127.0.0.1" not in stats.drafter_error and "verifier at" not in stats.drafter_error  # none reach clients
 
 
 # The coordinator's SIGTERM drain (running streams finish, new ones are refused) is tests/integration/test_drain.py.

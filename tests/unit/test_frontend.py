@@ -198,3 +198,29 @@ def test_a_stream_closed_from_another_context_ends_cleanly(log_lines: Any) -> No
     complete, abandoned = log_lines()
     assert (complete["status"], complete["finish_reason"]) == ("OK", "eos")
     assert (abandoned["status"], abandoned["finish_reason"], abandoned["prompt_tokens"]) == ("CANCELLED", "", 2)
+
+
+class FailingGeneration(ScriptedGeneration):
+    """Drops its drafter with a detail only operators may read, then loses its verifier for good."""
+
+    async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
+        self.stats.drafter_error = "drafter dropped: connection lost"
+        self.stats.drafter_error_detail = "drafter at 10.0.0.7:50052: RPC already finished"
+        yield TextChunk("a", [1])
+        raise Unavailable("a verifier replica is unreachable", detail="verifier at 10.0.0.9:50051: Connection reset")
+
+
+def test_the_log_line_holds_the_details_the_client_is_not_told(log_lines: Any) -> None:
+    front = GenerationFrontend(
+        "smollm2",
+        AdmissionController(),
+        None,
+        GenerationBackend(tokenizer, LIMITS, lambda request: FailingGeneration(request, [])),
+    )
+    with pytest.raises(Unavailable) as failed:
+        collect(front, EdgeRequest(prompt="hello", max_new_tokens=8))
+    assert str(failed.value) == "a verifier replica is unreachable"  # what the edge sends the client
+    (line,) = log_lines()
+    assert line["error"] == "a verifier replica is unreachable"
+    assert line["error_detail"] == "verifier at 10.0.0.9:50051: Connection reset"
+    assert line["drafter_error"] == "drafter at 10.0.0.7:50052: RPC already finished"
