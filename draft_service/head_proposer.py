@@ -120,7 +120,7 @@ class HeadProposer:
         self._head = head
         # Sampled with a seed: children ranked under the target's keyed noise (coupled drafts); else by q.
         self._coupled = None if sampling.greedy or sampling.seed is None else sampling
-        self._draft_ids = head.draft_vocab.numpy()  # the target's id of each draft logit: the noise's keys
+        self._draft_ids = head.draft_vocab.cpu().numpy()  # the target's id of each draft logit: the noise's keys
         self._dtype = head.draft_lm_head.dtype  # the target's features arrive in fp32
         self.features = FeatureLog()  # the target's features at the committed positions, as reported
         self._shape = shape
@@ -259,7 +259,7 @@ class HeadProposer:
             assert self._coupled is not None
             # q as the target's own p is shaped: the session's temperature, top-k and top-p.
             log_q = torch.log(target_probs(logits[None], self._coupled)[0])
-            top = torch.topk(log_q.double() + gumbel, self._shape.branching)
+            top = torch.topk(log_q.double() + gumbel.to(log_q.device), self._shape.branching)
             chosen = top.indices[top.values > float("-inf")]  # never a token q has no mass for
             log_probs = torch.topk(log_q, chosen.numel()).values.tolist()  # rank r: the r-th largest q
         base = 0.0 if parent == ROOT else nodes[parent].log_prob
