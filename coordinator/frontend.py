@@ -152,7 +152,7 @@ class GenerationFrontend:
             self._failed(record, exc.status, str(exc))
             record.error_detail = exc.detail
             if generation is not None:  # why drafting stopped, if it did, belongs in the same line
-                record.drafter_error = generation.stats.drafter_error_detail or generation.stats.drafter_error
+                record.drafter_error = generation.stats.drafter_error_logged
             raise
         except (asyncio.CancelledError, GeneratorExit):
             if not record.finish_reason:  # after the stats the client has everything, whenever it hangs up

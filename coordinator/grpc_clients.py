@@ -39,20 +39,19 @@ message limit, which the drafter's server keeps; 1 MiB slices stay well under it
 ProposeTree, and are few enough (about 7 for a 6,000-token prompt) that their overhead does not matter.
 """
 
-_DOMAIN_ERRORS: dict[grpc.StatusCode, type[errors.SpecserveError]] = {
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPrecondition,
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
-}
-
-# What a client reads when the verifier refuses a call; the verifier's own message (written for operators: flags,
-# limits) goes to the log as the error's detail.
-_VERIFIER_REFUSALS: dict[grpc.StatusCode, str] = {
-    grpc.StatusCode.NOT_FOUND: "the verifier no longer holds this request's session",
-    grpc.StatusCode.FAILED_PRECONDITION: "the verifier cannot serve this request's session now",
-    grpc.StatusCode.INVALID_ARGUMENT: "the verifier refused this request's input",
-    grpc.StatusCode.RESOURCE_EXHAUSTED: "the verifier has no room for this request now: retry later",
+# A verifier's refusals, as the domain errors they are and what a client reads of them; the verifier's own message
+# (written for operators: flags, limits) goes to the log as the error's detail.
+_VERIFIER_REFUSALS: dict[grpc.StatusCode, tuple[type[errors.SpecserveError], str]] = {
+    grpc.StatusCode.NOT_FOUND: (errors.NotFound, "the verifier no longer holds this request's session"),
+    grpc.StatusCode.FAILED_PRECONDITION: (
+        errors.FailedPrecondition,
+        "the verifier cannot serve this request's session now",
+    ),
+    grpc.StatusCode.INVALID_ARGUMENT: (errors.InvalidArgument, "the verifier refused this request's input"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (
+        errors.ResourceExhausted,
+        "the verifier has no room for this request now: retry later",
+    ),
 }
 
 RELEASE_TIMEOUT_S = 5.0
@@ -83,9 +82,10 @@ class GrpcVerifier:
     def _translate(self, exc: grpc.aio.AioRpcError) -> errors.SpecserveError:
         """The domain error for a failed call: a message for clients, the verifier's own words in ``detail``."""
         detail = f"verifier at {self._target}: {exc.code().name}: {exc.details()}"
-        error = _DOMAIN_ERRORS.get(exc.code())
-        if error is not None:
-            return error(_VERIFIER_REFUSALS[exc.code()], detail=detail)
+        refusal = _VERIFIER_REFUSALS.get(exc.code())
+        if refusal is not None:
+            error, message = refusal
+            return error(message, detail=detail)
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # not a replica failure: no failover
             return errors.DeadlineExceeded(
                 "the verifier did not answer within the request's deadline: give the request a longer deadline",

@@ -50,7 +50,7 @@ class RequestRecord:
 
     def finished(self, stats: GenerationStats, total_s: float) -> None:
         self.finish_reason = stats.finish_reason.value
-        self.drafter_error = stats.drafter_error_detail or stats.drafter_error
+        self.drafter_error = stats.drafter_error_logged
         self.prompt_tokens = stats.num_prompt_tokens
         self.completion_tokens = stats.num_generated_tokens
         self.rounds = stats.num_rounds

@@ -110,6 +110,11 @@ class GenerationStats:
     max_draft_tokens: int = 0  # its cap on draft tokens per round: the request's, within the server's (0: off)
 
     @property
+    def drafter_error_logged(self) -> str:
+        """Why drafting stopped, in full, for the request's log line (the client gets ``drafter_error``)."""
+        return self.drafter_error_detail or self.drafter_error
+
+    @property
     def coordination_ns(self) -> int:
         return max(0, self.total_ns - self.draft_ns - self.verify_ns)
 
@@ -403,7 +408,7 @@ class Generation:
             reason = str(exc) or type(exc).__name__
         # A skipped drafter was never asked: its message says why and until when.
         self.stats.drafter_error = str(exc) if isinstance(exc, DrafterSkipped) else f"drafter dropped: {reason}"
-        self.stats.drafter_error_detail = getattr(exc, "detail", "") or self.stats.drafter_error
+        self.stats.drafter_error_detail = getattr(exc, "detail", "")
         draft, self._draft = self._draft, None
         if draft is not None:
             asyncio.get_running_loop().create_task(draft.close())
