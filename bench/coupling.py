@@ -1,8 +1,8 @@
 """How often the draft head's first draft is the target's sampled token: ``python -m bench.coupling``.
 
 Offline, on the target's own seeded samples: for each prompt and
-temperature the target decodes plainly (keyed Gumbel-max draws), then, at
-every generated position t, the target's distribution p_t and the draft
+temperature the target decodes plainly (keyed Gumbel-max draws,
+``decoding.plain_decode``), then, at every generated position t before EOS, the target's distribution p_t and the draft
 head's q_t (from the target's features at the positions before, as the
 drafter has them; the same temperature, top-k and top-p) give
 
@@ -36,6 +36,7 @@ from specserve.sampling import SamplingParams, target_probs
 
 from . import machine
 from .dataset import CATEGORIES, load_questions, select
+from .decoding import plain_decode
 from .run import Target, draft_head, load_target, make_prompt
 
 INDEPENDENT_SEED_OFFSET = 1 << 32  # a seed whose noise has nothing to do with the target's
@@ -59,24 +60,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 @torch.inference_mode()
-def sampled_trajectory(target: Target, prompt_ids: list[int], sampling: SamplingParams, n: int) -> list[int]:
-    """Plain seeded decoding (what the service produces with this seed), EOS included when reached."""
-    noise = PositionNoise(sampling.seed or 0, len(prompt_ids))
-    out = target.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-    tokens: list[int] = []
-    for step in range(n):
-        token = noise.sample(target_probs(out.logits[0, -1:].float(), sampling)[0], step)
-        tokens.append(token)
-        if token in target.eos_ids:
-            break
-        out = target.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
-
-
-@torch.inference_mode()
 def position_rates(target: Target, head: Any, prompt_ids: list[int], sampling: SamplingParams, n: int) -> np.ndarray:
     """Per generated position: [coupled match, top-1 match, independent match, bound, TV]."""
-    generated = sampled_trajectory(target, prompt_ids, sampling, n)
+    # What the service produces with this seed (EOS, where reached, is not a position drafted for).
+    generated = plain_decode(target.model, prompt_ids, n, target.eos_ids, sampling, target.head).tokens
     tokens = prompt_ids + generated
     out = target.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
     features = out.hidden_states[-1][0].float()  # after the final norm: what the verifier forwards
