@@ -18,9 +18,13 @@ graph cache.
   the bits of a pack made for each bucket), else each bucket keeps its own
   pack (one more copy of the weights per bucket). MKL's packed kernel
   computes each row alike at every row count from 2 up (bit for bit on the
-  CPUs measured so far; ``tests/unit/test_step_invariance.py`` checks the
+  Xeons measured so far; ``tests/unit/test_step_invariance.py`` checks the
   machine it runs on), while one row takes a GEMV path that rounds
-  differently: one row runs as two.
+  differently: one row runs as two. Not every CPU is so kind: on an AMD EPYC
+  with AVX512 (Zen 4) a 2-row product rounds unlike 4 rows and up, so the
+  buckets a step may run at are checked once per weight shape at start-up
+  (``row_invariant_buckets``) and the odd ones dropped (there, 1-3 rows run
+  as 4).
 - **bf16 or fp16 on a CPU**: oneDNN's packed linear
   (``torch.ops.mkldnn._linear_pointwise``), one pack for every row count.
 - **anything else** (GPUs, CPUs without MKL, ``--compile off``): ``F.linear``.
@@ -78,6 +82,30 @@ def one_pack_serves(out_features: int, in_features: int, buckets: tuple[int, ...
             if not torch.equal(torch.ops.mkl._mkl_linear(x[:rows], shared, weight, None, rows), expected):
                 return False
     return True
+
+
+@cache
+def row_invariant_buckets(out_features: int, in_features: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The buckets at which MKL's packed product computes each row exactly as the largest bucket does.
+
+    A row's bits must not depend on how many rows share its step (a token scored in a tree must get the
+    logits it gets in a plain step); a bucket whose kernel rounds otherwise is dropped, and its rows run
+    padded to the next bucket. Like ``one_pack_serves``, random weights of the shape decide it.
+    """
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    most = max(buckets)
+    x = torch.randn(most, in_features, generator=generator)
+    with torch.inference_mode():
+        reference = torch.ops.mkl._mkl_linear(
+            x, torch.ops.mkl._mkl_reorder_linear_weight(weight, most), weight, None, most
+        )
+        kept = []
+        for rows in sorted(buckets):
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+            if torch.equal(torch.ops.mkl._mkl_linear(x[:rows], packed, weight, None, rows), reference[:rows]):
+                kept.append(rows)
+    return tuple(kept)
 
 
 class PackedLinear:
