@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all venv proto run test test-slow unit integration lint grpcurl-tool bench bench-verify-cost train-draft clean
+.PHONY: all venv proto run test test-slow test-gpu unit integration lint grpcurl-tool bench bench-verify-cost train-draft clean
 
 all: proto
 
@@ -52,6 +52,10 @@ grpcurl-tool:
 # Everything but the tests marked slow: kept under 15 minutes on 2 CPU cores. CI (.ci/run) runs both.
 test: lint helm-tools grpcurl-tool
 	$(PY) -m pytest -q --durations=15 -m "not slow" tests
+
+# On a machine with a CUDA GPU (skipped elsewhere): the engine's step captured as CUDA graphs.
+test-gpu: proto
+	$(PY) -m pytest -q --noconftest tests/gpu
 
 # The heavier checks: full-size statistics, the 4 MB prompt, the 4,000-token prompt, the bf16 and pinned benchmark runs.
 test-slow: proto helm-tools grpcurl-tool

@@ -1,5 +1,6 @@
 # Benchmarks; the top-level Makefile includes this fragment.
 #   make bench                the Spec-Bench run: the default modes in the dtype --dtype auto picks, 7 prompts per category, 128 new tokens
+#   make bench-gpu            on a CUDA machine: tests/gpu, batch invariance, c(n) eager vs CUDA graphs (bench/results/gpu/)
 #   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context, and B = 1..16 sessions
 #                             in one step, in float32 and bfloat16
 #   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/results/load/)
@@ -28,13 +29,17 @@ BENCH_HEAD_ARGS ?=
 BENCH_PEERS_ARGS ?=
 BENCH_SAMPLING_ARGS ?=
 
-.PHONY: bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
+.PHONY: bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
 
 bench-verify-cost: proto
 	$(PY) -m bench.verify_cost $(VERIFY_COST_ARGS)
+
+# On a machine with a CUDA GPU: its tests, batch invariance and c(n) eager vs CUDA graphs (bench/results/gpu/).
+bench-gpu: proto
+	PY=$(PY) bash bench/gpu.sh
 
 bench-load: proto
 	$(PY) -m bench.load $(BENCH_LOAD_ARGS)

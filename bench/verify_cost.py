@@ -61,6 +61,18 @@ PREFILL_HEADROOM_TOKENS = 64
 
 # Published configurations (attention and MLP widths are what cost depends on; RoPE scaling is not modelled).
 SHAPES: dict[str, dict[str, Any]] = {
+    # The packaged target's own shape: its cost on a machine where its weights cannot travel (a lent GPU).
+    "smollm2-135m": {
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 8192,
+    },
     "llama-3.2-1b": {
         "vocab_size": 128256,
         "hidden_size": 2048,

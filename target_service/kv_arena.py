@@ -58,15 +58,21 @@ class KVArena:
         capacity_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        scratch_tokens: int = 0,
     ) -> None:
+        """``scratch_tokens`` slots past the capacity belong to no region: a static-shape step writes its
+        padding rows' keys and values there (``static_steps``). An arena with scratch slots starts zeroed,
+        since such a step may read a scratch slot before anything was written to it."""
         capacity_tokens = capacity_tokens // BLOCK_TOKENS * BLOCK_TOKENS
         if capacity_tokens < BLOCK_TOKENS:
             raise ValueError(f"a KV cache needs room for at least {BLOCK_TOKENS} tokens")
-        shape = (num_kv_heads, capacity_tokens, head_dim)
+        shape = (num_kv_heads, capacity_tokens + scratch_tokens, head_dim)
         # torch.empty: pages are committed when first written, not at start-up.
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        make = torch.zeros if scratch_tokens else torch.empty
+        self.keys = [make(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [make(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity_tokens = capacity_tokens
+        self.scratch_slot: int | None = capacity_tokens if scratch_tokens else None
         self.bytes_per_token = bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         self._free: list[tuple[int, int]] = [(0, capacity_tokens)]  # (start, size), sorted, coalesced
         self._regions: list[Region] = []  # live regions (for compaction)

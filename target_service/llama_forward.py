@@ -11,8 +11,9 @@ takes the weights over into a compact model of its own:
   row does;
 - **plain tensor code**: RMSNorm, rotary embedding, SiLU-gated MLP, row by row
   alike, so a row's result does not depend on which other rows share its step;
-- **attention over the KV arena** (``ragged_attention``): each session's rows
-  attend over their own cached context with their own mask.
+- **attention over the KV arena**, passed in: each session's rows attend over
+  their own cached context with their own mask (``ragged_attention`` per
+  segment, or ``static_steps`` over one gathered window for CUDA graphs).
 
 The families it drives differ only in small ways: Qwen2 has biases on Q, K
 and V; Qwen3 normalises each head's queries and keys before the rotary
@@ -24,7 +25,7 @@ sliding-window layers (this forward attends over the whole context).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from target_service.packed_linear import PackedLinear, Packing
-from target_service.ragged_attention import StepPlan, attend_segments
+
+# Attention for one layer: (layer, q [T, heads, d], k and v [T, kv_heads, d], scaling) -> [T, heads, d]; it also
+# stores k and v in the KV cache. ``ragged_attention.attend_segments`` (bound to a plan) or a static step's.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 # Decoder-only families this forward reproduces: the Llama family and its close relatives.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -52,6 +56,7 @@ class LlamaShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    intermediate_size: int
     vocab_size: int
     rms_norm_eps: float
     max_positions: int
@@ -73,6 +78,7 @@ class LlamaShape:
             num_heads=heads,
             num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            intermediate_size=int(config.intermediate_size),
             vocab_size=int(config.vocab_size),
             rms_norm_eps=float(config.rms_norm_eps),
             max_positions=int(getattr(config, "max_position_embeddings", 2048)),
@@ -160,8 +166,8 @@ class LlamaForward:
         signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         return cos[:, None, :], signed_sin[:, None, :]
 
-    def __call__(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rows outside every segment of ``plan`` (padding) are computed and never read back."""
+    def __call__(self, attend: Attend, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rows ``attend`` gives no segment (padding) are computed and never read back."""
         s = self.shape
         rows = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
@@ -177,8 +183,8 @@ class LlamaForward:
                 q = rms_norm(qk[:, :q_heads], q_norm, s.rms_norm_eps)
                 qk = torch.cat((q, rms_norm(qk[:, q_heads:], k_norm, s.rms_norm_eps)), dim=1)
             qk = qk * cos + qk.roll(half, dims=-1) * sin
-            attended = attend_segments(plan, index, qk[:, :q_heads], qk[:, q_heads:], v, self.scaling)
-            x = x + block.o(attended.view(rows, s.q_size))
+            attended = attend(index, qk[:, :q_heads], qk[:, q_heads:], v, self.scaling)
+            x = x + block.o(attended.reshape(rows, s.q_size))
             gate, up = block.gate_up(rms_norm(x, block.mlp_norm, s.rms_norm_eps)).split(block.intermediate, dim=-1)
             x = x + block.down(F.silu(gate) * up)
         return x

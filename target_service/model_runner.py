@@ -14,23 +14,41 @@ runs it, so that:
   manufacture argmax ties;
 - hidden states are returned only for the rows a draft head asked for.
 
-``compile="off"`` runs the same forward with ``F.linear`` and no padding: the
-eager baseline the benchmarks compare with, and the path for GPUs until the
-engine has CUDA graphs.
+On a GPU, ``compile="auto"`` runs steps of up to 256 rows as CUDA graphs
+(``static_steps``: rows padded to buckets, attention over one gathered window
+with a mask), captured per shape on first use.
+
+``compile="off"`` runs the same forward with ``F.linear``, no padding and
+per-segment attention: the eager baseline the benchmarks compare with.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from target_service.kv_arena import KVArena, bytes_per_token
-from target_service.llama_forward import SUPPORTED_MODEL_TYPES, LlamaForward, UnsupportedModelError, rms_norm
-from target_service.packed_linear import DEFAULT_BUCKETS, PackedLinear, Packing, available_packing, bucket_for
-from target_service.ragged_attention import StepPlan
+from target_service.kv_arena import BLOCK_TOKENS, KVArena, bytes_per_token
+from target_service.llama_forward import (
+    SUPPORTED_MODEL_TYPES,
+    LlamaForward,
+    LlamaShape,
+    UnsupportedModelError,
+    rms_norm,
+)
+from target_service.packed_linear import (
+    DEFAULT_BUCKETS,
+    PackedLinear,
+    Packing,
+    available_packing,
+    bucket_for,
+    row_invariant_buckets,
+)
+from target_service.ragged_attention import StepPlan, attend_segments
+from target_service.static_steps import StaticSteps
 
 COMPILE_CHOICES = ("auto", "off")
 
@@ -43,23 +61,51 @@ class StepOutput:
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
 
 
-class ModelRunner:
-    """Runs the engine's forward over a StepPlan; ``compile`` is "auto" (prepacked buckets) or "off"."""
+def _invariant_buckets(shape: LlamaShape, buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """The buckets at which every fp32 product of the model (layers and head) is row-invariant here."""
+    products = {
+        (shape.q_size + 2 * shape.kv_size, shape.hidden_size),
+        (shape.hidden_size, shape.q_size),
+        (2 * shape.intermediate_size, shape.hidden_size),
+        (shape.hidden_size, shape.intermediate_size),
+        (shape.vocab_size, shape.hidden_size),
+    }
+    kept = set(buckets)
+    for out_features, in_features in sorted(products):
+        kept &= set(row_invariant_buckets(out_features, in_features, buckets))
+    return tuple(sorted(kept)) or buckets[-1:]
 
-    def __init__(self, model: Any, compile: str = "auto", buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+
+class ModelRunner:
+    """Runs the engine's forward over a StepPlan; ``compile`` is "auto" (prepacked buckets, CUDA graphs) or "off".
+
+    ``static`` forces static-shape steps on (True) or off (False); by default they run where CUDA graphs
+    can capture them. Off a GPU they run uncaptured, which is how the tests check them on a CPU.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        compile: str = "auto",
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        static: bool | None = None,
+    ) -> None:
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"compile must be one of {COMPILE_CHOICES}, not {compile!r}")
         weight = model.lm_head.weight.detach()
         self.dtype: torch.dtype = weight.dtype
         self.device: torch.device = weight.device
         packing: Packing = available_packing(self.dtype, self.device) if compile == "auto" else "none"
-        # Buckets matter only where a pack serves one row count; elsewhere a step runs at its own size.
-        self.buckets: tuple[int, ...] = tuple(sorted(buckets)) if packing == "mkl" else ()
-        self._forward = LlamaForward(model, packing, self.buckets)
-        shape = self._forward.shape
         # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
         head_packing = available_packing(torch.float32, self.device) if compile == "auto" else "none"
-        self._head = PackedLinear(weight.float(), None, head_packing, buckets)
+        shape = LlamaShape.of(model.config)
+        # Buckets matter only where a pack serves one row count; elsewhere a step runs at its own size.
+        self.buckets: tuple[int, ...] = tuple(sorted(buckets)) if packing == "mkl" else ()
+        if self.buckets:
+            self.buckets = _invariant_buckets(shape, self.buckets)
+        head_buckets = _invariant_buckets(shape, tuple(sorted(buckets))) if head_packing == "mkl" else ()
+        self._forward = LlamaForward(model, packing, self.buckets)
+        self._head = PackedLinear(weight.float(), None, head_packing, head_buckets)
         self._norm = self._forward.norm.float()
         self._eps = shape.rms_norm_eps
         self.packing = packing
@@ -69,9 +115,19 @@ class ModelRunner:
         self.num_kv_heads = shape.num_kv_heads
         self.head_dim = shape.head_dim
         self.max_positions = shape.max_positions
+        cuda = self.device.type == "cuda"
+        if static is None:
+            static = compile == "auto" and cuda
+        self._static = StaticSteps(self._forward, capture=cuda) if static else None
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
+        if self._static is not None:
+            how = "CUDA graphs" if self._static.capture else "uncaptured static steps"
+            return (
+                f"{how} per (rows, window) bucket, rows padded to {list(self._static.row_buckets)}, attention over "
+                f"one gathered window of at most {self._static.max_window} slots; eager beyond"
+            )
         if self.packing == "mkl":
             return f"MKL-prepacked fp32 products, rows padded to {list(self.buckets)}"
         if self.packing == "onednn":
@@ -83,7 +139,10 @@ class ModelRunner:
         return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
     def new_arena(self, capacity_tokens: int) -> KVArena:
-        return KVArena(self.num_layers, self.num_kv_heads, self.head_dim, capacity_tokens, self.dtype, self.device)
+        scratch = BLOCK_TOKENS if self._static is not None else 0  # where static steps' padding rows write
+        return KVArena(
+            self.num_layers, self.num_kv_heads, self.head_dim, capacity_tokens, self.dtype, self.device, scratch
+        )
 
     def padded_rows(self, rows: int) -> int:
         """The rows a step of ``rows`` tokens runs as."""
@@ -103,11 +162,14 @@ class ModelRunner:
         Returns fp32 logits at ``score_rows`` and normed hidden states at ``feature_rows`` (row indices into T).
         """
         rows = input_ids.shape[0]
-        padding = self.padded_rows(rows) - rows
-        if padding:  # padding rows belong to no segment: attention gives them zeros and nothing reads them
-            input_ids = F.pad(input_ids, (0, padding))
-            positions = F.pad(positions, (0, padding))
-        hidden = self._forward(plan, input_ids, positions)
+        if self._static is not None and self._static.covers(plan, rows):
+            hidden = self._static(plan, input_ids, positions)
+        else:
+            padding = self.padded_rows(rows) - rows
+            if padding:  # padding rows belong to no segment: attention gives them zeros and nothing reads them
+                input_ids = F.pad(input_ids, (0, padding))
+                positions = F.pad(positions, (0, padding))
+            hidden = self._forward(partial(attend_segments, plan), input_ids, positions)
         wanted = torch.cat([score_rows, feature_rows])
         normed = rms_norm(hidden.index_select(0, wanted).float(), self._norm, self._eps)
         scored = normed[: score_rows.numel()]

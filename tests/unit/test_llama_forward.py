@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from specserve.tree_masks import ancestor_matrix
+from target_service.kv_arena import KVArena
 from target_service.llama_forward import UnsupportedModelError
 from target_service.model_runner import ModelRunner
 from target_service.packed_linear import PackedLinear, available_packing
@@ -71,20 +72,27 @@ def reference_logits(model: Any, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0]
 
 
-def tree_step(runner: ModelRunner, prompts: list[list[int]], trees: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+def tree_step(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    trees: list[tuple[list[int], list[int]]],
+    arena: KVArena | None = None,
+) -> torch.Tensor:
     """Prefill each prompt but its last token, then ONE step: each session's last token and its tree.
 
-    Returns the fp32 logits of every row of that step.
+    Returns the fp32 logits of every row of that step (on the runner's device).
     """
-    arena = runner.new_arena(1024)
+    device = runner.device
+    arena = arena or runner.new_arena(1024)
     regions = []
     for prompt in prompts:
         region = arena.allocate(len(prompt) + 16)
         assert region is not None
         cached = len(prompt) - 1
-        plan = StepPlan(arena, [Segment.chunk(region, 0, slice(0, cached), CPU)])
-        empty = torch.zeros(0, dtype=torch.long)
-        runner.forward(plan, torch.tensor(prompt[:-1]), torch.arange(cached), empty, empty)
+        plan = StepPlan(arena, [Segment.chunk(region, 0, slice(0, cached), device)])
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        ids = torch.tensor(prompt[:-1], device=device)
+        runner.forward(plan, ids, torch.arange(cached, device=device), empty, empty)
         region.length = cached
         regions.append(region)
     plan = StepPlan(arena)
@@ -100,9 +108,10 @@ def tree_step(runner: ModelRunner, prompts: list[list[int]], trees: list[tuple[l
         positions += [cached + d for d in depth]
         allowed = torch.ones(n, cached + n, dtype=torch.bool)
         allowed[:, cached:] = ancestor_matrix(torch.tensor([-1] + [p + 1 for p in parents]), max(depth) + 1)
-        plan.segments.append(Segment(region, cached, slice(start, start + n), allowed))
-    rows = torch.arange(len(ids))
-    return runner.forward(plan, torch.tensor(ids), torch.tensor(positions), rows, rows[:0]).logits
+        plan.segments.append(Segment(region, cached, slice(start, start + n), allowed.to(device)))
+    rows = torch.arange(len(ids), device=device)
+    ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+    return runner.forward(plan, ids_t, pos_t, rows, rows[:0]).logits
 
 
 PROMPTS = [[5, 9, 2, 77, 31, 8, 14], [60, 3, 3, 41], [11, 12]]
@@ -131,6 +140,38 @@ def test_ragged_tree_step_equals_transformers(family: str, compile: str) -> None
     model = build(family)
     logits = tree_step(ModelRunner(model, compile), PROMPTS, TREES)
     torch.testing.assert_close(logits, expected_rows(model).float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compile", ["auto", "off"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_static_step_equals_transformers(family: str, compile: str) -> None:
+    """The static-shape step (CUDA graphs on a GPU, run uncaptured here): rows padded, one gathered window."""
+    model = build(family)
+    runner = ModelRunner(model, compile, static=True)
+    arena = runner.new_arena(1024)
+    arena.allocate(200)  # the sessions' regions do not start at slot 0: the window gathers them from elsewhere
+    logits = tree_step(runner, PROMPTS, TREES, arena)
+    torch.testing.assert_close(logits, expected_rows(model).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_static_step_padding_rows_write_only_the_scratch_slots() -> None:
+    """A 3-row static step runs as 4: the padding row writes its key and value past the arena's capacity."""
+    model = build("llama")
+    runner = ModelRunner(model, "off", static=True)
+    arena = runner.new_arena(64)
+    assert arena.scratch_slot == 64
+    for tensor in (*arena.keys, *arena.values):
+        tensor[:, :64].fill_(7.0)
+    region = arena.allocate(16)
+    assert region is not None
+    plan = StepPlan(arena, [Segment.chunk(region, 0, slice(0, 3), CPU)])
+    rows = torch.arange(3)
+    logits = runner.forward(plan, torch.tensor([5, 9, 2]), torch.arange(3), rows, rows[:0]).logits
+    torch.testing.assert_close(logits, reference_logits(model, [5, 9, 2]), atol=1e-5, rtol=1e-5)
+    for tensor in (*arena.keys, *arena.values):
+        assert not torch.any(tensor[:, :3] == 7.0)
+        assert torch.all(tensor[:, 3:64] == 7.0), "a padding row wrote into a region's slots"
+        assert torch.any(tensor[:, 64] != 0.0), "the padding row's key and value went to the scratch slot"
 
 
 def test_fused_products_equal_the_separate_ones() -> None:
