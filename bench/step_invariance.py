@@ -121,11 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"step_invariance_{args.shape}_{args.device.replace(':', '')}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "cases": cases}, indent=1) + "\n")
+    m = meta["machine"]
+    hardware = m["cuda"] if args.device.startswith("cuda") else f"{m['cpu_model']} ({', '.join(m['cpu_flags'])})"
     lines = [
         f"# Batch invariance: {where}",
         "",
-        f"Measured {meta['measured_at']}. Largest |fp32 logit difference| of a session's rows alone and inside a "
-        "step of T rows (0: bit-identical).",
+        f"Measured {meta['measured_at']} on {hardware}, torch {m['torch_version']}. Largest |fp32 logit "
+        "difference| of a session's rows alone and inside a step of T rows (0: bit-identical).",
         "",
         "| dtype | compile | own rows | " + " | ".join(f"T={t}" for t in TOTALS) + " |",
         "|---|---|---|" + "---|" * len(TOTALS),
