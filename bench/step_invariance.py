@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     worst = max(diffs.values())
                     print(f"{dtype} compile={compile} own={own}: worst {worst:.3g} {diffs}", flush=True)
     where = f"{args.shape} ({args.num_layers} layers, random weights) on {args.device}"
-    meta = {
+    meta: dict[str, Any] = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "model": where,
         "machine": machine.describe(),
