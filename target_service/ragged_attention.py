@@ -7,8 +7,9 @@ sessions must not mix: this module gives each session's rows its own
 attention over its own cached context in the KV arena, with its own mask.
 
 The engine's forward (``llama_forward``) computes q, k and v (rotary
-embedding applied) and calls ``attend_segments`` through an opaque op, which
-writes k and v into the arena in place and attends per segment.
+embedding applied) and calls ``attend_segments`` bound to the step's plan,
+which writes k and v into the arena in place and attends per segment. On a
+GPU, steps run as CUDA graphs attend differently (``static_steps``).
 """
 
 from __future__ import annotations

@@ -16,11 +16,16 @@ it (``ModelRunner`` over a ragged ``StepPlan``), then applies each caller's
 acceptance and answers it. A caller whose request fails (a bad tree, no
 memory, a sampling error) gets its own error; the rest of the batch goes on.
 
-Memory is admitted in bytes: a prefill that finds no room evicts sessions
-idle for ``evict_idle_s`` (least recently used first), else waits in the
-queue, and after ``admission_timeout_s`` gets RESOURCE_EXHAUSTED. An evicted
-session's next Verify gets NOT_FOUND and the coordinator prefills it again
-from its committed tokens, so no token is lost or repeated.
+Memory is admitted in bytes (``session_cache``): a call that finds no room
+even after evicting idle sessions waits in the queue, and after
+``admission_timeout_s`` gets RESOURCE_EXHAUSTED. An evicted session's next
+Verify gets NOT_FOUND and the coordinator prefills it again from its
+committed tokens, so no token is lost or repeated.
+
+This module is the scheduler (what runs next) and the public API; the parts
+it drives live beside it: ``engine_calls`` (what is queued), ``session_cache``
+(sessions and memory), ``step_inputs`` (pack and unpack a step),
+``model_runner`` (the forward) and ``tree_acceptance`` (what a session keeps).
 """
 
 from __future__ import annotations
@@ -32,13 +37,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from specserve.acceptance import Acceptance, PrefillResult, VerifyResult, accept_greedy, accept_sampled
+from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -48,38 +53,21 @@ from specserve.errors import (
     SpecserveError,
     Unavailable,
 )
-from specserve.keyed_noise import PositionNoise, fresh_seed
-from specserve.sampling import SamplingParams, target_probs
+from specserve.sampling import SamplingParams
 from specserve.token_tree import InvalidTreeError, TokenTree
-from specserve.tree_masks import ancestor_matrix
+from target_service import step_inputs
 from target_service.config import VerifierConfig
-from target_service.draft_budget import (
-    CostCurve,
-    DraftBudget,
-    SessionAcceptance,
-    ThroughputGuard,
-    flat_curve,
-    measure_curve,
-)
-from target_service.kv_arena import KVArena, Region
+from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
+from target_service.engine_calls import Call, PrefillCall, ReleaseCall, StepWork, VerifyCall, fail, resolve
+from target_service.kv_arena import KVArena
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
-from target_service.session_store import SessionStore
+from target_service.session_cache import PREFILL_HEADROOM_TOKENS, Session, SessionCache
+from target_service.tree_acceptance import accept, commit
 
 log = logging.getLogger(__name__)
 
-# Slots reserved beyond a prompt at prefill, so the first rounds grow in place.
-PREFILL_HEADROOM_TOKENS = 64
-
-
-@dataclass
-class _Session:
-    committed: list[int]  # all committed tokens; the cache holds all but the last
-    region: Region
-    sampling: SamplingParams
-    seed: int  # keys the sampling draws by position (keyed_noise)
-    acceptance: SessionAcceptance = field(default_factory=SessionAcceptance)  # sizes its draft budget
-    owner: str = ""  # who created it (caller and tenant, from the edge); only the owner may use or release it
+__all__ = ["PREFILL_HEADROOM_TOKENS", "EngineStats", "EngineStep", "Verifier", "VerifierLimits"]
 
 
 @dataclass(frozen=True)
@@ -112,59 +100,6 @@ class EngineStep:
     num_tokens: int  # tokens in the forward: each Verify's pending token and tree nodes, each prefill chunk
     # ("verify" or "prefill", seconds from submission to this step) of each call this step served first
     queued_s: tuple[tuple[str, float], ...] = ()
-
-
-@dataclass(eq=False)
-class _Call:
-    session_id: str
-    owner: str = ""
-    future: Future[Any] = field(default_factory=Future)
-    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
-    started_ns: int = 0  # first step that served it
-
-
-@dataclass(eq=False)
-class _PrefillCall(_Call):
-    tokens: list[int] = field(default_factory=list)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    return_features: bool = False
-    session: _Session | None = None  # built chunk by chunk, registered when complete
-    features: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def num_to_cache(self) -> int:
-        return len(self.tokens) - 1
-
-    @property
-    def remaining(self) -> int:
-        done = self.session.region.length if self.session is not None else 0
-        return self.num_to_cache - done
-
-
-@dataclass(eq=False)
-class _VerifyCall(_Call):
-    num_committed: int = 0
-    tree: TokenTree = field(default_factory=TokenTree)
-    num_successors: int = 0  # the target's likeliest next tokens returned per scored position
-    return_features: bool = False
-    score_only: bool = False  # answer the fp32 logits and leave the session as it was
-
-    @property
-    def num_tokens(self) -> int:
-        return 1 + len(self.tree)
-
-
-@dataclass(eq=False)
-class _ReleaseCall(_Call):
-    pass
-
-
-@dataclass
-class _Work:
-    """What one step serves: calls with the tokens each feeds into the forward."""
-
-    verifies: list[tuple[_VerifyCall, _Session]] = field(default_factory=list)
-    prefills: list[tuple[_PrefillCall, int]] = field(default_factory=list)  # (call, tokens this step)
 
 
 class Verifier:
@@ -212,16 +147,22 @@ class Verifier:
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self._budget = DraftBudget(cost_curve or flat_curve(), max_tree_nodes)
         self._admission_timeout_ns = int(admission_timeout_s * 1e9)
-        self._evict_idle_s = evict_idle_s
-        self._sessions: SessionStore[_Session] = SessionStore(max_sessions, session_ttl_s, on_evict=self._forget)
-        self._queue: deque[_Call] = deque()
+        self._sessions = SessionCache(
+            self._arena,
+            max_sessions,
+            session_ttl_s,
+            self.limits.max_session_tokens,
+            evict_idle_s,
+            busy=self._busy_sessions,
+        )
+        self._queue: deque[Call] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._paused = False
         self._busy = False  # a step is being built or run
         self._num_steps = 0
         self._in_step: set[str] = set()  # sessions with a call in the step being built: never evicted
-        self._step_calls: list[_Call] = []
+        self._step_calls: list[Call] = []
         self._activity = _ActivityLog()
         self._guard = ThroughputGuard() if throughput_guard else _NeverProbe()
         self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
@@ -332,7 +273,7 @@ class Verifier:
                 f"{len(token_ids)} tokens need {needed / 2**20:.1f} MiB of KV cache, more than the verifier's "
                 f"{self._arena.capacity_bytes / 2**20:.1f} MiB: raise --kv-cache-gib or send a shorter prompt"
             )
-        call = _PrefillCall(
+        call = PrefillCall(
             session_id, owner, tokens=list(token_ids), sampling=sampling, return_features=return_features
         )
         return self._submit(call)
@@ -370,7 +311,7 @@ class Verifier:
             raise InvalidArgument(str(exc)) from exc
         if num_successors < 0:
             raise InvalidArgument(f"num_successors must be >= 0, got {num_successors}")
-        call = _VerifyCall(
+        call = VerifyCall(
             session_id,
             owner,
             num_committed=num_committed,
@@ -391,7 +332,7 @@ class Verifier:
     def submit_score(self, session_id: str, tree: TokenTree) -> Future[torch.Tensor]:
         session = self._sessions.peek(session_id)
         num_committed = len(session.committed) if session is not None else 0
-        return self._submit(_VerifyCall(session_id, num_committed=num_committed, tree=tree, score_only=True))
+        return self._submit(VerifyCall(session_id, num_committed=num_committed, tree=tree, score_only=True))
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -417,7 +358,7 @@ class Verifier:
         return True
 
     def release(self, session_id: str, owner: str = "") -> bool:
-        released: bool = self._submit(_ReleaseCall(session_id, owner)).result()
+        released: bool = self._submit(ReleaseCall(session_id, owner)).result()
         return released
 
     @property
@@ -487,7 +428,7 @@ class Verifier:
             token = int(array[bad[0]])
             raise InvalidArgument(f"{what} id {token} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _submit(self, call: _Call) -> Future[Any]:
+    def _submit(self, call: Call) -> Future[Any]:
         with self._cond:
             if self._stopping:
                 raise Unavailable("the verifier is shutting down; retry on another replica")
@@ -521,7 +462,7 @@ class Verifier:
                     if not call.future.done():
                         self._abandon(call, Unavailable(f"the verifier failed this step ({type(exc).__name__}); retry"))
         for call in pending:
-            _fail(call, Unavailable("the verifier is shutting down; retry on another replica"))
+            fail(call, Unavailable("the verifier is shutting down; retry on another replica"))
 
     def _step(self) -> bool:
         """Run one step; False when there was nothing it could run."""
@@ -534,38 +475,33 @@ class Verifier:
             if not call.started_ns:
                 call.started_ns = started
                 queued.append(
-                    ("verify" if isinstance(call, _VerifyCall) else "prefill", (started - call.enqueued_ns) / 1e9)
+                    ("verify" if isinstance(call, VerifyCall) else "prefill", (started - call.enqueued_ns) / 1e9)
                 )
-        plan, input_ids, positions, score_rows, feature_rows = self._build_inputs(work)
-        out = self._runner.forward(plan, input_ids, positions, score_rows, feature_rows)
+        inputs = step_inputs.pack(work, self._arena, self.device)
+        out = self._runner.forward(
+            inputs.plan, inputs.input_ids, inputs.positions, inputs.score_rows, inputs.feature_rows
+        )
         self._num_steps += 1
         sessions = len(work.verifies)
         self._recent_sessions = max(float(sessions), 0.5 * self._recent_sessions + 0.5 * sessions)
         load = round(self._recent_sessions)
         budget = self._budget.nodes_for(load) if self._guard.arm_now else 0  # the engine-wide figure, for the log
-        self._activity.add(len(plan.segments), int(input_ids.numel()), time.perf_counter_ns() - started, budget)
-        score_at = 0
-        feature_at = 0
+        num_segments, num_tokens = len(inputs.plan.segments), int(inputs.input_ids.numel())
+        self._activity.add(num_segments, num_tokens, time.perf_counter_ns() - started, budget)
         committed: dict[str, int] = {}
-        for call, session in work.verifies:
-            n = call.num_tokens
-            logits = out.logits[score_at : score_at + n]
-            score_at += n
-            hidden = out.features[feature_at : feature_at + n] if call.return_features else None
-            feature_at += n if call.return_features else 0
+        for call, session, logits, hidden in step_inputs.verify_rows(work, out):
             committed[call.session_id] = self._finish_verify(call, session, logits, hidden, load, sessions)
-        for prefill, tokens in work.prefills:
-            if prefill.return_features:
-                prefill.features.append(out.features[feature_at : feature_at + tokens])
-                feature_at += tokens
+        for prefill, tokens, hidden in step_inputs.prefill_rows(work, out):
+            if hidden is not None:
+                prefill.features.append(hidden)
             self._advance_prefill(prefill, tokens)
         self._guard.observe(committed)
-        step = EngineStep(len(plan.segments), int(input_ids.numel()), tuple(queued))
+        step = EngineStep(num_segments, num_tokens, tuple(queued))
         for observer in self._step_observers:
             observer(step)
         return True
 
-    def _take_work(self) -> _Work:
+    def _take_work(self) -> StepWork:
         """Pick this step's calls under the token and session budgets; answer releases and stale calls.
 
         Verify calls go first, in arrival order, so running streams are never
@@ -573,11 +509,11 @@ class Verifier:
         budget (a prompt always advances by at least one small chunk). One
         call per session per step; the others stay queued in order.
         """
-        work = _Work()
+        work = StepWork()
         tokens_left = self.limits.max_batch_tokens
         seen: set[str] = set()
-        deferred: list[_Call] = []
-        prefills: list[_PrefillCall] = []
+        deferred: list[Call] = []
+        prefills: list[PrefillCall] = []
         with self._cond:
             self._sessions.expire()
             queued = list(self._queue)
@@ -593,15 +529,15 @@ class Verifier:
                 deferred.append(call)
             elif not self._owned_by_caller(call):
                 pass  # answered PermissionDenied
-            elif isinstance(call, _ReleaseCall):
-                self._release_now(call)
-            elif isinstance(call, _PrefillCall):
+            elif isinstance(call, ReleaseCall):
+                resolve(call, self._sessions.release(call.session_id))
+            elif isinstance(call, PrefillCall):
                 prefills.append(call)
-            elif isinstance(call, _VerifyCall):
+            elif isinstance(call, VerifyCall):
                 if len(work.verifies) >= self.limits.max_batch_sessions or call.num_tokens > tokens_left:
                     deferred.append(call)
                 elif (session := self._session_for(call)) is not None:
-                    if self._reserve(session.region, len(session.committed) + len(call.tree)):
+                    if self._sessions.reserve(session.region, len(session.committed) + len(call.tree)):
                         work.verifies.append((call, session))
                         tokens_left -= call.num_tokens
                     else:
@@ -624,30 +560,30 @@ class Verifier:
             self._queue.extendleft(reversed(deferred))
         return work
 
-    def _owned_by_caller(self, call: _Call) -> bool:
+    def _owned_by_caller(self, call: Call) -> bool:
         """False (and the call answered PermissionDenied) when the session exists and another owner created it.
 
         A prefill in progress is not checked again: it was when it started.
         """
-        if isinstance(call, _PrefillCall) and call.session is not None:
+        if isinstance(call, PrefillCall) and call.session is not None:
             return True
         session = self._sessions.peek(call.session_id)
         if session is None or session.owner == call.owner:
             return True
-        _fail(call, PermissionDenied(f"session {call.session_id!r} belongs to another caller or tenant"))
+        fail(call, PermissionDenied(f"session {call.session_id!r} belongs to another caller or tenant"))
         return False
 
-    def _session_for(self, call: _VerifyCall) -> _Session | None:
+    def _session_for(self, call: VerifyCall) -> Session | None:
         """The call's session if it is there and in step; otherwise the call is answered with the error."""
         session = self._sessions.get(call.session_id)
         if session is None:
-            _fail(
+            fail(
                 call,
                 NotFound(f"unknown session {call.session_id!r} (never prefilled, released or evicted): prefill it"),
             )
             return None
         if call.num_committed != len(session.committed):
-            _fail(
+            fail(
                 call,
                 FailedPrecondition(
                     f"session {call.session_id!r} holds {len(session.committed)} committed tokens, "
@@ -657,7 +593,7 @@ class Verifier:
             return None
         depth = max(call.tree.depths(), default=0)
         if len(session.committed) + depth + 1 > self.limits.max_session_tokens:
-            _fail(
+            fail(
                 call,
                 ResourceExhausted(
                     f"session {call.session_id!r} would exceed the context limit of "
@@ -667,26 +603,12 @@ class Verifier:
             return None
         return session
 
-    def _reserve(self, region: Region, tokens: int) -> bool:
-        """Room for ``tokens`` in ``region``, evicting idle sessions (least recently used first) if needed."""
-        limit = self.limits.max_session_tokens
-        while not self._arena.reserve(region, tokens, limit):
-            if not self._evict_one(0.0, keep=region):
-                return False
-        return True
-
-    def _evict_one(self, idle_s: float, keep: Region | None = None) -> bool:
-        """Evict the least recently used session idle for ``idle_s`` with no call queued; False if none."""
+    def _busy_sessions(self) -> set[str]:
+        """Sessions with a call in the step being built or in the queue: never evicted."""
         with self._cond:
-            busy = self._in_step | {call.session_id for call in self._queue}
-        victim = self._sessions.least_recent(idle_s, lambda key, s: key not in busy and s.region is not keep)
-        if victim is None:
-            return False
-        log.info("evicting session %s to free KV cache memory", victim)
-        self._sessions.evict(victim)
-        return True
+            return self._in_step | {call.session_id for call in self._queue}
 
-    def _wait_or_fail(self, call: _Call, deferred: list[_Call]) -> None:
+    def _wait_or_fail(self, call: Call, deferred: list[Call]) -> None:
         waited = time.perf_counter_ns() - call.enqueued_ns
         if waited < self._admission_timeout_ns:
             deferred.append(call)
@@ -699,115 +621,43 @@ class Verifier:
             ),
         )
 
-    def _start_prefill(self, call: _PrefillCall) -> bool:
-        old = self._sessions.pop(call.session_id)
-        if old is not None:
-            self._arena.free(old.region)
-        region = self._arena.allocate(call.num_to_cache + PREFILL_HEADROOM_TOKENS)
-        while region is None and self._evict_one(self._evict_idle_s):
-            region = self._arena.allocate(call.num_to_cache + PREFILL_HEADROOM_TOKENS)
-        if region is None:
-            return False
-        seed = call.sampling.seed if call.sampling.seed is not None else fresh_seed()
-        call.session = _Session(list(call.tokens), region, call.sampling, seed, owner=call.owner)
-        return True
+    def _start_prefill(self, call: PrefillCall) -> bool:
+        call.session = self._sessions.start(call.session_id, call.tokens, call.sampling, call.owner)
+        return call.session is not None
 
-    def _advance_prefill(self, call: _PrefillCall, tokens: int) -> None:
+    def _advance_prefill(self, call: PrefillCall, tokens: int) -> None:
         assert call.session is not None
         call.session.region.length += tokens
         if call.remaining == 0:
             self._complete_prefill(call)
 
-    def _complete_prefill(self, call: _PrefillCall) -> None:
+    def _complete_prefill(self, call: PrefillCall) -> None:
         session = call.session
         assert session is not None
         if call.future.cancelled():
             self._abandon(call, None)
             return
         # Sessions in the step being run keep their memory: the forward writes into it.
-        self._sessions.put(call.session_id, session, protected=self._in_step)
+        self._sessions.register(call.session_id, session, protected=self._in_step)
         features = None
         if call.return_features:
             rows = torch.cat(call.features) if call.features else torch.zeros(0, self.hidden_size)
             features = _float16(rows)
         call.features = []
-        _resolve(call, PrefillResult(time.perf_counter_ns() - call.enqueued_ns, features))
+        resolve(call, PrefillResult(time.perf_counter_ns() - call.enqueued_ns, features))
 
-    def _abandon(self, call: _Call, error: SpecserveError | None) -> None:
+    def _abandon(self, call: Call, error: SpecserveError | None) -> None:
         """Give up a call; a prefill in progress frees its memory."""
-        if isinstance(call, _PrefillCall) and call.session is not None:
-            if self._sessions.peek(call.session_id) is not call.session:
-                self._arena.free(call.session.region)
+        if isinstance(call, PrefillCall) and call.session is not None:
+            self._sessions.abandon(call.session_id, call.session)
             call.session = None
         if error is not None:
-            _fail(call, error)
-
-    def _drop(self, session_id: str, session: _Session) -> None:
-        """Forget a session whose step failed, and give its KV cache memory back."""
-        if self._sessions.peek(session_id) is session:
-            self._sessions.pop(session_id)
-            self._arena.free(session.region)
-
-    def _release_now(self, call: _ReleaseCall) -> None:
-        session = self._sessions.pop(call.session_id)
-        if session is not None:
-            self._arena.free(session.region)
-        _resolve(call, session is not None)
-
-    def _forget(self, session_id: str, session: _Session) -> None:
-        """SessionStore eviction hook (TTL or session count): give the memory back."""
-        self._arena.free(session.region)
-
-    def _build_inputs(self, work: _Work) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pack every call's tokens into one forward: ids, positions, rows to score and rows to return."""
-        device = self.device
-        plan = StepPlan(self._arena)
-        ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        score: list[int] = []
-        feature: list[int] = []
-        for call, session in work.verifies:
-            start = len(ids)
-            cached = len(session.committed) - 1
-            ids.append(session.committed[-1])
-            ids.extend(call.tree.token_ids)
-            n = call.num_tokens
-            depths = torch.tensor([0, *call.tree.depths()], dtype=torch.long)
-            positions.append(cached + depths)
-            mask = None
-            if len(call.tree):
-                allowed = torch.ones(n, cached + n, dtype=torch.bool)
-                allowed[:, cached:] = False
-                allowed[0, cached] = True
-                allowed[1:, cached] = True
-                parents = torch.tensor(call.tree.parents, dtype=torch.long)
-                allowed[1:, cached + 1 :] = ancestor_matrix(parents, int(depths.max()))
-                mask = allowed.to(device)
-            plan.segments.append(Segment(session.region, cached, slice(start, start + n), mask))
-            score.extend(range(start, start + n))
-            if call.return_features:
-                feature.extend(range(start, start + n))
-        for prefill, tokens in work.prefills:
-            assert prefill.session is not None
-            start = len(ids)
-            done = prefill.session.region.length
-            ids.extend(prefill.tokens[done : done + tokens])
-            positions.append(torch.arange(done, done + tokens))
-            plan.segments.append(Segment.chunk(prefill.session.region, done, slice(start, start + tokens), device))
-            if prefill.return_features:
-                feature.extend(range(start, start + tokens))
-        return (
-            plan,
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.cat(positions).to(device),
-            torch.tensor(score, dtype=torch.long, device=device),
-            torch.tensor(feature, dtype=torch.long, device=device),
-        )
+            fail(call, error)
 
     def _finish_verify(
         self,
-        call: _VerifyCall,
-        session: _Session,
+        call: VerifyCall,
+        session: Session,
         logits: torch.Tensor,
         hidden: torch.Tensor | None,
         load: int,
@@ -819,14 +669,14 @@ class Verifier:
         """
         tree = call.tree
         if call.score_only:
-            _resolve(call, logits.clone())
+            resolve(call, logits.clone())
             return 0
         try:
-            acceptance = self._accept(tree, logits, session)
+            acceptance = accept(tree, logits, session)
         except Exception:  # e.g. no probability mass left after top-k/top-p: this session only
             log.exception("sampling failed for session %s; releasing it", call.session_id)
-            self._drop(call.session_id, session)
-            _fail(
+            self._sessions.discard(call.session_id, session)
+            fail(
                 call,
                 InvalidArgument(
                     f"session {call.session_id!r}: its sampling parameters left no token to sample; the session "
@@ -834,11 +684,7 @@ class Verifier:
                 ),
             )
             return 0
-        cached = len(session.committed) - 1
-        # Keep the pending token and the accepted path; rejected branches leave no trace.
-        self._arena.keep(session.region, cached, [0, *(node + 1 for node in acceptance.path)])
-        accepted = [tree.token_ids[node] for node in acceptance.path]
-        session.committed.extend([*accepted, acceptance.bonus_token])
+        accepted = commit(self._arena, session, tree, acceptance)
         self._budget.observe(max(tree.depths(), default=0), len(accepted))
         session.acceptance.observe(max(tree.depths(), default=0), len(accepted))
         budget = self._session_budget(session, load)
@@ -846,7 +692,7 @@ class Verifier:
         successors = logits.topk(k, dim=-1).indices.tolist() if k > 0 else []
         rows = [0, *(node + 1 for node in acceptance.path)]
         now = time.perf_counter_ns()
-        _resolve(
+        resolve(
             call,
             VerifyResult(
                 accepted_tokens=accepted,
@@ -862,20 +708,12 @@ class Verifier:
         )
         return len(accepted) + 1
 
-    def _session_budget(self, session: _Session, load: int) -> int:
+    def _session_budget(self, session: Session, load: int) -> int:
         """Draft nodes that pay for this session at ``load``, by its acceptance so far (this round's included)."""
         if not self._guard.arm_now:  # the guard's "off" arm is its own probe of "no drafts": no probes inside it
             return 0
         by_cost = self._budget.nodes_for(load, session.acceptance.alpha(self._budget.alpha))
         return session.acceptance.budget(by_cost, self.limits.max_tree_nodes)
-
-    @staticmethod
-    def _accept(tree: TokenTree, logits: torch.Tensor, session: _Session) -> Acceptance:
-        if session.sampling.greedy:
-            # torch.argmax returns the first maximum: ties go to the lowest id on every path.
-            return accept_greedy(tree, logits.argmax(dim=-1).tolist())
-        p = target_probs(logits, session.sampling).cpu()
-        return accept_sampled(tree, p, PositionNoise(session.seed, first_position=len(session.committed)))
 
 
 class _NeverProbe:
@@ -920,13 +758,3 @@ class _ActivityLog:
 
 def _float16(rows: torch.Tensor) -> np.ndarray:
     return rows.detach().to("cpu", torch.float16).numpy()
-
-
-def _resolve(call: _Call, value: object) -> None:
-    if not call.future.done() and call.future.set_running_or_notify_cancel():
-        call.future.set_result(value)
-
-
-def _fail(call: _Call, error: SpecserveError) -> None:
-    if not call.future.done() and call.future.set_running_or_notify_cancel():
-        call.future.set_exception(error)

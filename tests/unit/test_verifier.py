@@ -134,7 +134,7 @@ def test_refused_prefill_leaves_no_session() -> None:
 
 def test_a_session_whose_sampling_fails_is_dropped_and_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine raising for one session's sampling releases that session (its cache freed), and only it."""
-    import target_service.verifier as engine
+    import target_service.tree_acceptance as engine
 
     verifier = new_verifier()
     verifier.prefill("ok", [1, 2, 3], SamplingParams())

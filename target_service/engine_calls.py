@@ -1,0 +1,84 @@
+"""What callers put in the verifier's queue, and how the engine answers them.
+
+Every public call of the verifier becomes one of these objects with a
+Future; the engine thread takes them from the queue (``verifier``), serves
+them in steps (``step_inputs``) and answers each through its Future, with a
+result or with the caller's own error.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specserve.errors import SpecserveError
+from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
+from target_service.session_cache import Session
+
+
+@dataclass(eq=False)
+class Call:
+    session_id: str
+    owner: str = ""
+    future: Future[Any] = field(default_factory=Future)
+    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    started_ns: int = 0  # first step that served it
+
+
+@dataclass(eq=False)
+class PrefillCall(Call):
+    tokens: list[int] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_features: bool = False
+    session: Session | None = None  # built chunk by chunk, registered when complete
+    features: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def num_to_cache(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def remaining(self) -> int:
+        done = self.session.region.length if self.session is not None else 0
+        return self.num_to_cache - done
+
+
+@dataclass(eq=False)
+class VerifyCall(Call):
+    num_committed: int = 0
+    tree: TokenTree = field(default_factory=TokenTree)
+    num_successors: int = 0  # the target's likeliest next tokens returned per scored position
+    return_features: bool = False
+    score_only: bool = False  # answer the fp32 logits and leave the session as it was
+
+    @property
+    def num_tokens(self) -> int:
+        return 1 + len(self.tree)
+
+
+@dataclass(eq=False)
+class ReleaseCall(Call):
+    pass
+
+
+@dataclass
+class StepWork:
+    """What one step serves: calls with the tokens each feeds into the forward."""
+
+    verifies: list[tuple[VerifyCall, Session]] = field(default_factory=list)
+    prefills: list[tuple[PrefillCall, int]] = field(default_factory=list)  # (call, tokens this step)
+
+
+def resolve(call: Call, value: object) -> None:
+    if not call.future.done() and call.future.set_running_or_notify_cancel():
+        call.future.set_result(value)
+
+
+def fail(call: Call, error: SpecserveError) -> None:
+    if not call.future.done() and call.future.set_running_or_notify_cancel():
+        call.future.set_exception(error)
