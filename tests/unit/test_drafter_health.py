@@ -1,7 +1,6 @@
 """The health-checked drafter: latency-following timeouts, a circuit breaker, background probes."""
 
 import asyncio
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -10,6 +9,7 @@ from coordinator.drafter_health import DraftLatency, HealthCheckedDrafter
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterFailed, DrafterSkipped
 from specserve.token_tree import TokenTree
+from tests.virtual_clock import clock, run_virtual
 
 
 def test_timeout_is_the_ceiling_until_measured_then_follows_the_p99_within_bounds() -> None:
@@ -63,8 +63,13 @@ class FakeDrafter:
 
 
 def wrapped(inner: FakeDrafter, **kwargs: float) -> HealthCheckedDrafter:
+    """The drafter on the loop's clock: under ``run_virtual``, every timeout and backoff is exact and instant."""
     options = {"ceiling_s": 0.2, "floor_s": 0.01, "backoff_s": 0.3, "max_backoff_s": 1.0, **kwargs}
-    return HealthCheckedDrafter(inner, "fake", **options)  # type: ignore[arg-type]
+    return HealthCheckedDrafter(inner, "fake", clock=clock, **options)  # type: ignore[arg-type]
+
+
+async def until(moment: float) -> None:
+    await asyncio.sleep(moment - clock())
 
 
 async def one_request(drafter: HealthCheckedDrafter, session: str) -> str:
@@ -86,23 +91,27 @@ def test_a_stalled_drafter_costs_one_timeout_then_is_skipped_until_a_probe_finds
         drafter = wrapped(inner)
         assert await one_request(drafter, "a") == "ok"
         inner.mode = "stall"
-        started = time.perf_counter()
+        stalled = clock()
         assert (await one_request(drafter, "b")).startswith("failed: no answer within 200 ms")
-        assert 0.19 < time.perf_counter() - started < 1.0
-        started = time.perf_counter()
+        assert clock() - stalled == pytest.approx(0.2)  # the ceiling: too few round trips measured yet
+        skipping = clock()
         assert [await one_request(drafter, s) for s in "cde"] == ["skipped"] * 3
-        assert time.perf_counter() - started < 0.05  # skipped requests never wait
+        assert clock() == skipping  # skipped requests never wait
         assert drafter.circuit_open
-        await asyncio.sleep(0.6)  # probe after 0.3 s: stalled, so it times out; next one 0.6 s after it
+        # Open from 0.2 s for 0.3 s; the probe at 0.5 s stalls and times out at 0.7 s, which opens the circuit for
+        # 0.6 s more: the next probe is at 1.3 s.
+        await until(stalled + 0.8)
         assert drafter.circuit_open and drafter.failures_in_a_row == 2
         inner.mode = "ok"
-        await asyncio.sleep(1.0)
+        await until(stalled + 1.29)
+        assert drafter.circuit_open
+        await until(stalled + 1.31)
         assert not drafter.circuit_open
         assert await one_request(drafter, "f") == "ok"
         assert drafter.failures_in_a_row == 0  # a session with a tree and no failure resets the doubling
         await drafter.aclose()
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_streams_in_flight_give_up_when_another_session_trips_the_circuit() -> None:
@@ -111,15 +120,14 @@ def test_streams_in_flight_give_up_when_another_session_trips_the_circuit() -> N
         drafter = wrapped(inner, ceiling_s=0.3)
         streams = [await drafter.open(s, [1], "fp") for s in "abcd"]
         inner.mode = "stall"
-        started = time.perf_counter()
+        started = clock()
         results = await asyncio.gather(*(s.propose(DraftFeedback(()), 4) for s in streams), return_exceptions=True)
-        elapsed = time.perf_counter() - started
         assert all(isinstance(r, DrafterFailed) for r in results)
         assert sum(isinstance(r, DrafterSkipped) for r in results) == 3  # one timed out; the others gave up with it
-        assert elapsed < 0.5  # one timeout in all, not one each in turn
+        assert clock() - started == pytest.approx(0.3)  # one timeout in all
         await drafter.aclose()
 
-    asyncio.run(scenario())
+    run_virtual(scenario())
 
 
 def test_a_failing_drafter_backs_off_doubling_and_misbehaviour_counts() -> None:
@@ -130,11 +138,13 @@ def test_a_failing_drafter_backs_off_doubling_and_misbehaviour_counts() -> None:
         assert (await one_request(drafter, "a")).startswith("failed: connection refused")
         assert await one_request(drafter, "b") == "skipped"
         assert inner.opens == 1
-        await asyncio.sleep(0.45)  # probes at 0.1 and 0.3 fail
-        assert drafter.failures_in_a_row >= 3
+        await asyncio.sleep(0.45)  # probes at 0.1 and 0.3 fail; the next is at 0.7
+        assert drafter.failures_in_a_row == 3 and inner.opens == 3
         inner.mode = "ok"
-        await asyncio.sleep(0.5)
-        assert not drafter.circuit_open
+        await asyncio.sleep(0.2)
+        assert drafter.circuit_open and inner.opens == 3  # 0.65 s: the 0.4 s backoff is not over
+        await asyncio.sleep(0.1)
+        assert not drafter.circuit_open and inner.opens == 4
         stream = await drafter.open("c", [1], "fp")
         drafter.misbehaved("c", "sent a bad tree: node 0 has token id 99999")
         assert drafter.circuit_open
@@ -144,4 +154,4 @@ def test_a_failing_drafter_backs_off_doubling_and_misbehaviour_counts() -> None:
         assert drafter.failures_in_a_row > 0  # a misbehaving session does not reset the doubling
         await drafter.aclose()
 
-    asyncio.run(scenario())
+    run_virtual(scenario())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tracemalloc
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import numpy as np
@@ -14,10 +16,12 @@ from draft_service.draft_head import DraftHead, DraftHeadConfig
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.head_proposer import HeadProposer
 from draft_service.pools import PoolRegistry
+from draft_service.server import idle_limited
 from draft_service.session_memory import SessionMemory
 from draft_service.tree_builder import VerifyCost
 from specserve.draft_feedback import DraftFeedback
 from specserve.drain import Drain
+from specserve.errors import DeadlineExceeded
 from specserve.ngram_pool import ByteBudget, InMemoryNgramPool, PoolShape
 from specserve.v1 import drafter_pb2_grpc
 from tests.conftest import tiny_llama
@@ -128,27 +132,73 @@ def test_a_session_alone_over_the_budget_forgets_its_own_head_state() -> None:
     assert drafter.memory.bytes_in_use == session.nbytes  # its tokens: what a session needs to draft at all
 
 
+class ManualIdleTimer:
+    """The server's idle timer under the test's control: a wait for the next message times out when ``expire`` says.
+
+    Under a real timer, "a message every 0.25 s is never idle for 0.5 s" holds only while the machine keeps up.
+    """
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []  # the timeout of every wait for a message the server began, in order
+        self._current: asyncio.Timeout | None = None
+
+    @contextlib.asynccontextmanager
+    async def __call__(self, seconds: float) -> AsyncIterator[None]:
+        self.waits.append(seconds)
+        async with asyncio.timeout(None) as self._current:
+            yield
+
+    def expire(self) -> None:
+        """The wait in progress times out now (RuntimeError when none is)."""
+        assert self._current is not None
+        self._current.reschedule(asyncio.get_running_loop().time())
+
+
+async def wait_for(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(30):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
 def test_a_silent_draft_stream_is_closed_with_deadline_exceeded_and_its_state_freed() -> None:
     async def scenario() -> None:
         drafter = Drafter(lambda *_: InMemoryNgramPool())
-        server, address = await drafter_server(Drain(), drafter=drafter, stream_idle_timeout_s=0.5)
+        timer = ManualIdleTimer()
+        server, address = await drafter_server(Drain(), drafter=drafter, stream_idle_timeout_s=0.5, idle_timer=timer)
         try:
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = drafter_pb2_grpc.DrafterServiceStub(channel)
                 stream = Stream(stub)
                 await stream.send(start("idle"))
-                for _ in range(4):  # a message every 0.25 s: never idle for 0.5 s
-                    await asyncio.sleep(0.25)
+                for _ in range(4):
                     await stream.send(propose([4, 5]))
                     await stream.call.read()
+                # Every message starts a new wait, of the configured length: the start, four proposes, and now the
+                # wait for a sixth message.
+                await wait_for(lambda: len(timer.waits) == 6)
+                assert timer.waits == [0.5] * 6
                 assert len(drafter.memory) == 1
+                timer.expire()
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    async with asyncio.timeout(10):
+                    async with asyncio.timeout(30):
                         await stream.call.read()
                 assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert "no message on this Draft stream for 0.5 s" in (caught.value.details() or "")
                 assert len(drafter.memory) == 0 and drafter.memory.bytes_in_use == 0
         finally:
             await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_the_idle_limit_times_out_on_the_loop_clock_by_default() -> None:
+    async def silent() -> AsyncIterator[int]:
+        await asyncio.Event().wait()
+        yield 0
+
+    async def scenario() -> None:
+        with pytest.raises(DeadlineExceeded, match=r"no message on this Draft stream for 0\.01 s"):
+            async with asyncio.timeout(30):  # a guard only: the limit fires after 0.01 s
+                await anext(idle_limited(silent(), 0.01))
 
     asyncio.run(scenario())

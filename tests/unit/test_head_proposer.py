@@ -19,6 +19,7 @@ from draft_service.training.distill_data import distil_batch
 from draft_service.training.train import TrainSettings, train
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
 from specserve.draft_feedback import DraftFeedback
+from specserve.head_matmul import ROW_COUNTS
 from specserve.keyed_noise import PositionNoise
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.sampling import SamplingParams, target_probs
@@ -365,9 +366,15 @@ def test_concurrent_sampled_sessions_with_coupled_drafts_share_steps_and_each_is
     assert steps < sum(stats.num_rounds for stats in finished) + len(requests)  # prefills and rounds shared steps
 
 
-def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead) -> None:
-    """The drafter runs its head in bf16 where the CPU does so natively (--head-dtype auto): fp32 features in."""
-    half, choice = in_serving_dtype(copy.deepcopy(head), "bfloat16")
+@pytest.mark.parametrize("transposed", [False, True], ids=["F.linear", "transposed"])
+def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead, transposed: bool) -> None:
+    """The drafter runs its head in bf16 where the CPU does so natively (--head-dtype auto): fp32 features in.
+
+    Each product form pinned ('auto' times them, so which one ran would depend on the machine's load).
+    """
+    half, choice = in_serving_dtype(copy.deepcopy(head), "bfloat16", "linear")
+    if transposed:
+        half.transposed_rows = half.layer_matmul.transposed_rows = frozenset(ROW_COUNTS)
     assert half.draft_lm_head.dtype == torch.bfloat16 and choice.reason == "requested"
     prompt = [2, 7, 1, 8, 2, 8]
     tokens, stats, _ = generate(half, GenerationRequest(prompt, 40))
