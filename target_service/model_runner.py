@@ -118,7 +118,8 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         if static is None:
             static = compile == "auto" and cuda
-        self._static = StaticSteps(self._forward, capture=cuda) if static else None
+        group = shape.num_heads // shape.num_kv_heads
+        self._static = StaticSteps(self._forward, capture=cuda, group=group) if static else None
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""

@@ -83,6 +83,8 @@ class _Buffers:
     slots: torch.Tensor  # [max rows]: where each row's key and value are written
     windows: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [window] arena slots gathered
     biases: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [max rows, window] additive mask
+    # window -> the mask repeated for each query head sharing a key head: [group * max rows, window]
+    grouped: dict[int, torch.Tensor] = field(default_factory=dict)
     graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -90,7 +92,7 @@ def attend_window(
     arena: KVArena,
     slots: torch.Tensor,
     window: torch.Tensor,
-    bias: torch.Tensor,
+    mask: torch.Tensor,
     layer: int,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -101,7 +103,8 @@ def attend_window(
 
     Grouped-query attention without copying keys per query head: the ``heads / kv_heads`` query heads that
     share a key head are stacked as rows of that key head (transformers' ``repeat_kv`` order: query head h
-    uses key head h // group), and the mask is repeated to match.
+    uses key head h // group), with ``mask`` [group * T, window] repeated to match (once a step, by
+    ``StaticSteps``, not once a layer).
     """
     keys, values = arena.keys[layer], arena.values[layer]
     keys.index_copy_(1, slots, k.transpose(0, 1))
@@ -110,7 +113,6 @@ def attend_window(
     kv_heads = k.shape[1]
     group = heads // kv_heads
     grouped = q.reshape(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * rows, dim)
-    mask = bias.repeat(group, 1) if group > 1 else bias
     attended = F.scaled_dot_product_attention(
         grouped[None],
         keys.index_select(1, window)[None],
@@ -130,8 +132,11 @@ class StaticSteps:
         row_buckets: Sequence[int] = ROW_BUCKETS,
         max_window: int = MAX_WINDOW,
         capture: bool = True,
+        group: int = 1,
     ) -> None:
+        """``group``: query heads per key head (grouped-query attention)."""
         self._forward = forward
+        self._group = group
         self.row_buckets = tuple(sorted(row_buckets))
         self.max_window = max_window
         self.capture = capture
@@ -153,9 +158,8 @@ class StaticSteps:
         window = window_bucket(sum(segment_window(seg) for seg in plan.segments))
         buffers = self._buffers(arena)
         self._fill(buffers, plan, input_ids, positions, bucket, window)
-        attend = partial(
-            attend_window, arena, buffers.slots[:bucket], buffers.windows[window], buffers.biases[window][:bucket]
-        )
+        mask = buffers.grouped[window][: self._group * bucket]
+        attend = partial(attend_window, arena, buffers.slots[:bucket], buffers.windows[window], mask)
         ids, pos = buffers.ids[:bucket], buffers.positions[:bucket]
         if not self.capture:
             return self._forward(attend, ids, pos)
@@ -196,7 +200,13 @@ class StaticSteps:
         device = arena.keys[0].device
         if window not in buffers.windows:
             buffers.windows[window] = torch.zeros(window, dtype=torch.long, device=device)
-            buffers.biases[window] = torch.zeros(self.row_buckets[-1], window, dtype=arena.keys[0].dtype, device=device)
+            most, dtype = self.row_buckets[-1], arena.keys[0].dtype
+            buffers.biases[window] = torch.zeros(most, window, dtype=dtype, device=device)
+            buffers.grouped[window] = (
+                torch.zeros(self._group * most, window, dtype=dtype, device=device)
+                if self._group > 1
+                else buffers.biases[window]
+            )
         rows = input_ids.shape[0]
         buffers.ids[:rows].copy_(input_ids)
         buffers.ids[rows:bucket].zero_()
@@ -222,6 +232,9 @@ class StaticSteps:
             at += cached + n
         buffers.slots[:bucket].copy_(slots)
         buffers.windows[window].copy_(gathered)
+        if self._group > 1:
+            grouped = buffers.grouped[window][: self._group * bucket].view(self._group, bucket, window)
+            grouped.copy_(bias[None].expand(self._group, bucket, window))
 
     def _capture(
         self, attend: Attend, ids: torch.Tensor, positions: torch.Tensor
