@@ -5,8 +5,11 @@ scored inside a tree gets exactly the logits it gets in a one-token step
 (batch invariance). This runs one session's rows alone, then inside steps of
 more rows (the others belong to other sessions, as under load), and reports
 the largest difference of its fp32 logits from the alone run, per step form:
-0 is bit-identical. ``tests/unit/test_step_invariance.py`` asserts it for the
-CPU's prepacked step; this reports it wherever it runs, a GPU included.
+0 is bit-identical. It also sets a session's pending row alone against the same
+row with n - 1 draft nodes in its own segment (a chain): the products see the
+same rows either way, but attention sees n query rows instead of one.
+``tests/unit/test_step_invariance.py`` asserts the first for the CPU's
+prepacked step; this reports both wherever it runs, a GPU included.
 """
 
 from __future__ import annotations
@@ -78,6 +81,14 @@ class RowProbe:
             if total >= own_rows
         }
 
+    def chain_differences(self, sizes: Sequence[int]) -> dict[int, float]:
+        """Largest |logit difference| of the pending row alone from the same row ahead of n - 1 chain nodes."""
+        alone = self.step(1, 0)[0]
+        return {n: float((self.step(n, 0)[0] - alone).abs().max()) for n in sizes}
+
+
+CHAIN_SIZES = (2, 3, 4, 5, 8, 9, 16, 17, 32)
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.step_invariance", description=__doc__.splitlines()[0])
@@ -112,6 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                     worst = max(diffs.values())
                     print(f"{dtype} compile={compile} own={own}: worst {worst:.3g} {diffs}", flush=True)
+                chain = probe.chain_differences(CHAIN_SIZES)
+                cases.append(
+                    {"dtype": dtype, "compile": compile, "step_form": runner.describe(), "own_rows": "chain"}
+                    | {"max_abs_diff": {str(n): d for n, d in chain.items()}}
+                )
+                print(f"{dtype} compile={compile} chain: {chain}", flush=True)
     where = f"{args.shape} ({args.num_layers} layers, random weights) on {args.device}"
     meta: dict[str, Any] = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -132,9 +149,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "| dtype | compile | own rows | " + " | ".join(f"T={t}" for t in TOTALS) + " |",
         "|---|---|---|" + "---|" * len(TOTALS),
     ]
-    for case in cases:
+    for case in (c for c in cases if c["own_rows"] != "chain"):
         cells = [f"{case['max_abs_diff'].get(str(t), float('nan')):.2g}" for t in TOTALS]
         lines.append(f"| {case['dtype']} | {case['compile']} | {case['own_rows']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "A session's pending row alone against the same row with n - 1 draft nodes (a chain) in its own segment:",
+        "",
+        "| dtype | compile | " + " | ".join(f"n={n}" for n in CHAIN_SIZES) + " |",
+        "|---|---|" + "---|" * len(CHAIN_SIZES),
+    ]
+    for case in (c for c in cases if c["own_rows"] == "chain"):
+        cells = [f"{case['max_abs_diff'][str(n)]:.2g}" for n in CHAIN_SIZES]
+        lines.append(f"| {case['dtype']} | {case['compile']} | " + " | ".join(cells) + " |")
     lines += ["", "Step forms: " + "; ".join(sorted({f"{c['compile']}: {c['step_form']}" for c in cases}))]
     (args.out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return 0
