@@ -75,3 +75,18 @@ def test_greedy_speculation_through_graphs_equals_plain_decoding() -> None:
         assert "CUDA graphs" in verifier.step_form
     finally:
         verifier.close()
+
+
+def test_the_start_up_cost_profile_runs_on_captured_steps() -> None:
+    """``profile_cost`` (run at every verifier start) steps a scratch arena of its own: captured there too,
+    and the sessions' arena still decodes as before afterwards (fp32: speculation equals plain decoding)."""
+    model = build("llama").to(CUDA)
+    verifier = Verifier(model, "fp", kv_cache_bytes=64 * 2**20)
+    try:
+        curve = verifier.profile_cost(sizes=(1, 2, 4, 8, 16), repeats=3)
+        assert curve.tokens == (1, 2, 4, 8, 16)
+        assert all(s > 0 for s in curve.seconds) and curve.per_session_s >= 0
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        assert greedy_through(verifier, prompt, 8) == greedy_through(verifier, prompt, 8, Drafts([], 96, 0))
+    finally:
+        verifier.close()
