@@ -55,6 +55,7 @@ class CoordinatorConfig:
     max_queued_streams: int = 256  # streams waiting for a slot; more are refused with RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # a queued stream waits this long for a slot, then RESOURCE_EXHAUSTED
     tenant_max_concurrent_streams: int = 0  # per tenant, unless its own setting says otherwise; 0: no limit
+    max_tokenize_queue: int = 16  # prompts waiting for one of the 2 tokenizer threads; more: RESOURCE_EXHAUSTED
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, running streams get this long to finish
 
 

@@ -201,6 +201,12 @@ def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorCo
         default=int(env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", str(defaults.tenant_max_concurrent_streams))),
         help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit",
     )
+    parser.add_argument(
+        "--max-tokenize-queue",
+        type=int,
+        default=int(env("SPECSERVE_MAX_TOKENIZE_QUEUE", str(defaults.max_tokenize_queue))),
+        help="admitted prompts waiting for a tokenizer thread (each holds its text); more: RESOURCE_EXHAUSTED",
+    )
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
@@ -396,7 +402,7 @@ async def serve(config: CoordinatorConfig) -> None:
         return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy, drafter_monitor=drafter)
 
     limits = prompt_limits(config, info)
-    frontend.attach(GenerationBackend(tokenizer, limits, new_generation))
+    frontend.attach(GenerationBackend(tokenizer, limits, new_generation, config.max_tokenize_queue))
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"
