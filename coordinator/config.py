@@ -105,3 +105,16 @@ arrives and gets the clear INVALID_ARGUMENT; a request far over it is refused by
 
 def max_receive_message_bytes(config: CoordinatorConfig) -> int:
     return config.max_prompt_bytes + REQUEST_OVERHEAD_BYTES
+
+
+CALL_HEADROOM = 32
+"""Calls each server takes above the admission limits: health checks and reflection, and requests just past the
+queue, which then hear admission's own refusal (with ``retry-after-ms``) rather than the server's."""
+
+
+def max_concurrent_calls(config: CoordinatorConfig) -> int:
+    """Calls the gRPC server (``maximum_concurrent_rpcs``) and the HTTP server (uvicorn's ``limit_concurrency``)
+    each take at once: every slot, every queue place and ``CALL_HEADROOM``. A call beyond it is refused before its
+    request is read (gRPC: RESOURCE_EXHAUSTED; HTTP: 503), so a flood holds no more prompts than admission could
+    ever serve."""
+    return config.max_concurrent_streams + config.max_queued_streams + CALL_HEADROOM

@@ -20,6 +20,7 @@ from coordinator.config import (
     CoordinatorConfig,
     admission_limits,
     internal_tls,
+    max_concurrent_calls,
     max_receive_message_bytes,
     prompt_limits,
     round_policy,
@@ -352,7 +353,7 @@ async def start_http(
     if not config.http_port:
         return None
     app = create_app(frontend, keys, drain, config.max_prompt_bytes)
-    http = HttpServer(app, config.host, config.http_port, config.security.tls)
+    http = HttpServer(app, config.host, config.http_port, config.security.tls, max_concurrent_calls(config))
     try:
         await http.start()
     except HttpStartError as exc:
@@ -370,7 +371,9 @@ async def serve(config: CoordinatorConfig) -> None:
     interceptors: list[grpc.aio.ServerInterceptor] = [AioErrorInterceptor()]
     interceptors += [ApiKeyInterceptor(keys)] if keys is not None else []
     options = [*server_options(), ("grpc.max_receive_message_length", max_receive_message_bytes(config))]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(
+        options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_calls(config)
+    )
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
