@@ -177,6 +177,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     return CoordinatorConfig(**values), args.log_level
 
 
+def optional_int(text: str) -> int | None:
+    """An integer flag that may be left unset ("": None, the config's default)."""
+    return int(text) if text.strip() else None
+
+
 def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorConfig) -> None:
     parser.add_argument(
         "--max-concurrent-streams",
@@ -198,9 +203,10 @@ def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorCo
     )
     parser.add_argument(
         "--tenant-max-concurrent-streams",
-        type=int,
-        default=int(env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", str(defaults.tenant_max_concurrent_streams))),
-        help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit",
+        type=optional_int,
+        default=env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", ""),
+        help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit; "
+        "unset: half of --max-concurrent-streams with --api-keys-file, else no limit",
     )
     parser.add_argument(
         "--max-tokenize-queue",
