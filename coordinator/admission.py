@@ -67,9 +67,15 @@ class _Waiter:
 
 @dataclass
 class Slot:
-    """A held stream slot; ``queue_s`` is how long the request waited for it."""
+    """A held stream slot; ``queue_s`` is how long the request waited for it. ``release`` gives it back (once)."""
 
     queue_s: float = 0.0
+    _release: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
 @dataclass
@@ -96,13 +102,23 @@ class AdmissionController:
     @asynccontextmanager
     async def slot(self, tenant: Tenant) -> AsyncIterator[Slot]:
         """Hold a stream slot for the block; waits in the queue, or raises ResourceExhausted/DeadlineExceeded."""
-        slot = Slot(await self._acquire(tenant))
-        started = self.clock()
+        slot = await self.acquire(tenant)
         try:
             yield slot
         finally:
+            slot.release()
+
+    async def acquire(self, tenant: Tenant) -> Slot:
+        """A stream slot the caller must ``release`` however the stream ends (an HTTP response outlives the handler
+        that took it); waits in the queue, or raises ResourceExhausted/DeadlineExceeded."""
+        queue_s = await self._acquire(tenant)
+        started = self.clock()
+
+        def release() -> None:
             self._held_s.append(self.clock() - started)
             self._release(tenant.name)
+
+        return Slot(queue_s, release)
 
     def drain(self) -> None:
         """Refuse new streams and the queued ones from now on; running streams go on to their end."""

@@ -54,7 +54,10 @@ class CoordinatorConfig:
     max_concurrent_streams: int = 64
     max_queued_streams: int = 256  # streams waiting for a slot; more are refused with RESOURCE_EXHAUSTED
     queue_timeout_s: float = 30.0  # a queued stream waits this long for a slot, then RESOURCE_EXHAUSTED
-    tenant_max_concurrent_streams: int = 0  # per tenant, unless its own setting says otherwise; 0: no limit
+    # Per tenant, unless its own setting says otherwise; 0: no limit. None: half the slots with API keys on (one
+    # tenant cannot take every slot and queue place), no limit with them off (every caller is one tenant).
+    tenant_max_concurrent_streams: int | None = None
+    max_tokenize_queue: int = 16  # prompts waiting for one of the 2 tokenizer threads; more: RESOURCE_EXHAUSTED
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, running streams get this long to finish
 
 
@@ -81,8 +84,19 @@ def admission_limits(config: CoordinatorConfig) -> AdmissionLimits:
         max_running=config.max_concurrent_streams,
         max_queued=config.max_queued_streams,
         queue_timeout_s=config.queue_timeout_s,
-        tenant_max_running=config.tenant_max_concurrent_streams,
+        tenant_max_running=tenant_share(config),
     )
+
+
+def tenant_share(config: CoordinatorConfig) -> int:
+    """Streams one tenant may run (and have queued) unless its own setting says: the flag when given, else half
+    the slots (at least 1) when callers authenticate, so no one tenant takes every slot and queue place; with
+    authentication off every caller is the same tenant, so no share (0)."""
+    if config.tenant_max_concurrent_streams is not None:
+        return config.tenant_max_concurrent_streams
+    if config.api_keys_file is None:
+        return 0
+    return max(1, config.max_concurrent_streams // 2)
 
 
 def prompt_limits(config: CoordinatorConfig, verifier: VerifierInfo) -> PromptLimits:
@@ -104,3 +118,16 @@ arrives and gets the clear INVALID_ARGUMENT; a request far over it is refused by
 
 def max_receive_message_bytes(config: CoordinatorConfig) -> int:
     return config.max_prompt_bytes + REQUEST_OVERHEAD_BYTES
+
+
+CALL_HEADROOM = 32
+"""Calls each server takes above the admission limits: health checks and reflection, and requests just past the
+queue, which then hear admission's own refusal (with ``retry-after-ms``) rather than the server's."""
+
+
+def max_concurrent_calls(config: CoordinatorConfig) -> int:
+    """Calls the gRPC server (``maximum_concurrent_rpcs``) and the HTTP server (uvicorn's ``limit_concurrency``)
+    each take at once: every slot, every queue place and ``CALL_HEADROOM``. A call beyond it is refused before its
+    request is read (gRPC: RESOURCE_EXHAUSTED; HTTP: 503), so a flood holds no more prompts than admission could
+    ever serve."""
+    return config.max_concurrent_streams + config.max_queued_streams + CALL_HEADROOM

@@ -1,9 +1,13 @@
 """The coordinator's edge core, shared by the gRPC API and the OpenAI-compatible HTTP API.
 
 Both edges turn their request into an ``EdgeRequest`` and stream what ``GenerationFrontend.generate`` yields:
-the checks (cheap limits first, then tokenization off the event loop), the admission slot, the client's
-deadline, the latency metrics and the request's one log line happen here once, whatever the transport.
-Failures are ``specserve.errors`` exceptions; each edge maps them to its own status codes.
+the checks, the admission slot, the client's deadline, the latency metrics and the request's one log line
+happen here once, whatever the transport. Failures are ``specserve.errors`` exceptions; each edge maps them to
+its own status codes.
+
+Admission comes before work: the cheap limits are checked first, then a slot is taken, and only then is the
+prompt tokenized (off the event loop, in a bounded queue). A request the coordinator has no room for is refused
+before it costs a tokenizer's seconds; the HTTP API takes the slot (``admit``) before it even reads the body.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator.admission import AdmissionController
+from coordinator.admission import AdmissionController, Slot
 from coordinator.deadlines import deadline_scope
 from coordinator.prompts import (
     ChatTurn,
@@ -69,6 +73,7 @@ class CallInfo:
     api: str  # "grpc", "openai.chat", "openai.completions"
     tenant: Tenant
     time_remaining_s: float | None = None  # the client's deadline; None: none
+    arrived: float = field(default_factory=time.monotonic, compare=False)  # when the edge got the call (time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,11 @@ class GenerationBackend:
     tokenizer: Any
     limits: PromptLimits
     new_generation: Callable[[GenerationRequest], Generation]
+    max_tokenize_queue: int = 16  # prompts waiting for a tokenizer worker; more: RESOURCE_EXHAUSTED
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "encoder", PromptEncoder(self.tokenizer))
+        object.__setattr__(self, "encoder", PromptEncoder(self.tokenizer, max_waiting=self.max_tokenize_queue))
 
 
 class FrontendMetrics(Protocol):
@@ -121,22 +127,51 @@ class GenerationFrontend:
     def ready(self) -> bool:
         return self._backend is not None
 
-    async def generate(self, request: EdgeRequest, call: CallInfo) -> AsyncIterator[TextChunk | GenerationStats]:
-        """Stream the request's chunks, then its stats; raises ``SpecserveError`` before or during the stream."""
+    def _ready(self) -> GenerationBackend:
+        if self._backend is None:
+            raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
+        return self._backend
+
+    async def admit(self, call: CallInfo) -> Slot:
+        """The call's admission slot, taken before its request is read (the HTTP API: before the body).
+
+        The caller passes it to ``generate``, which releases it, or releases it itself when the request fails
+        before that. A refusal is logged and counted here, as ``generate`` does its own.
+        """
+        try:
+            self._ready()
+            with tenant_scope(call.tenant), deadline_scope(call.time_remaining_s):
+                return await self._admission.acquire(call.tenant)
+        except SpecserveError as exc:
+            record = RequestRecord(call.request_id, call.api, call.tenant.name)
+            self._failed(record, exc.status, str(exc))
+            record.total_s = time.monotonic() - call.arrived
+            record.log()
+            raise
+
+    async def generate(
+        self, request: EdgeRequest, call: CallInfo, slot: Slot | None = None
+    ) -> AsyncIterator[TextChunk | GenerationStats]:
+        """Stream the request's chunks, then its stats; raises ``SpecserveError`` before or during the stream.
+
+        ``slot``: one ``admit`` took for this call (it is released here, however the stream ends); None: the
+        request takes its own once the cheap checks pass, before tokenizing.
+        """
         record = RequestRecord(call.request_id, call.api, call.tenant.name)
-        started = time.monotonic()
+        started = call.arrived
         last_chunk: float | None = None
         generation: Generation | None = None
         try:
-            backend = self._backend
-            if backend is None:
-                raise Unavailable("the coordinator is still connecting to its verifier; retry shortly")
+            backend = self._ready()
             with tenant_scope(call.tenant), deadline_scope(call.time_remaining_s):
-                generation = backend.new_generation(await self._generation_request(backend, request))
+                asked = self._check(backend.limits, request)
+                if slot is None:
+                    slot = await self._admission.acquire(call.tenant)
+                generation = backend.new_generation(await self._tokenized(backend, request, asked))
+                generation.stats.queue_ns = round(slot.queue_s * 1e9)
                 record.prompt_tokens = generation.stats.num_prompt_tokens
                 # aclosing: a client that hangs up mid-stream has its session released now, not by the finalizer.
-                async with self._admission.slot(call.tenant) as slot, aclosing(generation.stream()) as events:
-                    generation.stats.queue_ns = round(slot.queue_s * 1e9)
+                async with aclosing(generation.stream()) as events:
                     async for event in events:
                         now = time.monotonic()
                         if isinstance(event, TextChunk):
@@ -162,6 +197,8 @@ class GenerationFrontend:
             self._failed(record, "INTERNAL", type(exc).__name__)
             raise
         finally:
+            if slot is not None:
+                slot.release()
             if not record.finish_reason:  # it ended without stats: log how
                 record.total_s = time.monotonic() - started
                 record.log()
@@ -180,14 +217,20 @@ class GenerationFrontend:
         if self._metrics is not None:
             self._metrics.observe_request_error(code)
 
-    async def _generation_request(self, backend: GenerationBackend, request: EdgeRequest) -> GenerationRequest:
-        """The request checked against the limits first (cheap), then tokenized off the event loop."""
-        limits = backend.limits
+    @staticmethod
+    def _check(limits: PromptLimits, request: EdgeRequest) -> int:
+        """The limits that need no tokenizer (cheap: a bad request never waits for a slot); the tokens asked for."""
         if request.chat is not None:  # counted before 100k messages become 100k objects on the event loop
             check_chat_count(len(request.chat), limits)
         # "As many as fit" (None) is checked as one token now and resolved once the prompt's length is known.
         asked = 1 if request.max_new_tokens is None else request.max_new_tokens
         check_input(request.prompt, request.chat, asked, request.sampling, request.stop, limits)
+        return asked
+
+    @staticmethod
+    async def _tokenized(backend: GenerationBackend, request: EdgeRequest, asked: int) -> GenerationRequest:
+        """The request with its prompt tokenized off the event loop (in the slot: the costly part)."""
+        limits = backend.limits
         try:
             prompt_ids = await backend.encoder.encode(request.prompt, request.chat, limits.max_session_tokens - asked)
         except PromptTooLong as exc:

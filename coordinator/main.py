@@ -20,6 +20,7 @@ from coordinator.config import (
     CoordinatorConfig,
     admission_limits,
     internal_tls,
+    max_concurrent_calls,
     max_receive_message_bytes,
     prompt_limits,
     round_policy,
@@ -176,6 +177,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     return CoordinatorConfig(**values), args.log_level
 
 
+def optional_int(text: str) -> int | None:
+    """An integer flag that may be left unset ("": None, the config's default)."""
+    return int(text) if text.strip() else None
+
+
 def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorConfig) -> None:
     parser.add_argument(
         "--max-concurrent-streams",
@@ -197,9 +203,16 @@ def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorCo
     )
     parser.add_argument(
         "--tenant-max-concurrent-streams",
+        type=optional_int,
+        default=env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", ""),
+        help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit; "
+        "unset: half of --max-concurrent-streams with --api-keys-file, else no limit",
+    )
+    parser.add_argument(
+        "--max-tokenize-queue",
         type=int,
-        default=int(env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", str(defaults.tenant_max_concurrent_streams))),
-        help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit",
+        default=int(env("SPECSERVE_MAX_TOKENIZE_QUEUE", str(defaults.max_tokenize_queue))),
+        help="admitted prompts waiting for a tokenizer thread (each holds its text); more: RESOURCE_EXHAUSTED",
     )
 
 
@@ -346,7 +359,7 @@ async def start_http(
     if not config.http_port:
         return None
     app = create_app(frontend, keys, drain, config.max_prompt_bytes)
-    http = HttpServer(app, config.host, config.http_port, config.security.tls)
+    http = HttpServer(app, config.host, config.http_port, config.security.tls, max_concurrent_calls(config))
     try:
         await http.start()
     except HttpStartError as exc:
@@ -364,7 +377,9 @@ async def serve(config: CoordinatorConfig) -> None:
     interceptors: list[grpc.aio.ServerInterceptor] = [AioErrorInterceptor()]
     interceptors += [ApiKeyInterceptor(keys)] if keys is not None else []
     options = [*server_options(), ("grpc.max_receive_message_length", max_receive_message_bytes(config))]
-    server = grpc.aio.server(options=options, interceptors=interceptors)
+    server = grpc.aio.server(
+        options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_calls(config)
+    )
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host)
@@ -396,7 +411,7 @@ async def serve(config: CoordinatorConfig) -> None:
         return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy, drafter_monitor=drafter)
 
     limits = prompt_limits(config, info)
-    frontend.attach(GenerationBackend(tokenizer, limits, new_generation))
+    frontend.attach(GenerationBackend(tokenizer, limits, new_generation, config.max_tokenize_queue))
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"

@@ -14,14 +14,16 @@ import copy
 import os
 import secrets
 import threading
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from coordinator.rounds import GenerationRequest
 from coordinator.speculation import Speculation
-from specserve.errors import InvalidArgument
+from specserve.errors import InvalidArgument, ResourceExhausted
 from specserve.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -110,9 +112,19 @@ class PromptEncoder:
     Message contents that spell special tokens are encoded by a copy of the tokenizer with
     ``encode_special_tokens`` set, made once: toggling that flag per call (as transformers'
     ``split_special_tokens`` does) would race with encodes running in other threads.
+
+    The queue is bounded: at most ``max_waiting`` prompts wait for a worker (each holds its text, up to
+    --max-prompt-bytes); one more is refused with RESOURCE_EXHAUSTED and ``retry-after-ms``, estimated from how
+    long recent prompts took to tokenize. A prompt whose caller went away before a worker took it is dropped.
     """
 
-    def __init__(self, tokenizer: Any, max_workers: int = 2) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_workers: int = 2,
+        max_waiting: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._tokenizer = tokenizer
         self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._literal_backend: Any = None
@@ -124,16 +136,45 @@ class PromptEncoder:
             reverse=True,
         )
         self._max_workers = max_workers
+        self._max_waiting = max_waiting
+        self._clock = clock
         self._executor: ThreadPoolExecutor | None = None
+        self._pending = 0  # prompts being tokenized or waiting for a worker (counted on the event loop)
+        self._work_s: deque[float] = deque(maxlen=32)  # how long recent prompts took in a worker
+
+    @property
+    def pending(self) -> int:
+        return self._pending
 
     async def encode(self, prompt: str | None, chat: Sequence[ChatTurn] | None, max_tokens: int) -> list[int]:
-        """``encode_sync`` in a worker thread."""
+        """``encode_sync`` in a worker thread; ResourceExhausted when ``max_waiting`` prompts already wait."""
+        if self._pending >= self._max_workers + self._max_waiting:
+            raise self._busy()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 self._max_workers, thread_name_prefix="tokenize", initializer=_background_priority
             )
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.encode_sync, prompt, chat, max_tokens)
+        self._pending += 1
+        try:
+            return await loop.run_in_executor(self._executor, self._timed_encode, prompt, chat, max_tokens)
+        finally:
+            self._pending -= 1
+
+    def _timed_encode(self, prompt: str | None, chat: Sequence[ChatTurn] | None, max_tokens: int) -> list[int]:
+        started = self._clock()
+        try:
+            return self.encode_sync(prompt, chat, max_tokens)
+        finally:
+            self._work_s.append(self._clock() - started)  # deque.append is atomic: no lock across workers
+
+    def _busy(self) -> ResourceExhausted:
+        retry_ms = round(tokenize_retry_after_s(self._work_s, self._pending, self._max_workers) * 1000)
+        return ResourceExhausted(
+            f"the coordinator is tokenizing {self._max_workers} prompts and {self._max_waiting} more are waiting, "
+            f"its limit (--max-tokenize-queue): retry after {retry_ms} ms, or send a shorter prompt",
+            metadata=(("retry-after-ms", str(retry_ms)),),
+        )
 
     def encode_sync(self, prompt: str | None, chat: Sequence[ChatTurn] | None, max_tokens: int | None) -> list[int]:
         """Token ids; with ``max_tokens``, InvalidArgument (counted, not listed) when there are more."""
@@ -270,6 +311,14 @@ class PromptEncoder:
                 literal.encode_special_tokens = True
                 self._literal_backend = literal
             return self._literal_backend
+
+
+def tokenize_retry_after_s(work_s: Sequence[float], pending: int, workers: int) -> float:
+    """When a full tokenizer queue has room again: the time ``workers`` take to get through ``pending`` prompts
+    at the mean of the recent ``work_s`` (1 s before any was measured), within [0.1, 60] s."""
+    if not work_s:
+        return 1.0
+    return min(60.0, max(0.1, sum(work_s) / len(work_s) * pending / workers))
 
 
 def _background_priority() -> None:

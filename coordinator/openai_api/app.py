@@ -4,9 +4,10 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /health`` (200 once the coordinator serves, 503 while it starts or drains; no key needed).
 
 Each generation goes through the same ``GenerationFrontend`` as the gRPC API (checks, admission, deadline,
-metrics, the request's log line), so both APIs give the same tokens for the same request. Every response carries
-``X-Request-Id``: the client's own when it is sane, else a new one; it is also the ``id`` of the completion and
-the key of the request's log line.
+metrics, the request's log line), so both APIs give the same tokens for the same request. Its admission slot is
+taken before the body is read: a request the coordinator has no room for is refused before its megabytes are.
+Every response carries ``X-Request-Id``: the client's own when it is sane, else a new one; it is also the ``id``
+of the completion and the key of the request's log line.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from coordinator.admission import Slot
 from coordinator.frontend import CallInfo, EdgeRequest, request_id
 from coordinator.openai_api.auth import authenticate
 from coordinator.openai_api.errors import ApiError, as_api_error, from_domain
@@ -60,7 +62,9 @@ class Frontend(Protocol):
     @property
     def ready(self) -> bool: ...
 
-    def generate(self, request: EdgeRequest, call: CallInfo) -> AsyncIterator[Event]: ...
+    async def admit(self, call: CallInfo) -> Slot: ...
+
+    def generate(self, request: EdgeRequest, call: CallInfo, slot: Slot | None = None) -> AsyncIterator[Event]: ...
 
 
 def max_body_bytes(max_prompt_bytes: int) -> int:
@@ -200,19 +204,27 @@ def create_app(
         tenant = caller(request)
         if drain is not None:
             drain.refuse_new("new requests")
-        body: ChatCompletionRequest | CompletionRequest = await parse(await read_body(request, limit), schema)
-        check_model(body.model)
         rid = request.scope[REQUEST_ID_KEY]
-        renderer: Renderer
-        if isinstance(body, ChatCompletionRequest):
-            edge = chat_request(body)
-            renderer = ChatRenderer(f"chatcmpl-{rid}", frontend.served_model, int(clock()), include_usage(body))
-        else:
-            assert isinstance(body, CompletionRequest)
-            edge = completion_request(body)
-            renderer = CompletionRenderer(f"cmpl-{rid}", frontend.served_model, int(clock()), include_usage(body))
-        events = frontend.generate(edge, CallInfo(request_id=rid, api=api, tenant=tenant))
-        return GenerationResponse(events, renderer, stream=bool(body.stream), in_flight=in_flight)
+        call = CallInfo(request_id=rid, api=api, tenant=tenant)
+        slot = await frontend.admit(call)  # before the body: a request with no room costs no read and no parse
+        try:
+            body: ChatCompletionRequest | CompletionRequest = await parse(await read_body(request, limit), schema)
+            check_model(body.model)
+            renderer: Renderer
+            if isinstance(body, ChatCompletionRequest):
+                edge = chat_request(body)
+                renderer = ChatRenderer(f"chatcmpl-{rid}", frontend.served_model, int(clock()), include_usage(body))
+            else:
+                assert isinstance(body, CompletionRequest)
+                edge = completion_request(body)
+                renderer = CompletionRenderer(f"cmpl-{rid}", frontend.served_model, int(clock()), include_usage(body))
+            events = frontend.generate(edge, call, slot)
+        except BaseException:
+            slot.release()
+            raise
+        return GenerationResponse(
+            events, renderer, stream=bool(body.stream), in_flight=in_flight, on_close=slot.release
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> GenerationResponse:

@@ -163,12 +163,17 @@ class GenerationResponse(Response):
         renderer: Renderer,
         stream: bool,
         in_flight: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        on_close: Callable[[], None] = lambda: None,
     ) -> None:
+        """``on_close`` runs once the response has ended, however: the generation's admission slot is released
+        there even when the client went away before ``events`` began (a generator never started has no
+        ``finally`` to run)."""
         super().__init__(status_code=200)
         self._events = events
         self._renderer = renderer
         self._stream = stream
         self._in_flight = in_flight
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         work = asyncio.ensure_future(self._respond(send))
@@ -181,6 +186,7 @@ class GenerationResponse(Response):
                 log.debug("%s: the client went away; cancelling the generation", self._renderer.id)
                 work.cancel()
             await asyncio.wait((work, gone))
+            self._on_close()
         if not work.cancelled() and (exc := work.exception()) is not None:
             log.error("%s: the response failed while sending", self._renderer.id, exc_info=exc)
 

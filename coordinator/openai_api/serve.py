@@ -51,7 +51,10 @@ def _listen(host: str, port: int) -> socket.socket:
 class HttpServer:
     """The HTTP API listening on ``host:port`` (TLS, and client certificates, as the gRPC port has them)."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, tls: ServerTLS | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, tls: ServerTLS | None = None, limit_concurrency: int | None = None
+    ) -> None:
+        """``limit_concurrency``: connections and requests at once; beyond it uvicorn answers 503 (None: no limit)."""
         tls = tls or ServerTLS()
         self._config = uvicorn.Config(
             app,
@@ -66,11 +69,13 @@ class HttpServer:
             proxy_headers=False,
             server_header=False,
             timeout_graceful_shutdown=FINAL_GRACE_S,
+            limit_concurrency=limit_concurrency,
             ssl_certfile=tls.cert,
             ssl_keyfile=tls.key,
             ssl_ca_certs=tls.client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if tls.mutual else ssl.CERT_NONE,
         )
+        self.limit_concurrency = limit_concurrency
         self._server = _Server(self._config)
         self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None

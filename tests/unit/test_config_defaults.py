@@ -13,7 +13,13 @@ from typing import Any
 import pytest
 
 from coordinator import main as coordinator_main
-from coordinator.config import CoordinatorConfig, round_policy
+from coordinator.config import (
+    CALL_HEADROOM,
+    CoordinatorConfig,
+    admission_limits,
+    max_concurrent_calls,
+    round_policy,
+)
 from coordinator.ports import VerifierInfo
 from coordinator.rounds import RoundPolicy
 from draft_service import main as drafter_main
@@ -106,3 +112,28 @@ def test_the_local_cluster_listens_where_the_services_do_by_default() -> None:
     assert cluster.drafter_address == coordinator.drafter == f"127.0.0.1:{DrafterConfig().port}"
     assert cluster.verifier_address == coordinator.verifier == f"127.0.0.1:{VerifierConfig().port}"
     assert cluster.model == coordinator.model == VerifierConfig().model == DrafterConfig().target_model
+
+
+def test_the_servers_take_every_slot_and_queue_place_and_some_headroom_no_more() -> None:
+    config, _ = coordinator_main.parse_config(["--max-concurrent-streams", "4", "--max-queued-streams", "10"])
+    assert max_concurrent_calls(config) == 4 + 10 + CALL_HEADROOM
+    assert max_concurrent_calls(CoordinatorConfig()) == 64 + 256 + CALL_HEADROOM
+
+
+def test_one_tenant_gets_half_the_slots_by_default_when_callers_authenticate() -> None:
+    keys = ["--api-keys-file", "keys.yaml", "--max-concurrent-streams", "4"]
+    assert admission_limits(coordinator_main.parse_config(keys)[0]).tenant_max_running == 2
+    assert (
+        admission_limits(coordinator_main.parse_config([*keys, "--max-concurrent-streams", "1"])[0]).tenant_max_running
+        == 1
+    )
+    opted_out = coordinator_main.parse_config([*keys, "--tenant-max-concurrent-streams", "0"])[0]
+    assert admission_limits(opted_out).tenant_max_running == 0
+    assert (
+        admission_limits(
+            coordinator_main.parse_config([*keys, "--tenant-max-concurrent-streams", "3"])[0]
+        ).tenant_max_running
+        == 3
+    )
+    # Without keys every caller is the one anonymous tenant: a share would only halve the coordinator.
+    assert admission_limits(coordinator_main.parse_config(["--max-concurrent-streams", "4"])[0]).tenant_max_running == 0

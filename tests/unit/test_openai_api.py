@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from coordinator.admission import Slot
 from coordinator.frontend import CallInfo, EdgeRequest
 from coordinator.openai_api.app import create_app, max_body_bytes
 from coordinator.prompts import ChatTurn
@@ -71,8 +72,19 @@ class FakeFrontend:
         self.hold = hold
         self.calls: list[tuple[EdgeRequest, CallInfo]] = []
         self.ended: list[str] = []  # how each generation ended: "done", "error", "cancelled", "closed"
+        self.admitted = 0  # slots taken (``admit``) and given back
+        self.released = 0
 
-    async def generate(self, request: EdgeRequest, call: CallInfo) -> AsyncIterator[TextChunk | GenerationStats]:
+    async def admit(self, call: CallInfo) -> Slot:
+        self.admitted += 1
+        return Slot(0.0, self._released)
+
+    def _released(self) -> None:
+        self.released += 1
+
+    async def generate(
+        self, request: EdgeRequest, call: CallInfo, slot: Slot | None = None
+    ) -> AsyncIterator[TextChunk | GenerationStats]:
         self.calls.append((request, call))
         how = "closed"
         try:
@@ -343,7 +355,7 @@ def test_a_bug_is_500_with_a_ref(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_a_bug_outside_the_generation_is_500_too() -> None:
     class Broken(FakeFrontend):
-        def generate(self, request: EdgeRequest, call: CallInfo) -> AsyncIterator[Any]:
+        def generate(self, request: EdgeRequest, call: CallInfo, slot: Slot | None = None) -> AsyncIterator[Any]:
             raise RuntimeError("secret detail")
 
     response = client(Broken()).post("/v1/chat/completions", json=CHAT)
@@ -590,3 +602,24 @@ def test_a_client_that_goes_away_stops_its_generation(stream: bool) -> None:
         assert b"Hello" in bodies and b"[DONE]" not in bodies
     else:
         assert not any(m["type"] == "http.response.start" for m in sent)
+
+
+def test_the_slot_is_taken_before_the_body_is_read_and_always_given_back() -> None:
+    frontend = FakeFrontend()
+    http = client(frontend)
+    assert_error(http.post("/v1/chat/completions", content=b"{not json"), 400, "invalid_json")
+    assert (frontend.admitted, frontend.released, frontend.calls) == (1, 1, [])
+    assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert http.post("/v1/chat/completions", json={**CHAT, "stream": True}).status_code == 200
+    assert (frontend.admitted, frontend.released, len(frontend.calls)) == (3, 3, 2)
+
+
+def test_a_request_with_no_room_is_refused_at_admission_without_generating() -> None:
+    class Full(FakeFrontend):
+        async def admit(self, call: CallInfo) -> Slot:
+            raise ResourceExhausted("full; retry after 250 ms", metadata=(("retry-after-ms", "250"),))
+
+    frontend = Full()
+    response = client(frontend).post("/v1/chat/completions", json=CHAT)
+    assert_error(response, 429, "rate_limit_exceeded")
+    assert response.headers["retry-after-ms"] == "250" and frontend.calls == []

@@ -93,3 +93,29 @@ def test_a_missing_certificate_is_a_start_error(tmp_path: Path) -> None:
             await HttpServer(create_app(FakeFrontend()), "127.0.0.1", 0, tls).start()
 
     asyncio.run(scenario())
+
+
+def test_a_call_past_the_concurrency_limit_is_refused_before_it_is_read() -> None:
+    async def scenario() -> None:
+        hold = asyncio.Event()
+        frontend = FakeFrontend(hold=hold)
+        # uvicorn counts the arriving connection itself: a limit of 2 serves one call at a time.
+        server = HttpServer(create_app(frontend), "127.0.0.1", 0, limit_concurrency=2)
+        await server.start()
+        try:
+            url = f"http://127.0.0.1:{server.port}/v1/completions"
+            async with httpx.AsyncClient() as client:
+                first = asyncio.create_task(client.post(url, json={"model": "smollm2", "prompt": "a"}))
+                for _ in range(10_000):  # until the first call is inside the frontend (state, not time)
+                    if frontend.calls:
+                        break
+                    await asyncio.sleep(0.001)
+                second = await client.post(url, json={"model": "smollm2", "prompt": "b"})
+                assert second.status_code == 503 and len(frontend.calls) == 1
+                hold.set()
+                assert (await first).status_code == 200
+        finally:
+            hold.set()
+            await server.stop()
+
+    asyncio.run(scenario())
