@@ -52,6 +52,7 @@ class PredraftCounts:
 
     drafted: int = 0  # trees drafted ahead for a likely outcome of the tree being verified
     used: int = 0  # of those, trees answered at once because their outcome happened
+    dropped: int = 0  # sessions' work ahead dropped unstarted from its queue because their report came first
 
 
 @dataclass(frozen=True)

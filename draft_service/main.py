@@ -251,7 +251,10 @@ async def serve(config: DrafterConfig) -> None:
     if config.metrics_port:
         DrafterMetrics(drafter.memory, pools, drafter.predraft_counts).serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
-    await serve_until_signal(server, drain)
+    try:
+        await serve_until_signal(server, drain)
+    finally:
+        servicer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

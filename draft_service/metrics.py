@@ -54,6 +54,11 @@ class _Totals(Collector):
                 "Pre-drafted trees answered at once because their outcome happened",
                 value=self._counts.used,
             ),
+            CounterMetricFamily(
+                "specserve_drafter_work_ahead_dropped",
+                "Sessions' work ahead dropped from its queue unstarted because their next report came first",
+                value=self._counts.dropped,
+            ),
         ]
 
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.drafter import Drafter
 from draft_service.server import DrafterServicer, IdleTimer
+from draft_service.work_ahead import WorkAhead
 from specserve.drain import Drain
 from specserve.errors import Unavailable
 from specserve.local_cluster import free_port
@@ -109,11 +110,14 @@ async def drafter_server(
     drafter: Drafter | None = None,
     stream_idle_timeout_s: float = 300.0,
     idle_timer: IdleTimer = asyncio.timeout,
+    work_ahead: WorkAhead | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """An n-gram drafter on loopback, serving and wired to ``drain`` as draft_service.main wires it."""
     server = grpc.aio.server(interceptors=[AioErrorInterceptor()])
     drafter = drafter or Drafter(lambda fingerprint, namespace: InMemoryNgramPool())
-    servicer = DrafterServicer(drafter, drain=drain, stream_idle_timeout_s=stream_idle_timeout_s, idle_timer=idle_timer)
+    servicer = DrafterServicer(
+        drafter, drain=drain, stream_idle_timeout_s=stream_idle_timeout_s, idle_timer=idle_timer, work_ahead=work_ahead
+    )
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
     health = add_health(server, ["specserve.v1.DrafterService"])
     drain.on_begin(lambda: mark_draining(health))
