@@ -16,7 +16,7 @@ from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import DRAINING_METADATA
-from specserve.errors import DrafterFailed, ReplicaDraining, ReplicaUnreachable
+from specserve.errors import DrafterDraining, DrafterFailed, ReplicaDraining, ReplicaUnreachable
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
@@ -213,8 +213,27 @@ class GrpcDraftStream:
     async def _write(self, request: drafter_pb2.DraftRequest) -> None:
         try:
             await self._call.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+        except grpc.aio.AioRpcError as exc:  # the call ended with this status
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
+                raise self._draining_error() from exc
             raise DrafterFailed("connection lost", detail=f"drafter at {self._target}: {exc}") from exc
+        except asyncio.InvalidStateError as exc:
+            if await self._refused_while_draining():
+                raise self._draining_error() from exc
+            raise DrafterFailed("connection lost", detail=f"drafter at {self._target}: {exc}") from exc
+
+    async def _refused_while_draining(self) -> bool:
+        """Whether the call ended because the drafter is shutting down (a refused new Draft stream)."""
+        if not self._call.done():
+            return False
+        code = await self._call.code()
+        trailing = await self._call.trailing_metadata() or ()
+        return code == grpc.StatusCode.UNAVAILABLE and any((k, v) in DRAINING_METADATA for k, v in trailing)
+
+    def _draining_error(self) -> DrafterDraining:
+        return DrafterDraining(
+            "the drafter is shutting down", detail=f"drafter at {self._target} refused a new session: draining"
+        )
 
     async def start(
         self,
@@ -252,6 +271,8 @@ class GrpcDraftStream:
         try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
+                raise self._draining_error() from exc
             raise DrafterFailed(
                 f"failed ({exc.code().name})", detail=f"drafter at {self._target}: {exc.code().name}: {exc.details()}"
             ) from exc

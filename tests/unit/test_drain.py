@@ -13,11 +13,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.grpc_clients import GrpcDrafter
 from draft_service.drafter import Drafter
 from draft_service.server import DrafterServicer, IdleTimer
 from draft_service.work_ahead import WorkAhead
+from specserve.draft_feedback import DraftFeedback
 from specserve.drain import Drain
-from specserve.errors import Unavailable
+from specserve.errors import DrafterDraining, Unavailable
 from specserve.local_cluster import free_port
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, stop_when_drained
@@ -220,3 +222,23 @@ def test_every_service_takes_the_shutdown_grace_from_its_flag_or_the_environment
         assert parse(["--shutdown-grace-s", "3"])[0].shutdown_grace_s == 3.0
     drafter = drafter_config(["--stream-idle-timeout-s", "9"])[0]
     assert drafter.max_memory_mib == 64 and drafter.stream_idle_timeout_s == 9.0
+
+
+def test_the_coordinator_reads_a_draining_drafters_refusal_as_draining_not_as_a_failure() -> None:
+    async def scenario() -> None:
+        drain = Drain(grace_s=30)
+        server, address = await drafter_server(drain)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                drafter = GrpcDrafter(channel, address)
+                await (await drafter.open("before", [1, 2, 3], "")).propose(DraftFeedback(()), 4)
+                drain.begin()
+                stream = await drafter.open("after", [1, 2, 3], "")
+                with pytest.raises(DrafterDraining) as caught:
+                    await stream.propose(DraftFeedback(()), 4)
+                assert str(caught.value) == "the drafter is shutting down"
+                await stream.close()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
