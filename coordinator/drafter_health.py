@@ -23,6 +23,12 @@ much it can slow requests:
 
 So a stalled drafter costs one timeout per backoff period (the probe's, in the
 background, after the first), not one per request.
+
+A drafter that is shutting down (``DrafterDraining``: it refuses new Draft
+streams, finishing the open ones) is not failing: a session it refuses opens
+again, and on a tier of several drafters (a ``dns:///`` name, round robin)
+lands on another one, up to ``DRAINING_RETRIES`` times; then the request goes
+on without a drafter. The circuit stays as it was.
 """
 
 from __future__ import annotations
@@ -34,15 +40,18 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from coordinator.ports import DrafterPort, DraftStream
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import DrafterFailed, DrafterSkipped
+from specserve.errors import DrafterDraining, DrafterFailed, DrafterSkipped
 from specserve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
+
+DRAINING_RETRIES = 3
+"""Times a session refused by a draining drafter opens again (on a round-robin tier: on the next drafter)."""
 
 
 class DraftLatency:
@@ -174,9 +183,14 @@ class HealthCheckedDrafter:
         if self._circuit.is_open:
             raise DrafterSkipped(self.skip_reason())
         self._probe_fingerprint = vocab_fingerprint
-        opening = self._inner.open(session_id, prompt_tokens, vocab_fingerprint, sampling)
-        inner = await self._bounded(opening, self.latency.ceiling_s)
-        stream = _HealthCheckedStream(self, inner, session_id)
+
+        async def opening() -> DraftStream:
+            inner: DraftStream = await self._bounded(
+                self._inner.open(session_id, prompt_tokens, vocab_fingerprint, sampling), self.latency.ceiling_s
+            )
+            return inner
+
+        stream = _HealthCheckedStream(self, await _past_draining(opening), session_id, opening)
         self._streams[session_id] = stream
         return stream
 
@@ -225,6 +239,8 @@ class HealthCheckedDrafter:
         if task.done():
             try:
                 return task.result()
+            except DrafterDraining:
+                raise  # go elsewhere: not a failure
             except DrafterFailed as exc:
                 if not self._circuit.is_open:  # else another session already counted this outage
                     self.record_failure(str(exc))
@@ -259,26 +275,53 @@ class HealthCheckedDrafter:
                 self._on_circuit(False)
 
     async def _probe_once(self) -> None:
-        """A Draft stream that asks for no tree: the whole path a request takes, at almost no cost."""
-        stream = await self._inner.open(f"probe-{uuid.uuid4().hex}", [0], self._probe_fingerprint)
-        try:
-            await stream.propose(DraftFeedback(()), 0)
-        finally:
-            with contextlib.suppress(DrafterFailed):
-                await stream.close()
+        """A Draft stream that asks for no tree: the whole path a request takes, at almost no cost.
+
+        A draining drafter's refusal is retried, as a session's is (on a round-robin tier, on the next drafter).
+        """
+        for attempt in range(DRAINING_RETRIES + 1):
+            stream = await self._inner.open(f"probe-{uuid.uuid4().hex}", [0], self._probe_fingerprint)
+            try:
+                await stream.propose(DraftFeedback(()), 0)
+                return
+            except DrafterDraining:
+                if attempt == DRAINING_RETRIES:
+                    raise
+            finally:
+                with contextlib.suppress(DrafterFailed):
+                    await stream.close()
 
     async def aclose(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
 
 
+async def _past_draining(opening: Callable[[], Awaitable[DraftStream]]) -> DraftStream:
+    """``opening()``, again while a draining drafter refuses it (``DRAINING_RETRIES`` times at most)."""
+    for attempt in range(DRAINING_RETRIES + 1):
+        try:
+            return await opening()
+        except DrafterDraining:
+            if attempt == DRAINING_RETRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
 class _HealthCheckedStream:
-    def __init__(self, owner: HealthCheckedDrafter, inner: DraftStream, session_id: str) -> None:
+    def __init__(
+        self,
+        owner: HealthCheckedDrafter,
+        inner: DraftStream,
+        session_id: str,
+        opening: Callable[[], Awaitable[DraftStream]],
+    ) -> None:
         self._owner = owner
         self._inner = inner
         self._session_id = session_id
+        self._opening = opening  # opens the session again: on another drafter when a draining one refused it
         self.wants_features = inner.wants_features
         self.failed = False
+        self._answered = False  # once the drafter has answered, the session's state is there
         self._trees = 0
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
@@ -288,14 +331,33 @@ class _HealthCheckedStream:
         timeout_s = self._owner.latency.timeout_s
         started = self._owner._clock()
         try:
-            reply: DraftReply = await self._owner._bounded(self._inner.propose(feedback, max_nodes), timeout_s)
+            reply = await self._propose(feedback, max_nodes, timeout_s)
         except DrafterFailed:
             self.failed = True
             raise
+        self._answered = True
         if max_nodes > 0:  # report-only calls skip drafting: they would understate its latency
             self._owner.latency.observe(self._owner._clock() - started)
             self._trees += 1
         return reply
+
+    async def _propose(self, feedback: DraftFeedback, max_nodes: int, timeout_s: float) -> DraftReply:
+        """The proposal; while no drafter has answered, a draining drafter's refusal opens the session again.
+
+        A draining drafter refuses only new streams, so it refuses a session before answering it: the first
+        report (the prompt's features and nothing learnt yet) goes whole to the drafter the session opens on.
+        """
+        for attempt in range(DRAINING_RETRIES + 1):
+            try:
+                reply: DraftReply = await self._owner._bounded(self._inner.propose(feedback, max_nodes), timeout_s)
+                return reply
+            except DrafterDraining:
+                if self._answered or attempt == DRAINING_RETRIES:
+                    raise
+                with contextlib.suppress(DrafterFailed):
+                    await self._inner.close()
+                self._inner = await self._opening()
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         self._owner._streams.pop(self._session_id, None)

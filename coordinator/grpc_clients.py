@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -15,7 +16,7 @@ from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import DRAINING_METADATA
-from specserve.errors import DrafterFailed, ReplicaDraining, ReplicaUnreachable
+from specserve.errors import DrafterDraining, DrafterFailed, ReplicaDraining, ReplicaUnreachable
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree
@@ -53,6 +54,23 @@ _VERIFIER_REFUSALS: dict[grpc.StatusCode, tuple[type[errors.SpecserveError], str
         "the verifier has no room for this request now: retry later",
     ),
 }
+
+
+def reconnect_options(probe_interval_s: float) -> list[tuple[str, Any]]:
+    """Channel options that keep gRPC's reconnect backoff within half of ``probe_interval_s``.
+
+    By default a channel whose peer went away waits 1 s, then 1.6 times longer after each failed attempt, up to
+    120 s, and gives each attempt at least 20 s: a drafter restarted after a while down was reconnected only tens
+    of seconds later, and until then every probe of the circuit breaker failed at once. With attempts at least
+    twice per probe interval (``--drafter-backoff-ms``), a probe finds a restarted drafter connected.
+    """
+    bound_ms = max(100, round(probe_interval_s * 1000 / 2))
+    return [
+        ("grpc.initial_reconnect_backoff_ms", min(1000, bound_ms)),
+        ("grpc.max_reconnect_backoff_ms", bound_ms),
+        ("grpc.min_reconnect_backoff_ms", bound_ms),  # the least time an attempt is given to connect
+    ]
+
 
 RELEASE_TIMEOUT_S = 5.0
 """Most a Release waits. Not bounded by the request's deadline: releasing is the clean-up after it passed."""
@@ -195,8 +213,27 @@ class GrpcDraftStream:
     async def _write(self, request: drafter_pb2.DraftRequest) -> None:
         try:
             await self._call.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+        except grpc.aio.AioRpcError as exc:  # the call ended with this status
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
+                raise self._draining_error() from exc
             raise DrafterFailed("connection lost", detail=f"drafter at {self._target}: {exc}") from exc
+        except asyncio.InvalidStateError as exc:
+            if await self._refused_while_draining():
+                raise self._draining_error() from exc
+            raise DrafterFailed("connection lost", detail=f"drafter at {self._target}: {exc}") from exc
+
+    async def _refused_while_draining(self) -> bool:
+        """Whether the call ended because the drafter is shutting down (a refused new Draft stream)."""
+        if not self._call.done():
+            return False
+        code = await self._call.code()
+        trailing = await self._call.trailing_metadata() or ()
+        return code == grpc.StatusCode.UNAVAILABLE and any((k, v) in DRAINING_METADATA for k, v in trailing)
+
+    def _draining_error(self) -> DrafterDraining:
+        return DrafterDraining(
+            "the drafter is shutting down", detail=f"drafter at {self._target} refused a new session: draining"
+        )
 
     async def start(
         self,
@@ -234,6 +271,8 @@ class GrpcDraftStream:
         try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
+                raise self._draining_error() from exc
             raise DrafterFailed(
                 f"failed ({exc.code().name})", detail=f"drafter at {self._target}: {exc.code().name}: {exc.details()}"
             ) from exc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from coordinator.config import (
 )
 from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.frontend import GenerationBackend, GenerationFrontend
-from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
+from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier, reconnect_options
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api.app import create_app
 from coordinator.openai_api.serve import HttpServer, HttpStartError
@@ -233,12 +233,14 @@ async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: 
         await asyncio.sleep(0.5)
 
 
-def internal_channel(config: CoordinatorConfig, address: str, tier: str) -> grpc.aio.Channel:
+def internal_channel(
+    config: CoordinatorConfig, address: str, tier: str, extra_options: Sequence[tuple[str, Any]] = ()
+) -> grpc.aio.Channel:
     """A channel to a worker at ``address`` of ``tier`` (a --verifier/--drafter target), TLS when configured.
 
     A replica of a ``dns:///name:port`` tier is dialled by IP: its certificate is checked against ``name``.
     """
-    options = channel_options()
+    options = [*channel_options(), *extra_options]
     tls = internal_tls(config)
     if tls is not None and tier.startswith("dns:///") and address != tier:
         options.append(("grpc.ssl_target_name_override", tier.removeprefix("dns:///").rsplit(":", 1)[0]))
@@ -283,7 +285,10 @@ async def connect_drafter(config: CoordinatorConfig, fingerprint: str, verifier:
     """The drafter tier, or None when unset or serving another vocabulary (drafting is optional)."""
     if config.drafter is None:
         return None
-    channel = internal_channel(config, config.drafter, config.drafter)
+    # Reconnects bounded by the circuit's first probe interval: a restarted drafter is used again at the next probe.
+    channel = internal_channel(
+        config, config.drafter, config.drafter, reconnect_options(config.drafter_backoff_ms / 1000)
+    )
     drafter = GrpcDrafter(channel, config.drafter, verifier.vocab_size, internal_metadata(config), verifier.verify_cost)
     try:
         info = await drafter.info()

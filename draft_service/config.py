@@ -43,9 +43,13 @@ class DrafterConfig:
     # Sampled sessions: the draft head drafts with the target's keyed Gumbel noise (off: its top-k, as greedy).
     coupled_sampling: bool = True
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send
-    # Bytes of in-memory n-gram pools and per-session drafting state (POOL_SHARE of it for the pools); over it
-    # the least recently used sessions' draft-head state is freed (they go on with n-gram drafting).
+    # Bytes of in-memory n-gram pools (POOL_SHARE of it), per-session drafting state and the namespaces' successor
+    # tables and acceptance statistics; over it the least recently used sessions' draft-head state is freed (they
+    # go on with n-gram drafting), and the least recently used namespaces' tables and statistics.
     max_memory_mib: int = 1024
+    # (vocabulary, pool namespace) pairs whose n-gram pool, successor table and acceptance statistics are kept
+    # (callers name them); beyond it the least recently used pair's go.
+    max_namespaces: int = 1024
     stream_idle_timeout_s: float = 300.0  # a Draft stream silent this long is closed and its state freed
     # A client connection older than this is asked to reconnect (GOAWAY; its open streams finish): coordinators
     # then resolve the drafter Service's DNS name again, so drafter pods added by a scale-up get new sessions.

@@ -11,19 +11,15 @@ way the tree is a draft that the verifier checks, so output never changes.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from draft_service.draft_head import DraftHead
 from draft_service.head_proposer import HeadProposer, TreeShape
-from draft_service.proposers import (
-    PoolProposer,
-    PromptLookupProposer,
-    Proposer,
-    SuccessorTable,
-    TokenRecyclingProposer,
-)
-from draft_service.session_memory import UNBOUNDED, SessionMemory
+from draft_service.namespace_state import NamespaceState
+from draft_service.proposers import PoolProposer, PromptLookupProposer, Proposer, TokenRecyclingProposer
+from draft_service.session_memory import SESSION, UNBOUNDED, SessionMemory
 from draft_service.tree_builder import (
     EMPTY,
     AcceptanceStats,
@@ -43,6 +39,9 @@ from specserve.token_tree import ROOT, TokenTree
 BYTES_PER_TOKEN = 40
 """A committed token in a Python list: an 8-byte slot and an int object (32 bytes for ids past 256)."""
 
+DEFAULT_MAX_NAMESPACES = 1024
+"""Most (vocabulary, pool namespace) pairs whose pools, successor tables and statistics a drafter keeps."""
+
 NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name)
 ALL_SOURCES = (*NGRAM_SOURCES, HeadProposer.name)
 
@@ -53,6 +52,7 @@ class PredraftCounts:
 
     drafted: int = 0  # trees drafted ahead for a likely outcome of the tree being verified
     used: int = 0  # of those, trees answered at once because their outcome happened
+    dropped: int = 0  # sessions' work ahead dropped unstarted from its queue because their report came first
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,8 @@ def _cut(draft: DraftTree, max_nodes: int) -> DraftTree:
 class DraftSession:
     """One generation session as the drafter sees it."""
 
+    kind = SESSION
+
     def __init__(
         self,
         session_id: str,
@@ -83,8 +85,10 @@ class DraftSession:
         vocab_size: int = 0,
         memory: SessionMemory | None = None,
         predraft_counts: PredraftCounts | None = None,
+        namespace: NamespaceState | None = None,
     ) -> None:
         self.session_id = session_id
+        self._namespace = namespace  # its pool namespace's shared state: accounted after each step, like the session
         self._predraft_counts = predraft_counts if predraft_counts is not None else PredraftCounts()
         self._memory = memory  # where this session's bytes are counted (and its sources' state may be freed)
         self._vocab_size = vocab_size  # the target's: draft tokens outside it are dropped (0: unknown)
@@ -98,6 +102,10 @@ class DraftSession:
         self._predraft_outcomes = predraft_outcomes
         self._pending_outcomes: list[tuple[int, ...]] = []  # outcomes of the last tree not pre-drafted yet
         self._predrafts: dict[tuple[int, ...], _Predraft] = {}  # outcome (accepted tokens + bonus) -> tree
+
+    @property
+    def label(self) -> str:
+        return f"session {self.session_id}"
 
     @property
     def wants_features(self) -> bool:
@@ -141,6 +149,8 @@ class DraftSession:
 
     def _account(self) -> None:
         if self._memory is not None:
+            if self._namespace is not None:
+                self._memory.used(self._namespace)
             self._memory.used(self)
 
     def _propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
@@ -232,6 +242,7 @@ class Drafter:
         predraft_outcomes: int = 0,
         memory: SessionMemory | None = None,
         coupled_sampling: bool = True,
+        max_namespaces: int = DEFAULT_MAX_NAMESPACES,
     ) -> None:
         unknown = set(sources) - set(ALL_SOURCES)
         if unknown:
@@ -244,17 +255,19 @@ class Drafter:
         self._prompt_lookup = prompt_lookup or PromptLookupProposer()
         self.sources = tuple(sources)
         self._cost = cost or VerifyCost()
-        # Acceptance learnt across sessions, per vocabulary and per decoding: a sampled session accepts a draft only
-        # when it holds the target's random draw, so its sources are calibrated apart from greedy sessions'.
-        self._stats: dict[tuple[str, bool], AcceptanceStats] = {}
-        # Per (vocabulary, pool namespace): the target's top tokens after each token are the tenant's text too.
-        self._successors: dict[tuple[str, str], SuccessorTable] = {}
+        # Per (vocabulary, pool namespace), least recently opened first: successor tables (the target's top tokens
+        # after each token are the tenant's text too) and acceptance statistics, in the memory bound; at most
+        # ``max_namespaces`` of them (the keys are what callers send).
+        if max_namespaces < 1:
+            raise ValueError(f"the drafter must keep at least one pool namespace, got {max_namespaces}")
+        self.max_namespaces = max_namespaces
+        self._namespaces: OrderedDict[tuple[str, str], NamespaceState] = OrderedDict()
         # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
         # where drafting has its own cores: in one process with the verifier it would take the verifier's.
         self.predraft_outcomes = predraft_outcomes
         # Sampled sessions' head drafts use the target's keyed noise (coupled); off: its top-k, as for greedy.
         self.coupled_sampling = coupled_sampling
-        # Open sessions' bytes, bounded (--max-memory-mib): the least recently used ones' head state goes first.
+        # Open sessions' and namespaces' bytes, bounded (--max-memory-mib): the least recently used ones' state goes.
         self.memory = memory if memory is not None else SessionMemory(max_bytes=UNBOUNDED)
         self.predraft_counts = PredraftCounts()
 
@@ -295,16 +308,16 @@ class Drafter:
         pool = self._pool_for(vocab_fingerprint, namespace)
         if vocab_size > 0:
             pool.limit_vocab(vocab_size)
-        successors = self._successors.setdefault((vocab_fingerprint, namespace), SuccessorTable())
+        state = self._namespace(vocab_fingerprint, namespace)
         available: dict[str, Proposer] = {
             PromptLookupProposer.name: self._prompt_lookup,
             PoolProposer.name: PoolProposer(pool),
-            TokenRecyclingProposer.name: TokenRecyclingProposer(successors),
+            TokenRecyclingProposer.name: TokenRecyclingProposer(state.successors),
         }
         if self._head is not None:
             coupled = sampling if self.coupled_sampling else GREEDY
             available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape, coupled)
-        shared = self._stats.setdefault((vocab_fingerprint, sampling.greedy), AcceptanceStats())
+        shared = state.stats(sampling.greedy)
         builder = TreeBuilder(AcceptanceStats(parent=shared), verify_cost or self._cost)
         proposers = [available[name] for name in self.sources]
         session = DraftSession(
@@ -317,13 +330,34 @@ class Drafter:
             vocab_size,
             self.memory,
             self.predraft_counts,
+            state,
         )
         self.memory.opened(session)
         return session
 
+    @property
+    def num_namespaces(self) -> int:
+        return len(self._namespaces)
+
+    def _namespace(self, fingerprint: str, namespace: str) -> NamespaceState:
+        """The state of (``fingerprint``, ``namespace``), made most recent; beyond the cap the least recent goes."""
+        key = (fingerprint, namespace)
+        state = self._namespaces.pop(key, None)
+        if state is None:
+            state = NamespaceState(fingerprint, namespace)
+            self.memory.opened(state)
+        self._namespaces[key] = state
+        while len(self._namespaces) > self.max_namespaces:
+            self._drop(self._namespaces.popitem(last=False)[1])
+        return state
+
+    def _drop(self, state: NamespaceState) -> None:
+        state.retire()  # its sessions still open go on without a successor table
+        self.memory.closed(state)
+
     def forget_successors(self, pool_namespace: str) -> int:
-        """Drop the successor tables of ``pool_namespace`` (a purge); how many there were."""
-        keys = [key for key in self._successors if key[1] == pool_namespace]
+        """Drop the successor tables and acceptance statistics of ``pool_namespace`` (a purge); how many tables."""
+        keys = [key for key in self._namespaces if key[1] == pool_namespace]
         for key in keys:
-            del self._successors[key]
+            self._drop(self._namespaces.pop(key))
         return len(keys)

@@ -112,8 +112,16 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         "--max-memory-mib",
         type=int,
         default=int(env("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", str(defaults.max_memory_mib))),
-        help=f"bound of the in-memory n-gram pools ({POOL_SHARE:.0%}% of it) and per-session drafting state; "
-        "over it the least recently used sessions lose their draft-head state (they draft from n-grams)",
+        help=f"bound of the in-memory n-gram pools ({POOL_SHARE:.0%}% of it), per-session drafting state and the "
+        "namespaces' successor tables and acceptance statistics; over it the least recently used sessions lose "
+        "their draft-head state (they draft from n-grams) and namespaces their tables and statistics",
+    )
+    parser.add_argument(
+        "--max-namespaces",
+        type=int,
+        default=defaults.max_namespaces,
+        help="most (vocabulary, pool namespace) pairs whose in-memory n-gram pool, successor table and acceptance "
+        "statistics are kept; beyond it the least recently used pair's are dropped",
     )
     parser.add_argument(
         "--stream-idle-timeout-s",
@@ -139,6 +147,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     unknown = set(values["sources"]) - set(ALL_SOURCES)
     if unknown:
         parser.error(f"unknown draft sources {sorted(unknown)}; choose from {', '.join(ALL_SOURCES)}")
+    if values["max_namespaces"] < 1:
+        parser.error("--max-namespaces must be at least 1")
     return DrafterConfig(**values), args.log_level
 
 
@@ -147,7 +157,14 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
     shape = PoolShape(key_len=config.pool_key_len, continuation_len=config.pool_continuation_len)
     memory_bytes = config.max_memory_mib << 20
     pool_bytes = int(memory_bytes * POOL_SHARE)
-    pools = PoolRegistry(shape, config.redis_url, config.redis_timeout_ms / 1000, config.pool_max_keys, pool_bytes)
+    pools = PoolRegistry(
+        shape,
+        config.redis_url,
+        config.redis_timeout_ms / 1000,
+        config.pool_max_keys,
+        pool_bytes,
+        max_pools=config.max_namespaces,
+    )
     lookup = PromptLookupProposer(config.lookup_min_ngram, config.lookup_max_ngram)
     tree = TreeShape(config.tree_depth, config.tree_branching, config.tree_beam)
     drafter = Drafter(
@@ -159,6 +176,7 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
         predraft_outcomes=config.predraft_outcomes,
         coupled_sampling=config.coupled_sampling,
         memory=SessionMemory(memory_bytes - pool_bytes),
+        max_namespaces=config.max_namespaces,
     )
     return drafter, pools
 
@@ -233,7 +251,10 @@ async def serve(config: DrafterConfig) -> None:
     if config.metrics_port:
         DrafterMetrics(drafter.memory, pools, drafter.predraft_counts).serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
-    await serve_until_signal(server, drain)
+    try:
+        await serve_until_signal(server, drain)
+    finally:
+        servicer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

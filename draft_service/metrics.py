@@ -19,8 +19,9 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from draft_service.drafter import PredraftCounts
+from draft_service.namespace_state import NAMESPACE
 from draft_service.pools import PoolRegistry
-from draft_service.session_memory import SessionMemory
+from draft_service.session_memory import SESSION, SessionMemory
 
 
 class _Totals(Collector):
@@ -35,7 +36,13 @@ class _Totals(Collector):
             CounterMetricFamily(
                 "specserve_drafter_sessions_forgotten",
                 "Times a session's draft-head state was freed to stay within the memory bound",
-                value=self._memory.num_forgotten,
+                value=self._memory.forgotten(SESSION),
+            ),
+            CounterMetricFamily(
+                "specserve_drafter_namespaces_forgotten",
+                "Times a pool namespace's successor tables and acceptance statistics were freed to stay within the "
+                "memory bound",
+                value=self._memory.forgotten(NAMESPACE),
             ),
             CounterMetricFamily(
                 "specserve_drafter_predrafts",
@@ -46,6 +53,11 @@ class _Totals(Collector):
                 "specserve_drafter_predraft_hits",
                 "Pre-drafted trees answered at once because their outcome happened",
                 value=self._counts.used,
+            ),
+            CounterMetricFamily(
+                "specserve_drafter_work_ahead_dropped",
+                "Sessions' work ahead dropped from its queue unstarted because their next report came first",
+                value=self._counts.dropped,
             ),
         ]
 
@@ -58,16 +70,25 @@ class DrafterMetrics:
             r.register(collector)
         in_use = Gauge(
             "specserve_drafter_memory_bytes",
-            "Bytes of drafting state held, estimated: in-memory n-gram pools and per-session state",
+            "Bytes of drafting state held, estimated: in-memory n-gram pools, per-session state, and the pool "
+            "namespaces' successor tables and acceptance statistics",
             ["kind"],
             registry=r,
         )
         in_use.labels("ngram_pools").set_function(lambda: pools.nbytes)
-        in_use.labels("sessions").set_function(lambda: memory.bytes_in_use)
+        in_use.labels("sessions").set_function(lambda: memory.bytes_of(SESSION))
+        in_use.labels("namespaces").set_function(lambda: memory.bytes_of(NAMESPACE))
         Gauge(
-            "specserve_drafter_sessions_memory_limit_bytes", "Bound of the per-session state", registry=r
+            "specserve_drafter_sessions_memory_limit_bytes",
+            "Bound of the per-session and per-namespace state together",
+            registry=r,
         ).set_function(lambda: memory.max_bytes)
-        Gauge("specserve_drafter_open_sessions", "Draft streams open", registry=r).set_function(lambda: len(memory))
+        Gauge("specserve_drafter_open_sessions", "Draft streams open", registry=r).set_function(
+            lambda: memory.count(SESSION)
+        )
+        Gauge(
+            "specserve_drafter_namespaces", "(vocabulary, pool namespace) pairs whose state is held", registry=r
+        ).set_function(lambda: memory.count(NAMESPACE))
         r.register(_Totals(memory, predraft))
 
     def serve(self, port: int, host: str) -> None:

@@ -8,6 +8,7 @@ output, so a shared pool would let one tenant draft from (and probe for) another
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis
@@ -28,10 +29,17 @@ class PurgeCounts:
     redis_keys: int = 0
 
 
+DEFAULT_MAX_POOLS = 1024
+"""Most (vocabulary, namespace) pools a registry keeps (see ``PoolRegistry``)."""
+
+
 class PoolRegistry:
     """Callable mapping (vocabulary fingerprint, namespace) to its pool.
 
     Pools of different vocabularies never mix either: token ids only mean something under one tokenizer.
+    The keys are what callers send, so at most ``max_pools`` are kept: beyond it the least recently asked for is
+    dropped, its in-memory keys freed (Redis keeps its own, bounded by TTL); sessions still open on it go on
+    without a local pool.
     """
 
     def __init__(
@@ -41,7 +49,11 @@ class PoolRegistry:
         redis_timeout_s: float,
         max_keys: int,
         max_bytes: int | None = None,
+        max_pools: int = DEFAULT_MAX_POOLS,
     ) -> None:
+        if max_pools < 1:
+            raise ValueError(f"the drafter must keep at least one n-gram pool, got {max_pools}")
+        self._max_pools = max_pools
         self._shape = shape
         self._max_keys = max_keys
         # One allowance for all in-memory pools (one per vocabulary, or per tenant namespace).
@@ -51,8 +63,11 @@ class PoolRegistry:
             if redis_url
             else None
         )
-        self._pools: dict[tuple[str, str], NgramPool] = {}
+        self._pools: OrderedDict[tuple[str, str], NgramPool] = OrderedDict()  # least recently asked for first
         self._local: dict[tuple[str, str], InMemoryNgramPool] = {}
+
+    def __len__(self) -> int:
+        return len(self._pools)
 
     @property
     def nbytes(self) -> int:
@@ -66,13 +81,19 @@ class PoolRegistry:
     def __call__(self, fingerprint: str, namespace: str = "") -> NgramPool:
         key = (fingerprint, namespace or ANONYMOUS.pool_namespace)
         pool = self._pools.get(key)
-        if pool is None:
-            local = InMemoryNgramPool(self._shape, self._max_keys, self._budget)
-            pool = local
-            if self._client is not None:
-                pool = FallbackPool(RedisNgramPool(self._client, redis_namespace(*key), self._shape), local)
-            self._pools[key] = pool
-            self._local[key] = local
+        if pool is not None:
+            self._pools.move_to_end(key)
+            return pool
+        local = InMemoryNgramPool(self._shape, self._max_keys, self._budget)
+        pool = local
+        if self._client is not None:
+            pool = FallbackPool(RedisNgramPool(self._client, redis_namespace(*key), self._shape), local)
+        self._pools[key] = pool
+        self._local[key] = local
+        while len(self._pools) > self._max_pools:
+            oldest, _ = self._pools.popitem(last=False)
+            self._local.pop(oldest).retire()
+            log.info("dropped the in-memory n-gram pool of %s (more than %d pools)", oldest, self._max_pools)
         return pool
 
     def purge_memory(self, namespace: str) -> PurgeCounts:
@@ -85,7 +106,7 @@ class PoolRegistry:
         for key in keys:
             local = self._local.pop(key)
             memory_keys += len(local)
-            local.clear()
+            local.retire()  # sessions still open on it record nothing more into the shared budget
             del self._pools[key]
         return PurgeCounts(memory_pools=len(keys), memory_keys=memory_keys)
 

@@ -147,29 +147,62 @@ class PoolProposer(_Stateless):
         return _budgeted([list(c) for c in continuations], max_nodes)
 
 
+SUCCESSOR_ENTRY_BYTES = 160
+"""A successor table's entry, its successors aside: the ordered dict's slot and link, the token, an empty tuple."""
+
+SUCCESSOR_BYTES = 40
+"""One successor in an entry's tuple: its 8-byte slot and an int object (32 bytes for ids past 256)."""
+
+
 class SuccessorTable:
     """Token Recycling's adjacency: for a token, the target's latest top-k next tokens after it.
 
     Filled from what the verifier returns for every position it scored
     (accepted or not), so candidates the target considered are recycled as
-    drafts. Bounded: least recently updated tokens are forgotten first.
+    drafts. Bounded: least recently updated tokens are forgotten first, and
+    its bytes (``nbytes``, estimated) count in the drafter's memory bound.
     """
 
     def __init__(self, max_tokens: int = 65_536) -> None:
         self._max_tokens = max_tokens
         self._next: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+        self._nbytes = 0
 
     def __len__(self) -> int:
         return len(self._next)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the entries hold (estimated: ``SUCCESSOR_ENTRY_BYTES`` + ``SUCCESSOR_BYTES`` per successor)."""
+        return self._nbytes
+
     def update(self, token: int, successors: Sequence[int]) -> None:
-        self._next.pop(token, None)
-        self._next[token] = tuple(successors)
+        if self._max_tokens <= 0:
+            return
+        old = self._next.pop(token, None)
+        if old is not None:
+            self._nbytes -= _entry_bytes(old)
+        entry = tuple(successors)
+        self._next[token] = entry
+        self._nbytes += _entry_bytes(entry)
         if len(self._next) > self._max_tokens:
-            self._next.popitem(last=False)
+            self._nbytes -= _entry_bytes(self._next.popitem(last=False)[1])
+
+    def clear(self) -> None:
+        self._next.clear()
+        self._nbytes = 0
+
+    def retire(self) -> None:
+        """Empty the table and take no more entries (sessions that still hold it draft without it)."""
+        self.clear()
+        self._max_tokens = 0
 
     def get(self, token: int) -> tuple[int, ...]:
         return self._next.get(token, ())
+
+
+def _entry_bytes(successors: tuple[int, ...]) -> int:
+    return SUCCESSOR_ENTRY_BYTES + SUCCESSOR_BYTES * len(successors)
 
 
 class TokenRecyclingProposer:
@@ -213,7 +246,7 @@ class TokenRecyclingProposer:
 
     @property
     def nbytes(self) -> int:
-        return 0  # the successor table is shared by the vocabulary's sessions (bounded in tokens)
+        return 0  # the successor table is the namespace's, counted once (draft_service.namespace_state)
 
     def forget(self) -> None:
         return None

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager
 from typing import TypeVar
 
@@ -15,6 +17,7 @@ import numpy as np
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.pools import PoolRegistry
 from draft_service.tree_builder import VerifyCost
+from draft_service.work_ahead import WorkAhead
 from specserve import errors
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import Drain
@@ -112,8 +115,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         drain: Drain | None = None,
         stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S,
         idle_timer: IdleTimer = asyncio.timeout,
+        work_ahead: WorkAhead | None = None,
     ) -> None:
         self._drafter = drafter
+        # Work ahead on its own thread: proposals (and opens) run on asyncio's default executor.
+        self.work_ahead = work_ahead or WorkAhead()
         self._pools = pools
         self._idle_timeout_s = stream_idle_timeout_s
         self._idle_timer = idle_timer
@@ -123,13 +129,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._num_waiting = 0  # proposals waiting for the drafting lock: pre-drafting yields to them
         self._waiting_lock = threading.Lock()
 
-    def _propose(self, session: DraftSession, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+    def _locked(self, call: Callable[[], T]) -> T:
+        """``call`` under the drafting lock, ahead of any work ahead (counted as waiting while it waits)."""
         with self._waiting_lock:
             self._num_waiting += 1
         with self._drafting:
             with self._waiting_lock:
                 self._num_waiting -= 1
-            return session.propose(feedback, max_nodes)
+            return call()
+
+    def _propose(self, session: DraftSession, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        return self._locked(lambda: session.propose(feedback, max_nodes))
+
+    def close(self) -> None:
+        """The server stopped: drop work ahead still queued."""
+        self.work_ahead.close()
 
     def _work_ahead(self, session: DraftSession, stop: threading.Event) -> None:
         """Work for ``session``'s next round (digest a long prompt, pre-draft) step by step until told to stop.
@@ -166,20 +180,24 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         except ValueError as exc:
             raise errors.InvalidArgument(f"start.sampling: {exc}") from exc
         try:
-            session = self._drafter.open_session(
-                start.session_id,
-                list(start.prompt_token_ids),
-                start.vocab_fingerprint,
-                start.vocab_size,
-                start.pool_namespace,
-                verify_cost,
-                sampling,
+            # Under the drafting lock: opening may drop another namespace's pool and table (--max-namespaces).
+            session = await asyncio.to_thread(
+                self._locked,
+                lambda: self._drafter.open_session(
+                    start.session_id,
+                    list(start.prompt_token_ids),
+                    start.vocab_fingerprint,
+                    start.vocab_size,
+                    start.pool_namespace,
+                    verify_cost,
+                    sampling,
+                ),
             )
         except ValueError as exc:
             raise errors.FailedPrecondition(str(exc)) from exc
         self._num_active_sessions += 1
         ahead = FeaturesAhead()
-        work: asyncio.Future[None] | None = None  # working ahead (pre-drafting) while the coordinator verifies
+        work: Future[None] | None = None  # working ahead (pre-drafting) while the coordinator verifies
         stop_ahead = threading.Event()
         try:
             async for request in request_iterator:
@@ -200,9 +218,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     features,
                     tuple(propose.accepted_node_indices),
                 )
-                if work is not None:  # the report is here: finish the step in hand, then answer
-                    stop_ahead.set()
-                    await work
+                if work is not None:  # the report is here: drop the work if queued, else finish its step in hand
+                    if await self.work_ahead.stop(work, stop_ahead):
+                        self._drafter.predraft_counts.dropped += 1
+                    work = None
                 # Off the event loop, so a draft model's forward does not stall the other sessions' streams;
                 # one at a time, because sessions share pools, successor tables and statistics.
                 reply = await asyncio.to_thread(self._propose, session, feedback, propose.max_nodes)
@@ -213,10 +232,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     predraft_ns=reply.predraft_ns,
                 )
                 stop_ahead = threading.Event()
-                work = asyncio.ensure_future(asyncio.to_thread(self._work_ahead, session, stop_ahead))
+                work = self.work_ahead.submit(functools.partial(self._work_ahead, session, stop_ahead))
         finally:
             # The stream is the session: when it ends, the state goes (a pre-draft in hand stops after its outcome).
             stop_ahead.set()
+            if work is not None:
+                work.cancel()
             session.close()
             self._num_active_sessions -= 1
 

@@ -115,6 +115,15 @@ class AcceptanceStats:
             root = root.parent
         return root._counts.get((source, min(depth, self.max_depth)), (0.0, 0.0))[1]
 
+    @property
+    def num_counts(self) -> int:
+        """(source, depth) pairs counted here (not in ``parent``)."""
+        return len(self._counts)
+
+    def clear(self) -> None:
+        """Forget what was learnt here (estimates fall back on ``parent`` or the prior)."""
+        self._counts.clear()
+
     def update(self, source: str, depth: int, accepted: bool) -> None:
         depth = min(depth, self.max_depth)
         counts = self._counts.setdefault((source, depth), [0.0, 0.0])

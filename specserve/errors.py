@@ -70,6 +70,13 @@ class DrafterSkipped(DrafterFailed):
     """The drafter failed recently and is skipped until a probe finds it healthy (the message says until when)."""
 
 
+class DrafterDraining(DrafterFailed):
+    """A drafter is shutting down: it refused a new session, which another drafter of the tier may take.
+
+    Not a failure of the tier: it opens no circuit.
+    """
+
+
 class ReplicaUnreachable(Unavailable):
     """A verifier replica could not be reached (connection refused or reset): it went down with its sessions."""
 

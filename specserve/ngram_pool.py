@@ -116,6 +116,7 @@ class InMemoryNgramPool:
         self._budget = budget or ByteBudget(max_keys * shape.bytes_per_key)
         self._counts: OrderedDict[tuple[int, ...], dict[tuple[int, ...], int]] = OrderedDict()
         self._vocab_size = 0
+        self._retired = False
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -126,6 +127,8 @@ class InMemoryNgramPool:
         return len(self._counts) * self.shape.bytes_per_key
 
     def record(self, tokens: Sequence[int], start: int = 0) -> None:
+        if self._retired:
+            return
         for key, continuation in self.shape.windows(tokens, start):
             counts = self._counts.pop(key, None)
             if counts is None:
@@ -146,6 +149,12 @@ class InMemoryNgramPool:
         """Forget everything (a purge of the pool's namespace), giving its bytes back to the shared budget."""
         self._budget.used -= len(self._counts) * self.shape.bytes_per_key
         self._counts.clear()
+
+    def retire(self) -> None:
+        """Clear and record nothing more: its owner dropped it, and sessions that still hold it must not fill the
+        shared budget with keys nobody accounts for once they end."""
+        self.clear()
+        self._retired = True
 
     def limit_vocab(self, vocab_size: int) -> None:
         self._vocab_size = vocab_size

@@ -5,9 +5,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from coordinator.drafter_health import DraftLatency, HealthCheckedDrafter
+from coordinator.drafter_health import DRAINING_RETRIES, DraftLatency, HealthCheckedDrafter
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.errors import DrafterFailed, DrafterSkipped
+from specserve.errors import DrafterDraining, DrafterFailed, DrafterSkipped
 from specserve.token_tree import TokenTree
 from tests.virtual_clock import clock, run_virtual
 
@@ -32,10 +32,13 @@ def test_timeout_is_the_ceiling_until_measured_then_follows_the_p99_within_bound
 class FakeStream:
     wants_features = False
 
-    def __init__(self, drafter: "FakeDrafter") -> None:
+    def __init__(self, drafter: "FakeDrafter", draining: bool = False) -> None:
         self._drafter = drafter
+        self._draining = draining  # refused by a drafter shutting down (it refuses new streams at their first read)
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        if self._draining:
+            raise DrafterDraining("the drafter is shutting down")
         self._drafter.proposals += 1
         if self._drafter.mode == "stall":
             await asyncio.sleep(3600)
@@ -52,6 +55,7 @@ class FakeDrafter:
         self.mode = "ok"
         self.opens = 0
         self.proposals = 0
+        self.draining_opens = 0  # this many next opens land on a draining drafter
 
     async def open(
         self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
@@ -59,7 +63,9 @@ class FakeDrafter:
         self.opens += 1
         if self.mode == "fail":
             raise DrafterFailed("connection refused")
-        return FakeStream(self)
+        draining = self.draining_opens > 0
+        self.draining_opens -= draining
+        return FakeStream(self, draining)
 
 
 def wrapped(inner: FakeDrafter, **kwargs: float) -> HealthCheckedDrafter:
@@ -152,6 +158,54 @@ def test_a_failing_drafter_backs_off_doubling_and_misbehaviour_counts() -> None:
         assert await one_request(drafter, "d") == "skipped"
         await stream.close()
         assert drafter.failures_in_a_row > 0  # a misbehaving session does not reset the doubling
+        await drafter.aclose()
+
+    run_virtual(scenario())
+
+
+def test_a_draining_drafters_refusal_opens_the_session_again_and_trips_no_circuit() -> None:
+    async def scenario() -> None:
+        inner = FakeDrafter()
+        drafter = wrapped(inner)
+        inner.draining_opens = 2  # on a round-robin tier: two drafters shutting down, then a serving one
+        assert await one_request(drafter, "a") == "ok"
+        assert inner.opens == 3 and inner.proposals == 1
+        assert not drafter.circuit_open and drafter.failures_in_a_row == 0
+        # Every drafter draining: the request goes on without one, and later requests are not skipped.
+        inner.draining_opens = DRAINING_RETRIES + 1
+        assert await one_request(drafter, "b") == "failed: the drafter is shutting down"
+        assert not drafter.circuit_open and drafter.failures_in_a_row == 0
+        assert await one_request(drafter, "c") == "ok"
+        await drafter.aclose()
+
+    run_virtual(scenario())
+
+
+def test_a_drafter_draining_after_answering_is_not_asked_to_open_the_session_elsewhere() -> None:
+    async def scenario() -> None:
+        inner = FakeDrafter()
+        drafter = wrapped(inner)
+        stream = await drafter.open("a", [1], "fp")
+        await stream.propose(DraftFeedback(()), 4)
+        stream._inner._draining = True  # type: ignore[attr-defined]  # its state is there: no reopening
+        with pytest.raises(DrafterDraining):
+            await stream.propose(DraftFeedback((1,)), 4)
+        assert inner.opens == 1 and not drafter.circuit_open
+        await drafter.aclose()
+
+    run_virtual(scenario())
+
+
+def test_a_probe_passes_a_draining_drafter_by() -> None:
+    async def scenario() -> None:
+        inner = FakeDrafter()
+        drafter = wrapped(inner, backoff_s=0.3)
+        inner.mode = "fail"
+        failed = clock()
+        assert (await one_request(drafter, "a")).startswith("failed: connection refused")
+        inner.mode, inner.draining_opens = "ok", 1
+        await until(failed + 0.31)  # the probe: refused once by a draining drafter, then answered by another
+        assert not drafter.circuit_open
         await drafter.aclose()
 
     run_virtual(scenario())

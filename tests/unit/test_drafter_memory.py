@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig
-from draft_service.drafter import Drafter, DraftSession
+from draft_service.drafter import BYTES_PER_TOKEN, Drafter, DraftSession
 from draft_service.head_proposer import HeadProposer
+from draft_service.namespace_state import NAMESPACE, NAMESPACE_BYTES
 from draft_service.pools import PoolRegistry
 from draft_service.server import idle_limited
-from draft_service.session_memory import SessionMemory
+from draft_service.session_memory import SESSION, SessionMemory
 from draft_service.tree_builder import VerifyCost
 from specserve.draft_feedback import DraftFeedback
 from specserve.drain import Drain
@@ -114,9 +115,9 @@ def test_over_budget_the_least_recently_used_sessions_forget_their_head_state_an
 
     for session in (one, two, three):
         session.close()
-    assert drafter.memory.bytes_in_use == 0 and len(drafter.memory) == 0
+    assert drafter.memory.bytes_of(SESSION) == 0 and drafter.memory.count(SESSION) == 0
     three.work_ahead()  # a step of work ahead that ends after its stream does not count the session again
-    assert len(drafter.memory) == 0
+    assert drafter.memory.count(SESSION) == 0
 
 
 def test_a_session_alone_over_the_budget_forgets_its_own_head_state() -> None:
@@ -129,7 +130,9 @@ def test_a_session_alone_over_the_budget_forgets_its_own_head_state() -> None:
     session = drafter.open_session("big", PROMPT, "")
     warm(session)
     assert head_of(session).forgotten
-    assert drafter.memory.bytes_in_use == session.nbytes  # its tokens: what a session needs to draft at all
+    # Its tokens (what a session needs to draft at all) and its namespace's state, emptied.
+    assert drafter.memory.bytes_of(SESSION) == session.nbytes == BYTES_PER_TOKEN * len(session.tokens)
+    assert drafter.memory.bytes_of(NAMESPACE) == NAMESPACE_BYTES
 
 
 class ManualIdleTimer:
@@ -177,14 +180,14 @@ def test_a_silent_draft_stream_is_closed_with_deadline_exceeded_and_its_state_fr
                 # wait for a sixth message.
                 await wait_for(lambda: len(timer.waits) == 6)
                 assert timer.waits == [0.5] * 6
-                assert len(drafter.memory) == 1
+                assert drafter.memory.count(SESSION) == 1
                 timer.expire()
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     async with asyncio.timeout(30):
                         await stream.call.read()
                 assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert "no message on this Draft stream for 0.5 s" in (caught.value.details() or "")
-                assert len(drafter.memory) == 0 and drafter.memory.bytes_in_use == 0
+                assert drafter.memory.count(SESSION) == 0 and drafter.memory.bytes_of(SESSION) == 0
         finally:
             await server.stop(0)
 

@@ -13,10 +13,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from coordinator.grpc_clients import GrpcDrafter
 from draft_service.drafter import Drafter
 from draft_service.server import DrafterServicer, IdleTimer
+from draft_service.work_ahead import WorkAhead
+from specserve.draft_feedback import DraftFeedback
 from specserve.drain import Drain
-from specserve.errors import Unavailable
+from specserve.errors import DrafterDraining, Unavailable
 from specserve.local_cluster import free_port
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, stop_when_drained
@@ -109,11 +112,14 @@ async def drafter_server(
     drafter: Drafter | None = None,
     stream_idle_timeout_s: float = 300.0,
     idle_timer: IdleTimer = asyncio.timeout,
+    work_ahead: WorkAhead | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """An n-gram drafter on loopback, serving and wired to ``drain`` as draft_service.main wires it."""
     server = grpc.aio.server(interceptors=[AioErrorInterceptor()])
     drafter = drafter or Drafter(lambda fingerprint, namespace: InMemoryNgramPool())
-    servicer = DrafterServicer(drafter, drain=drain, stream_idle_timeout_s=stream_idle_timeout_s, idle_timer=idle_timer)
+    servicer = DrafterServicer(
+        drafter, drain=drain, stream_idle_timeout_s=stream_idle_timeout_s, idle_timer=idle_timer, work_ahead=work_ahead
+    )
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
     health = add_health(server, ["specserve.v1.DrafterService"])
     drain.on_begin(lambda: mark_draining(health))
@@ -216,3 +222,23 @@ def test_every_service_takes_the_shutdown_grace_from_its_flag_or_the_environment
         assert parse(["--shutdown-grace-s", "3"])[0].shutdown_grace_s == 3.0
     drafter = drafter_config(["--stream-idle-timeout-s", "9"])[0]
     assert drafter.max_memory_mib == 64 and drafter.stream_idle_timeout_s == 9.0
+
+
+def test_the_coordinator_reads_a_draining_drafters_refusal_as_draining_not_as_a_failure() -> None:
+    async def scenario() -> None:
+        drain = Drain(grace_s=30)
+        server, address = await drafter_server(drain)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                drafter = GrpcDrafter(channel, address)
+                await (await drafter.open("before", [1, 2, 3], "")).propose(DraftFeedback(()), 4)
+                drain.begin()
+                stream = await drafter.open("after", [1, 2, 3], "")
+                with pytest.raises(DrafterDraining) as caught:
+                    await stream.propose(DraftFeedback(()), 4)
+                assert str(caught.value) == "the drafter is shutting down"
+                await stream.close()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())

@@ -15,6 +15,7 @@ from draft_service.config import DrafterConfig
 from draft_service.drafter import NGRAM_SOURCES
 from draft_service.main import build_drafter
 from draft_service.metrics import DrafterMetrics
+from draft_service.namespace_state import NAMESPACE_BYTES
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.metrics import VerifierMetrics
@@ -143,9 +144,14 @@ def test_drafter_exports_its_pre_drafting_totals_and_memory() -> None:
     value = metrics.registry.get_sample_value
     drafter.predraft_counts.drafted += 5
     drafter.predraft_counts.used += 2
+    drafter.predraft_counts.dropped += 1
     drafter.open_session("s", [1, 2, 3], "fp")
     assert value("specserve_drafter_predrafts_total") == 5
     assert value("specserve_drafter_predraft_hits_total") == 2
+    assert value("specserve_drafter_work_ahead_dropped_total") == 1
     assert value("specserve_drafter_open_sessions") == 1
     assert (value("specserve_drafter_memory_bytes", {"kind": "sessions"}) or 0) > 0
+    assert value("specserve_drafter_memory_bytes", {"kind": "namespaces"}) == NAMESPACE_BYTES
+    assert value("specserve_drafter_namespaces") == 1
     assert value("specserve_drafter_sessions_forgotten_total") == 0
+    assert value("specserve_drafter_namespaces_forgotten_total") == 0
