@@ -214,7 +214,9 @@ class GrpcDraftStream:
         try:
             await self._call.write(request)
         except grpc.aio.AioRpcError as exc:  # the call ended with this status
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
+            # A write racing the drafter's refusal can end in gRPC's own INTERNAL ("Failed execute_batch")
+            # although the refusal's trailers arrived: those decide, where they did.
+            if (exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc)) or await self._refused_while_draining():
                 raise self._draining_error() from exc
             raise DrafterFailed("connection lost", detail=f"drafter at {self._target}: {exc}") from exc
         except asyncio.InvalidStateError as exc:

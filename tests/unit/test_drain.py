@@ -234,6 +234,10 @@ def test_the_coordinator_reads_a_draining_drafters_refusal_as_draining_not_as_a_
                 await (await drafter.open("before", [1, 2, 3], "")).propose(DraftFeedback(()), 4)
                 drain.begin()
                 stream = await drafter.open("after", [1, 2, 3], "")
+                # The refusal ends the call before any request is read. Wait until it has landed: a write racing
+                # it can end in gRPC's own INTERNAL instead (read then as a lost connection, as before draining
+                # was told apart), which would make this check depend on timing.
+                assert await stream._call.code() == grpc.StatusCode.UNAVAILABLE
                 with pytest.raises(DrafterDraining) as caught:
                     await stream.propose(DraftFeedback(()), 4)
                 assert str(caught.value) == "the drafter is shutting down"
