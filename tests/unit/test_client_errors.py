@@ -97,6 +97,15 @@ class GoneCall:
             raise self._read
         return self._read
 
+    def done(self) -> bool:
+        return True  # ended, as a real call is once its writes fail
+
+    async def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    async def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()  # not a draining drafter's refusal
+
 
 class SilentWrites(GoneCall):
     async def write(self, request: object) -> None:
