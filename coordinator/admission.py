@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +37,18 @@ from specserve.tenancy import Tenant
 DEFAULT_RETRY_AFTER_S = 1.0  # before any stream has finished, there is nothing to estimate from
 MIN_RETRY_AFTER_S = 0.1
 MAX_RETRY_AFTER_S = 60.0
+
+
+def estimate_retry_after_s(recent_s: Sequence[float], ahead: int, workers: int) -> float:
+    """When a refused call may be served: ``ahead`` calls at the mean of the ``recent_s`` durations, ``workers``
+    at a time, within [MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S]; DEFAULT_RETRY_AFTER_S before any was measured.
+
+    Stream slots (``AdmissionController``) and the tokenizer's queue (``prompts.PromptEncoder``) both answer so.
+    """
+    if not recent_s:
+        return DEFAULT_RETRY_AFTER_S
+    estimate = sum(recent_s) / len(recent_s) * ahead / max(1, workers)
+    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, estimate))
 
 
 @dataclass(frozen=True)
@@ -216,11 +228,7 @@ class AdmissionController:
 
     def retry_after_s(self) -> float:
         """When a refused request may find a slot: the time for the waiters ahead of it to start."""
-        if not self._held_s:
-            return DEFAULT_RETRY_AFTER_S
-        mean_held = sum(self._held_s) / len(self._held_s)
-        estimate = mean_held * (self.queued + 1) / max(1, self.limits.max_running)
-        return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, estimate))
+        return estimate_retry_after_s(self._held_s, self.queued + 1, self.limits.max_running)
 
     def _refuse(self, reason: str, why: str) -> ResourceExhausted:
         self._rejected(reason)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.admission import estimate_retry_after_s
 from coordinator.rounds import GenerationRequest
 from coordinator.speculation import Speculation
 from specserve.errors import InvalidArgument, ResourceExhausted
@@ -169,7 +170,7 @@ class PromptEncoder:
             self._work_s.append(self._clock() - started)  # deque.append is atomic: no lock across workers
 
     def _busy(self) -> ResourceExhausted:
-        retry_ms = round(tokenize_retry_after_s(self._work_s, self._pending, self._max_workers) * 1000)
+        retry_ms = round(estimate_retry_after_s(self._work_s, self._pending, self._max_workers) * 1000)
         return ResourceExhausted(
             f"the coordinator is tokenizing {self._max_workers} prompts and {self._max_waiting} more are waiting, "
             f"its limit (--max-tokenize-queue): retry after {retry_ms} ms, or send a shorter prompt",
@@ -311,14 +312,6 @@ class PromptEncoder:
                 literal.encode_special_tokens = True
                 self._literal_backend = literal
             return self._literal_backend
-
-
-def tokenize_retry_after_s(work_s: Sequence[float], pending: int, workers: int) -> float:
-    """When a full tokenizer queue has room again: the time ``workers`` take to get through ``pending`` prompts
-    at the mean of the recent ``work_s`` (1 s before any was measured), within [0.1, 60] s."""
-    if not work_s:
-        return 1.0
-    return min(60.0, max(0.1, sum(work_s) / len(work_s) * pending / workers))
 
 
 def _background_priority() -> None:

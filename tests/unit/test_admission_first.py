@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from coordinator.admission import AdmissionController, AdmissionLimits
+from coordinator.admission import AdmissionController, AdmissionLimits, estimate_retry_after_s
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend
-from coordinator.prompts import PromptEncoder, PromptLimits, tokenize_retry_after_s
+from coordinator.prompts import PromptEncoder, PromptLimits
 from coordinator.rounds import GenerationRequest, GenerationStats, TextChunk
 from specserve.errors import InvalidArgument, ResourceExhausted
 from specserve.tenancy import Tenant
@@ -136,10 +136,10 @@ def test_the_tokenizer_queue_is_bounded_and_says_when_to_retry() -> None:
 
 
 def test_the_retry_estimate_is_the_time_to_get_through_the_queue() -> None:
-    assert tokenize_retry_after_s([], pending=18, workers=2) == 1.0  # nothing measured yet
-    assert tokenize_retry_after_s([1.0, 3.0], pending=6, workers=2) == 6.0  # 6 prompts of 2 s on 2 workers
-    assert tokenize_retry_after_s([0.001], pending=3, workers=2) == 0.1
-    assert tokenize_retry_after_s([30.0], pending=18, workers=2) == 60.0
+    assert estimate_retry_after_s([], ahead=18, workers=2) == 1.0  # nothing measured yet
+    assert estimate_retry_after_s([1.0, 3.0], ahead=6, workers=2) == 6.0  # 6 prompts of 2 s on 2 workers
+    assert estimate_retry_after_s([0.001], ahead=3, workers=2) == 0.1
+    assert estimate_retry_after_s([30.0], ahead=18, workers=2) == 60.0
 
 
 def test_the_encoder_measures_each_prompt_in_its_worker() -> None:
