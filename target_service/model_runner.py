@@ -99,11 +99,10 @@ class ModelRunner:
         # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
         head_packing = available_packing(torch.float32, self.device) if compile == "auto" else "none"
         shape = LlamaShape.of(model.config)
-        # Buckets matter only where a pack serves one row count; elsewhere a step runs at its own size.
-        self.buckets: tuple[int, ...] = tuple(sorted(buckets)) if packing == "mkl" else ()
-        if self.buckets:
-            self.buckets = _invariant_buckets(shape, self.buckets)
-        head_buckets = _invariant_buckets(shape, tuple(sorted(buckets))) if head_packing == "mkl" else ()
+        # Buckets matter only where an MKL pack serves one row count; elsewhere a step runs at its own size.
+        mkl = _invariant_buckets(shape, tuple(sorted(buckets))) if "mkl" in (packing, head_packing) else ()
+        self.buckets: tuple[int, ...] = mkl if packing == "mkl" else ()
+        head_buckets = mkl if head_packing == "mkl" else ()
         self._forward = LlamaForward(model, packing, self.buckets)
         self._head = PackedLinear(weight.float(), None, head_packing, head_buckets)
         self._norm = self._forward.norm.float()
