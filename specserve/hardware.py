@@ -19,30 +19,32 @@ class DtypeChoice:
     reason: str  # why, for the start-up log and VerifierInfo
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The first processor's feature flags (empty where /proc/cpuinfo is absent)."""
+def _first_field(key: str, cpuinfo: Path) -> str | None:
+    """The first processor's ``key`` in /proc/cpuinfo (None where absent)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        name, _, value = line.partition(":")
+        if name.strip() == key:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The first processor's feature flags (empty where /proc/cpuinfo is absent)."""
+    return frozenset((_first_field("flags", cpuinfo) or "").split())
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The first processor's model name ("unknown" where /proc/cpuinfo is absent)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return "unknown"
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return "unknown"
+    return _first_field("model name", cpuinfo) or "unknown"
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first processor's vendor id ("GenuineIntel", "AuthenticAMD"; "unknown" where absent)."""
+    return _first_field("vendor_id", cpuinfo) or "unknown"
 
 
 def choose_dtype(requested: str, device: str, flags: frozenset[str] | None = None) -> DtypeChoice:

@@ -4,11 +4,11 @@ transformers loads the model; the engine's own forward (``llama_forward``)
 runs it, so that:
 
 - many sessions' tokens share every matmul (one sequence of T rows);
-- a step runs at a few static row counts (``packed_linear.DEFAULT_BUCKETS``,
-  padded up), each with the weights prepacked for the CPU's GEMM kernel, so
-  a verify of 2-8 rows costs about what one row does, and a row's result is
-  the same bits whichever bucket it runs in (batch invariance: a token is
-  scored alike in a plain step and inside a tree);
+- the weights are prepacked for the CPU's GEMM kernel (``packed_linear``), so
+  a verify of 2-8 rows costs about what one row does, and a step runs only at
+  row counts where each row's result is the same bits whatever the count
+  (checked at start-up; others are padded up), so a token is scored alike in
+  a plain step and inside a tree (batch invariance);
 - the final norm and LM head run in fp32 whatever the layers run in, and only
   for the rows whose scores decide something: bf16 rounding in the head would
   manufacture argmax ties;
@@ -40,12 +40,12 @@ from target_service.llama_forward import (
     rms_norm,
 )
 from target_service.packed_linear import (
-    DEFAULT_BUCKETS,
     PackedLinear,
     Packing,
     available_packing,
     bucket_for,
-    row_invariant_buckets,
+    candidate_rows,
+    row_invariant_rows,
 )
 from target_service.ragged_attention import StepPlan, attend_segments
 from target_service.static_steps import StaticSteps
@@ -61,19 +61,22 @@ class StepOutput:
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
 
 
-def _invariant_buckets(shape: LlamaShape, buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """The buckets at which every fp32 product of the model (layers and head) is row-invariant here."""
-    products = {
-        (shape.q_size + 2 * shape.kv_size, shape.hidden_size),
-        (shape.hidden_size, shape.q_size),
-        (2 * shape.intermediate_size, shape.hidden_size),
-        (shape.hidden_size, shape.intermediate_size),
-        (shape.vocab_size, shape.hidden_size),
-    }
-    kept = set(buckets)
+def _invariant_rows(packing: Packing, dtype: torch.dtype, products: set[tuple[int, int]]) -> tuple[int, ...]:
+    """The row counts at which every product of these shapes (out, in) computes each row alike here."""
+    candidates = candidate_rows(packing)
+    if not candidates:  # unpacked: a step runs at its own size
+        return ()
+    kept = set(candidates)
     for out_features, in_features in sorted(products):
-        kept &= set(row_invariant_buckets(out_features, in_features, buckets))
-    return tuple(sorted(kept)) or buckets[-1:]
+        kept &= set(row_invariant_rows(packing, dtype, out_features, in_features, candidates))
+    return tuple(sorted(kept)) or candidates[-1:]
+
+
+def _row_counts(rows: tuple[int, ...]) -> str:
+    """``(2, 3, ..., 32)`` as "2-32", a gappy set as its list."""
+    if len(rows) > 2 and list(rows) == list(range(rows[0], rows[-1] + 1)):
+        return f"{rows[0]}-{rows[-1]}"
+    return str(list(rows))
 
 
 class ModelRunner:
@@ -87,7 +90,6 @@ class ModelRunner:
         self,
         model: Any,
         compile: str = "auto",
-        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         static: bool | None = None,
     ) -> None:
         if compile not in COMPILE_CHOICES:
@@ -99,12 +101,18 @@ class ModelRunner:
         # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
         head_packing = available_packing(torch.float32, self.device) if compile == "auto" else "none"
         shape = LlamaShape.of(model.config)
-        # Buckets matter only where an MKL pack serves one row count; elsewhere a step runs at its own size.
-        mkl = _invariant_buckets(shape, tuple(sorted(buckets))) if "mkl" in (packing, head_packing) else ()
-        self.buckets: tuple[int, ...] = mkl if packing == "mkl" else ()
-        head_buckets = mkl if head_packing == "mkl" else ()
+        layer_products = {
+            (shape.q_size + 2 * shape.kv_size, shape.hidden_size),
+            (shape.hidden_size, shape.q_size),
+            (2 * shape.intermediate_size, shape.hidden_size),
+            (shape.hidden_size, shape.intermediate_size),
+        }
+        # The row counts a step and the head may run at: those whose rows come out alike in every product.
+        self.buckets: tuple[int, ...] = _invariant_rows(packing, self.dtype, layer_products)
+        head_buckets = _invariant_rows(head_packing, torch.float32, {(shape.vocab_size, shape.hidden_size)})
         self._forward = LlamaForward(model, packing, self.buckets)
         self._head = PackedLinear(weight.float(), None, head_packing, head_buckets)
+        self.head_packing = head_packing
         self._norm = self._forward.norm.float()
         self._eps = shape.rms_norm_eps
         self.packing = packing
@@ -128,11 +136,14 @@ class ModelRunner:
                 f"{how} per (rows, window) bucket, rows padded to {list(self._static.row_buckets)}, attention over "
                 f"one gathered window of at most {self._static.max_window} slots; eager beyond"
             )
-        if self.packing == "mkl":
-            return f"MKL-prepacked fp32 products, rows padded to {list(self.buckets)}"
-        if self.packing == "onednn":
-            return f"oneDNN-prepacked {str(self.dtype).removeprefix('torch.')} products, fp32 head MKL-prepacked"
-        return "eager F.linear products (--compile off or no packed kernel here)"
+        if self.packing == "none":
+            return "eager F.linear products (--compile off or no packed kernel here)"
+        kernels = {"mkl": "MKL", "onednn": "oneDNN"}
+        return (
+            f"{kernels[self.packing]}-prepacked {str(self.dtype).removeprefix('torch.')} products at rows "
+            f"{_row_counts(self.buckets)}, fp32 head {kernels.get(self.head_packing, 'eager')} at rows "
+            f"{_row_counts(self._head.buckets)}"
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:

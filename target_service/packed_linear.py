@@ -9,29 +9,39 @@ against 31 ms). Prepacking once at start-up is what inductor's "freezing" does
 for a compiled graph; here it is explicit, so it costs no compile time and no
 graph cache.
 
-- **fp32 on an x86 CPU with MKL**: ``torch.ops.mkl._mkl_linear`` with a weight
-  packed by ``cblas_sgemm_pack`` for one row count; called with any other
-  count it falls back to an unpacked product, so the engine runs steps at a
-  few static row counts (buckets). One pack serves every bucket where MKL's
-  packed layout does not depend on the row count: checked once per weight
-  shape at start-up (``one_pack_serves``: the shared pack must give exactly
-  the bits of a pack made for each bucket), else each bucket keeps its own
-  pack (one more copy of the weights per bucket). MKL's packed kernel
-  computes each row alike at every row count from 2 up (bit for bit on the
-  Xeons measured so far; ``tests/unit/test_step_invariance.py`` checks the
-  machine it runs on), while one row takes a GEMV path that rounds
-  differently: one row runs as two. Not every CPU is so kind: on an AMD EPYC
-  with AVX512 (Zen 4) a 2-row product rounds unlike 4 rows and up, so the
-  buckets a step may run at are checked once per weight shape at start-up
-  (``row_invariant_buckets``) and the odd ones dropped (there, 1-3 rows run
-  as 4).
-- **bf16 or fp16 on a CPU**: oneDNN's packed linear
-  (``torch.ops.mkldnn._linear_pointwise``), one pack for every row count.
-- **anything else** (GPUs, CPUs without MKL, ``--compile off``): ``F.linear``.
+Two packed kernels, chosen per dtype and CPU (``available_packing``):
+
+- **oneDNN** (``torch.ops.mkldnn._linear_pointwise``): bf16 and fp16 on every
+  x86 CPU, and fp32 except on Intel's. One pack serves every row count. On an
+  AMD EPYC (Zen 4) it is 2-4x faster than MKL's packed fp32 product at 1-16
+  rows: SmolLM2's fp32 LM head [49152 x 576] takes 4.3 ms at 4 rows against
+  MKL's 16.6 (``bench.gemm_kernels``). MKL's kernels are Intel's own and do
+  not take AMD's fast paths.
+- **MKL** (``torch.ops.mkl._mkl_linear``, a weight packed by
+  ``cblas_sgemm_pack`` for one row count): fp32 on Intel CPUs, where it is
+  the fast one measured; called with another row count it falls back to an
+  unpacked product, so steps run padded to a few row counts (``MKL_BUCKETS``),
+  one pack serving all where MKL's layout does not depend on the row count
+  (``one_pack_serves``), else a pack per bucket.
+- **none** (GPUs, CPUs without oneDNN, ``--compile off``): ``F.linear``.
+
+``SPECSERVE_FP32_GEMM=mkl|onednn`` overrides the fp32 choice (benchmarks
+compare the two with it).
+
+Batch invariance: a row's bits must not depend on how many rows share its
+step (a token scored inside a tree must get the logits it gets in a plain
+one-token step). Neither kernel promises it: MKL takes a GEMV path for one
+row, on a Zen 4 EPYC its 2-row product rounds unlike 4 rows, and oneDNN's
+fp32 one-row product of SmolLM2's down projection rounds unlike two rows.
+So the row counts a product may run at are checked once per weight shape at
+start-up (``row_invariant_rows``: random weights of the shape, each count
+against the largest) and a step with another count runs padded to the next
+kept one. Past the largest (32 rows), bit equality is not promised.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from functools import cache
 from typing import Literal
@@ -39,10 +49,17 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from specserve.hardware import cpu_vendor
+
 Packing = Literal["mkl", "onednn", "none"]
 
-# Row counts a step is padded up to; a step with more rows runs unpadded.
-DEFAULT_BUCKETS: tuple[int, ...] = (2, 4, 8, 16, 32)
+# Row counts MKL's packed product runs at (each needs a pack made for it); a step with more rows runs unpadded.
+MKL_BUCKETS: tuple[int, ...] = (2, 4, 8, 16, 32)
+# oneDNN's pack serves any row count: every count up to the largest is a candidate.
+ONEDNN_ROWS: tuple[int, ...] = tuple(range(1, 33))
+# The row count oneDNN's blocked layout is made for; 8 measured fastest from 1 to 16 rows (1 was slower at 4+).
+ONEDNN_HINT = 8
+FP32_GEMM_ENV = "SPECSERVE_FP32_GEMM"
 
 
 def available_packing(dtype: torch.dtype, device: torch.device) -> Packing:
@@ -50,10 +67,21 @@ def available_packing(dtype: torch.dtype, device: torch.device) -> Packing:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return "none"
     if dtype == torch.float32:
-        return "mkl" if torch.backends.mkl.is_available() else "none"
+        chosen = os.environ.get(FP32_GEMM_ENV, "")
+        if chosen not in ("", "mkl", "onednn"):
+            raise ValueError(f"{FP32_GEMM_ENV} must be mkl or onednn, not {chosen!r}")
+        mkl = torch.backends.mkl.is_available()
+        if chosen == "mkl" or (not chosen and mkl and cpu_vendor() == "GenuineIntel"):
+            return "mkl" if mkl else "onednn"
+        return "onednn"
     if dtype in (torch.bfloat16, torch.float16):
         return "onednn"
     return "none"
+
+
+def candidate_rows(packing: Packing) -> tuple[int, ...]:
+    """The row counts a product packed so may run at, before the invariance check."""
+    return {"mkl": MKL_BUCKETS, "onednn": ONEDNN_ROWS}.get(packing, ())
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:
@@ -85,27 +113,36 @@ def one_pack_serves(out_features: int, in_features: int, buckets: tuple[int, ...
 
 
 @cache
-def row_invariant_buckets(out_features: int, in_features: int, buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """The buckets at which MKL's packed product computes each row exactly as the largest bucket does.
+def row_invariant_rows(
+    packing: Packing, dtype: torch.dtype, out_features: int, in_features: int, candidates: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The candidate row counts at which the packed product computes each row exactly as the largest does.
 
-    A row's bits must not depend on how many rows share its step (a token scored in a tree must get the
-    logits it gets in a plain step); a bucket whose kernel rounds otherwise is dropped, and its rows run
-    padded to the next bucket. Like ``one_pack_serves``, random weights of the shape decide it.
+    A count whose kernel rounds otherwise is dropped, and its steps run padded to the next kept count. The
+    layout and reduction order depend on the shape, the row count, the dtype, the CPU and the library, not
+    on the values, so random weights of the shape decide it.
     """
+    if packing == "none" or not candidates:
+        return candidates
     generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    most = max(buckets)
-    x = torch.randn(most, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    most = max(candidates)
+    x = torch.randn(most, in_features, generator=generator).to(dtype)
     with torch.inference_mode():
-        reference = torch.ops.mkl._mkl_linear(
-            x, torch.ops.mkl._mkl_reorder_linear_weight(weight, most), weight, None, most
-        )
-        kept = []
-        for rows in sorted(buckets):
-            packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-            if torch.equal(torch.ops.mkl._mkl_linear(x[:rows], packed, weight, None, rows), reference[:rows]):
-                kept.append(rows)
-    return tuple(kept)
+        if packing == "mkl":
+
+            def product(rows: int) -> torch.Tensor:
+                packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+                return torch.ops.mkl._mkl_linear(x[:rows], packed, weight, None, rows)
+
+        else:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_HINT)
+
+            def product(rows: int) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x[:rows].clone(), packed, None, "none", [], "")
+
+        reference = product(most)
+        return tuple(rows for rows in sorted(candidates) if torch.equal(product(rows), reference[:rows]))
 
 
 class PackedLinear:
@@ -130,8 +167,7 @@ class PackedLinear:
                 else:
                     self._mkl = {n: torch.ops.mkl._mkl_reorder_linear_weight(self.weight, n) for n in self.buckets}
             elif packing == "onednn":
-                hint = self.buckets[len(self.buckets) // 2] if self.buckets else 8
-                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, hint)
+                self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_HINT)
 
     @property
     def out_features(self) -> int:
@@ -147,5 +183,7 @@ class PackedLinear:
             padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
             return torch.ops.mkl._mkl_linear(padded, packed, self.weight, self.bias, bucket)[:rows]
         if self._onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._onednn, self.bias, "none", [], "")
+            bucket = bucket_for(rows, self.buckets)
+            padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
+            return torch.ops.mkldnn._linear_pointwise(padded, self._onednn, self.bias, "none", [], "")[:rows]
         return F.linear(x, self.weight, self.bias)

@@ -1,4 +1,11 @@
-from specserve.hardware import choose_dtype
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve.hardware import choose_dtype, cpu_flags, cpu_model, cpu_vendor
+from target_service import packed_linear
+from target_service.packed_linear import FP32_GEMM_ENV, available_packing
 
 
 def test_auto_picks_bf16_only_where_the_hardware_runs_it_natively() -> None:
@@ -8,3 +15,33 @@ def test_auto_picks_bf16_only_where_the_hardware_runs_it_natively() -> None:
     plain = choose_dtype("auto", "cpu", frozenset({"avx2", "avx512f"}))
     assert plain.dtype == "float32" and "neither" in plain.reason
     assert choose_dtype("float32", "cuda").dtype == "float32"
+
+
+def test_cpuinfo_fields_come_from_the_first_processor(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\nflags\t\t: avx2 avx512_bf16\n\n"
+        "processor\t: 1\nvendor_id\t: GenuineIntel\nmodel name\t: other\nflags\t\t: sse\n"
+    )
+    assert cpu_vendor(cpuinfo) == "AuthenticAMD"
+    assert cpu_model(cpuinfo) == "AMD EPYC"
+    assert cpu_flags(cpuinfo) == {"avx2", "avx512_bf16"}
+    missing = tmp_path / "absent"
+    assert (cpu_vendor(missing), cpu_model(missing), cpu_flags(missing)) == ("unknown", "unknown", frozenset())
+
+
+def test_fp32_products_pack_for_mkl_on_intel_and_onednn_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.backends.mkldnn.is_available() or not torch.backends.mkl.is_available():
+        pytest.skip("this torch build has no oneDNN or no MKL")
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "GenuineIntel")
+    assert available_packing(torch.float32, cpu) == "mkl"
+    assert available_packing(torch.bfloat16, cpu) == "onednn"
+    monkeypatch.setattr(packed_linear, "cpu_vendor", lambda: "AuthenticAMD")
+    assert available_packing(torch.float32, cpu) == "onednn"
+    monkeypatch.setenv(FP32_GEMM_ENV, "mkl")
+    assert available_packing(torch.float32, cpu) == "mkl"
+    monkeypatch.setenv(FP32_GEMM_ENV, "blas")
+    with pytest.raises(ValueError, match=FP32_GEMM_ENV):
+        available_packing(torch.float32, cpu)
+    assert available_packing(torch.float32, torch.device("meta")) == "none"
