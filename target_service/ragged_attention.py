@@ -75,7 +75,8 @@ def attend_segments(
     out = q.new_zeros(q.shape)
     gqa = q.shape[1] != k.shape[1]
     # PyTorch's CPU SDPA is slow in bf16 for short queries (4-6x fp32 at one query row over 500 keys,
-    # measured on AVX512-BF16): on CPU the attention itself runs in fp32, which is also more exact.
+    # measured on AVX512-BF16): on CPU the attention itself runs in fp32, which is also more exact. The
+    # engine keeps a bf16 model's cache in fp32 there (``ModelRunner.kv_dtype``), so only the query converts.
     upcast = q.device.type == "cpu" and q.dtype != torch.float32
     for seg in plan.segments:
         plan.arena.write(layer, seg.region, seg.num_cached, k[seg.rows].transpose(0, 1), v[seg.rows].transpose(0, 1))
