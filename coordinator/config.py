@@ -21,8 +21,14 @@ class CoordinatorConfig:
     host: str = LOOPBACK
     port: int = COORDINATOR_PORT
     http_port: int = HTTP_PORT  # the OpenAI-compatible HTTP API (coordinator.openai_api) on --host; 0: off
-    verifier: str = f"{LOOPBACK}:{VERIFIER_PORT}"  # gRPC target, e.g. dns:///specserve-verifier:50053
-    drafter: str | None = f"{LOOPBACK}:{DRAFTER_PORT}"  # None: verifier-only decoding
+    # gRPC target: an address list, dns:///specserve-verifier:50053, or k8s://NAMESPACE/SERVICE:PORT (watched
+    # through the Kubernetes API, coordinator.discovery)
+    verifier: str = f"{LOOPBACK}:{VERIFIER_PORT}"
+    drafter: str | None = f"{LOOPBACK}:{DRAFTER_PORT}"  # the same forms; None: verifier-only decoding
+    # The coordinator's own zone, preferred for drafter sessions with a k8s:// drafter target; "" with
+    # self_service set: learnt from this pod's (POD_NAME) entry in that Service's EndpointSlices.
+    zone: str = ""
+    self_service: str = ""  # NAMESPACE/SERVICE of the coordinator's own Service; "": no zone lookup
     model: str = DEFAULT_MODEL  # where the tokenizer and chat template come from
     served_model_name: str = ""  # the name clients use for the model (the HTTP API's `model`); empty: `model`
     cache_dir: str | None = None

@@ -315,6 +315,7 @@ class GrpcDrafter:
         verify_cost: Sequence[tuple[int, float]] = (),
     ) -> None:
         self._stub = drafter_pb2_grpc.DrafterServiceStub(channel)
+        self._channel = channel
         self._metadata = metadata
         self._target = target
         self._vocab_size = vocab_size  # the target's, sent with each session: the drafter drops ids outside it
@@ -342,3 +343,7 @@ class GrpcDrafter:
         stream = GrpcDraftStream(self._stub.Draft(metadata=self._metadata()), self._target, self._wants_features)
         await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost, sampling)
         return stream
+
+    async def aclose(self) -> None:
+        """Close the channel (a drafter endpoint that left a watched set, once its streams have ended)."""
+        await self._channel.close()

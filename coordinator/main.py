@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -25,9 +28,17 @@ from coordinator.config import (
     prompt_limits,
     round_policy,
 )
+from coordinator.discovery import (
+    TargetError,
+    WatchedReplicas,
+    is_k8s_target,
+    parse_target,
+)
 from coordinator.drafter_health import HealthCheckedDrafter
+from coordinator.drafter_pool import DrafterPool
 from coordinator.frontend import GenerationBackend, GenerationFrontend
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier, reconnect_options
+from coordinator.k8s_watch import ApiServerError, EndpointSliceWatch, api_client_from_environment, own_zone
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api.app import create_app
 from coordinator.openai_api.serve import HttpServer, HttpStartError
@@ -42,6 +53,7 @@ from specserve.auth.internal import InternalCredentials, Metadata
 from specserve.auth.keys import ApiKeys, KeyFileError
 from specserve.auth.tls import ExposureError, add_port, aio_channel, check_exposure
 from specserve.drain import Drain
+from specserve.errors import DrafterFailed
 from specserve.model_loading import (
     default_cache_root,
     load_generation_config,
@@ -56,6 +68,7 @@ from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("coordinator")
+SELF_SERVICE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z]([-a-z0-9]*[a-z0-9])?$")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -77,12 +90,24 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     parser.add_argument(
         "--verifier",
         default=env("SPECSERVE_VERIFIER_ADDR", defaults.verifier),
-        help="gRPC target of the verifier tier, e.g. dns:///specserve-verifier:50053",
+        help="the verifier tier: host:port[,host:port...], dns:///NAME:PORT (re-resolved every 30 s) or "
+        "k8s://NAMESPACE/SERVICE:PORT (the Service's EndpointSlices, watched through the Kubernetes API)",
     )
     parser.add_argument(
         "--drafter",
         default=env("SPECSERVE_DRAFTER_ADDR", defaults.drafter or ""),
-        help="gRPC target of the drafter tier; empty: decode without drafting",
+        help="the drafter tier, in the same forms as --verifier; empty: decode without drafting",
+    )
+    parser.add_argument(
+        "--zone",
+        default=env("SPECSERVE_ZONE", defaults.zone),
+        help="this coordinator's zone: with a k8s:// --drafter, drafter endpoints in it get its sessions first",
+    )
+    parser.add_argument(
+        "--self-service",
+        default=env("SPECSERVE_SELF_SERVICE", defaults.self_service),
+        help="NAMESPACE/SERVICE of the coordinator's own Service: without --zone, the zone is read from this "
+        "pod's (POD_NAME) entry in its EndpointSlices",
     )
     parser.add_argument(
         "--model",
@@ -167,6 +192,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     args = parser.parse_args(argv)
     try:
         args.security = security_from_args(args)
+        for flag, target in (("--verifier", args.verifier), ("--drafter", args.drafter)):
+            if is_k8s_target(target):
+                try:
+                    parse_target(target)
+                except TargetError as exc:
+                    raise ValueError(f"{flag}: {exc}") from exc
+        if args.self_service and not SELF_SERVICE.match(args.self_service):
+            raise ValueError(f"--self-service {args.self_service!r}: expected NAMESPACE/SERVICE")
     except ValueError as exc:
         parser.error(str(exc))
     values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
@@ -238,12 +271,17 @@ def internal_channel(
 ) -> grpc.aio.Channel:
     """A channel to a worker at ``address`` of ``tier`` (a --verifier/--drafter target), TLS when configured.
 
-    A replica of a ``dns:///name:port`` tier is dialled by IP: its certificate is checked against ``name``.
+    A replica of a ``dns:///name:port`` tier is dialled by IP: its certificate is checked against ``name``
+    (for a ``k8s://`` tier, against the Service's ``<service>.<namespace>.svc``).
     """
     options = [*channel_options(), *extra_options]
     tls = internal_tls(config)
     if tls is not None and tier.startswith("dns:///") and address != tier:
         options.append(("grpc.ssl_target_name_override", tier.removeprefix("dns:///").rsplit(":", 1)[0]))
+    elif tls is not None and is_k8s_target(tier):
+        # A watched endpoint is dialled by IP: its certificate is checked against <service>.<namespace>.svc.
+        target = parse_target(tier)
+        options.append(("grpc.ssl_target_name_override", f"{target.service}.{target.namespace}.svc"))
     return aio_channel(address, tls, options)
 
 
@@ -252,8 +290,55 @@ def internal_metadata(config: CoordinatorConfig) -> Callable[[], Metadata]:
     return InternalCredentials(config.security.internal_token()).metadata
 
 
-async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple[VerifierPort, VerifierInfo]:
+class Watches:
+    """The EndpointSlice watches of this coordinator's k8s:// targets (none for DNS names and address lists)."""
+
+    def __init__(self, observer: CoordinatorMetrics) -> None:
+        self._observer = observer
+        self._api_client: Any = None
+        self.started: list[EndpointSliceWatch] = []
+        self.stopping = threading.Event()
+
+    def api_client(self) -> Any:
+        if self._api_client is None:
+            try:
+                self._api_client = api_client_from_environment()
+            except ApiServerError as exc:
+                raise StartupError(str(exc)) from exc
+        return self._api_client
+
+    def start(self, target: str, tier: str) -> EndpointSliceWatch:
+        watch = EndpointSliceWatch(parse_target(target), tier, self.api_client(), observer=self._observer)
+        watch.start()
+        self.started.append(watch)
+        return watch
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for watch in self.started:
+            watch.stop()
+
+
+async def wait_for_ready_endpoint(watch: EndpointSliceWatch, timeout_s: float) -> None:
+    """Wait until the watch lists an accepting endpoint: it passed its readiness probe, so its model is loaded."""
+    log.info("waiting for a ready %s endpoint of %s", watch.tier, watch.target)
+    found = await asyncio.to_thread(watch.wait_for, lambda s: any(e.accepting for e in s.endpoints), timeout_s)
+    if not found:
+        snapshot = watch.snapshot
+        seen = "the API server never answered" if not snapshot.synced else f"{len(snapshot.endpoints)} listed"
+        raise StartupError(
+            f"no ready {watch.tier} endpoint in {watch.target} within {timeout_s:.0f} s ({seen}): check the "
+            f"Service's EndpointSlices (kubectl -n {watch.target.namespace} get endpointslices -l "
+            f"{watch.target.label_selector}) and the coordinator's Role"
+        )
+
+
+async def connect_verifier(
+    config: CoordinatorConfig, fingerprint: str, watches: Watches | None = None
+) -> tuple[VerifierPort, VerifierInfo]:
     """The verifier tier (one or many replicas, with session affinity), checked for a matching vocabulary."""
+    if is_k8s_target(config.verifier):
+        return await _checked_verifier(config, fingerprint, await watched_verifier(config, watches))
     resolve = replica_resolver(config.verifier)
     # A dns:/// target is one gRPC target (round-robin over its pods); a comma-separated list is waited for
     # replica by replica, so no session is pinned to one still loading its model.
@@ -263,6 +348,10 @@ async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple
         log.info("waiting for the verifier at %s", target)
         await wait_until_serving(channel, target, config.startup_timeout_s)
         await channel.close()
+    return await _checked_verifier(config, fingerprint, StickyVerifierRouter(resolve, verifier_connector(config)))
+
+
+def verifier_connector(config: CoordinatorConfig) -> Callable[[str], GrpcVerifier]:
     metadata = internal_metadata(config)
 
     def connect(address: str) -> GrpcVerifier:
@@ -270,7 +359,22 @@ async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple
             internal_channel(config, address, config.verifier), address, config.verifier_timeout_s, metadata
         )
 
-    verifier = StickyVerifierRouter(resolve, connect)
+    return connect
+
+
+async def watched_verifier(config: CoordinatorConfig, watches: Watches | None) -> StickyVerifierRouter:
+    """A router over the verifier endpoints a watch lists, read at every call (no refresh period)."""
+    if watches is None:
+        raise StartupError(f"--verifier {config.verifier} needs the Kubernetes API, which this caller did not set up")
+    watch = watches.start(config.verifier, "verifier")
+    await wait_for_ready_endpoint(watch, config.startup_timeout_s)
+    source = WatchedReplicas("verifier", lambda: watch.snapshot, watches._observer)
+    return StickyVerifierRouter(source, verifier_connector(config), refresh_s=0.0, on_pin=source.pinned)
+
+
+async def _checked_verifier(
+    config: CoordinatorConfig, fingerprint: str, verifier: StickyVerifierRouter
+) -> tuple[VerifierPort, VerifierInfo]:
     info = await verifier.info()
     if info.vocab_fingerprint != fingerprint:
         raise StartupError(
@@ -281,22 +385,42 @@ async def connect_verifier(config: CoordinatorConfig, fingerprint: str) -> tuple
     return verifier, info
 
 
-async def connect_drafter(config: CoordinatorConfig, fingerprint: str, verifier: VerifierInfo) -> GrpcDrafter | None:
+async def connect_drafter(
+    config: CoordinatorConfig, fingerprint: str, verifier: VerifierInfo, watches: Watches | None = None
+) -> GrpcDrafter | DrafterPool | None:
     """The drafter tier, or None when unset or serving another vocabulary (drafting is optional)."""
     if config.drafter is None:
         return None
-    # Reconnects bounded by the circuit's first probe interval: a restarted drafter is used again at the next probe.
-    channel = internal_channel(
-        config, config.drafter, config.drafter, reconnect_options(config.drafter_backoff_ms / 1000)
-    )
-    drafter = GrpcDrafter(channel, config.drafter, verifier.vocab_size, internal_metadata(config), verifier.verify_cost)
+
+    def connect(address: str) -> GrpcDrafter:
+        # Reconnects bounded by the circuit's first probe interval: a restarted drafter is used again at the next
+        # probe.
+        assert config.drafter is not None
+        channel = internal_channel(config, address, config.drafter, reconnect_options(config.drafter_backoff_ms / 1000))
+        return GrpcDrafter(channel, address, verifier.vocab_size, internal_metadata(config), verifier.verify_cost)
+
+    drafter: GrpcDrafter | DrafterPool
+    if is_k8s_target(config.drafter):
+        if watches is None:
+            raise StartupError(f"--drafter {config.drafter} needs the Kubernetes API, which this caller did not set up")
+        watch = watches.start(config.drafter, "drafter")
+        source = WatchedReplicas("drafter", lambda: watch.snapshot, watches._observer)
+        drafter = DrafterPool(source, connect, zone=config.zone, on_pin=source.pinned)
+        if not config.zone and config.self_service:
+            learn_zone(config, watches, drafter)
+        # Drafting is optional: wait briefly for the first list, then go on; drafters join as they turn ready.
+        if not await asyncio.to_thread(watch.wait_for, lambda s: any(e.accepting for e in s.endpoints), 10.0):
+            log.warning("no ready drafter endpoint in %s yet; requests decode without one until there is", watch.target)
+            return drafter
+    else:
+        drafter = connect(config.drafter)
     try:
         info = await drafter.info()
-    except grpc.aio.AioRpcError as exc:
+    except (grpc.aio.AioRpcError, DrafterFailed) as exc:
         log.warning(
             "drafter at %s not reachable yet (%s); requests decode without it until it is",
             config.drafter,
-            exc.code().name,
+            exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else exc,
         )
         return drafter
     if info.vocab_fingerprint and info.vocab_fingerprint != fingerprint:
@@ -308,6 +432,37 @@ async def connect_drafter(config: CoordinatorConfig, fingerprint: str, verifier:
         )
         return None
     return drafter
+
+
+def learn_zone(config: CoordinatorConfig, watches: Watches, pool: DrafterPool) -> None:
+    """Find this pod's zone in its own Service's EndpointSlices (in a thread, retried until it is listed).
+
+    Pods cannot read their node's topology labels through the downward API, but the EndpointSlice controller
+    copies the zone into each endpoint, and the coordinator's Role already allows reading EndpointSlices.
+    """
+    pod = os.environ.get("POD_NAME", "")
+    namespace, _, service = config.self_service.partition("/")
+    if not pod:
+        log.warning("--self-service is set but POD_NAME is not: drafter sessions prefer no zone")
+        return
+    api_client = watches.api_client()
+
+    def find() -> None:
+        for _attempt in range(60):
+            try:
+                zone = own_zone(api_client, namespace, service, pod)
+            except Exception as exc:  # the API server may be briefly away: try again
+                log.debug("looking up this pod's zone: %s", exc)
+                zone = None
+            if zone is not None:
+                pool.zone = zone
+                log.info("this coordinator runs in zone %r: drafter endpoints there get its sessions first", zone)
+                return
+            if watches.stopping.wait(5.0):
+                return
+        log.warning("pod %s is not in the EndpointSlices of %s: drafter sessions prefer no zone", pod, service)
+
+    threading.Thread(target=find, name="k8s-own-zone", daemon=True).start()
 
 
 def health_checked(
@@ -406,9 +561,10 @@ async def serve(config: CoordinatorConfig) -> None:
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
     tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
+    watches = Watches(metrics)  # k8s:// targets: daemon threads, stopped once the drain is over
     fingerprint = vocab_fingerprint(tokenizer)
-    verifier, info = await connect_verifier(config, fingerprint)
-    drafter = health_checked(config, await connect_drafter(config, fingerprint, info), metrics)
+    verifier, info = await connect_verifier(config, fingerprint, watches)
+    drafter = health_checked(config, await connect_drafter(config, fingerprint, info, watches), metrics)
     eos = eos_token_ids(tokenizer, load_generation_config(source))
     policy = round_policy(config, info)
 
@@ -426,6 +582,7 @@ async def serve(config: CoordinatorConfig) -> None:
         flush=True,
     )
     await serve_until_signal(server, drain)
+    watches.stop()
     if http is not None:  # after the drain: its streams have finished, new requests got 503 meanwhile
         await http.stop(now=drain.forced)
 

@@ -22,6 +22,8 @@ Owned by the instance (its own registry), not module globals.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from coordinator.admission import AdmissionController
@@ -44,6 +46,10 @@ E2E_BUCKETS_S = (
     600.0,
 )  # fmt: skip
 QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Discovery (k8s:// targets): an endpoint change reaches the router within milliseconds; a first session waits
+# for the next request.
+DISCOVERY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 # Admission's refusals (coordinator.admission), so their series exist at zero before the first one.
 REJECTION_REASONS = ("queue_full", "tenant_queue_full", "queue_timeout", "deadline")
@@ -180,6 +186,36 @@ class CoordinatorMetrics:
             "specserve_drafter_circuit_open", "1 while requests skip the drafter after a failure", registry=r
         )
 
+        # Discovery of the other tiers through the Kubernetes API (coordinator.discovery, k8s:// targets)
+        self.discovery_replicas_gauge = Gauge(
+            "specserve_discovery_replicas",
+            "Endpoints a k8s:// watch knows, by tier and condition (ready, serving: terminating but still serving, "
+            "terminating, not_ready)",
+            ["tier", "condition"],
+            registry=r,
+        )
+        self.discovery_watch_restarts = Counter(
+            "specserve_discovery_watch_restarts",
+            "EndpointSlice watches started again, by tier and reason (closed by the server, expired: 410 Gone "
+            "and a relist, error: API server unreachable or failing, retried with backoff)",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.discovery_apply_seconds = Histogram(
+            "specserve_discovery_apply_seconds",
+            "Time from an EndpointSlice event reaching the coordinator to its router routing by the new set",
+            ["tier"],
+            buckets=DISCOVERY_BUCKETS_S,
+            registry=r,
+        )
+        self.discovery_first_session_seconds = Histogram(
+            "specserve_discovery_first_session_seconds",
+            "Time from the event that made an endpoint ready to the first new session routed to it",
+            ["tier"],
+            buckets=DISCOVERY_BUCKETS_S,
+            registry=r,
+        )
+
     def serve(self, port: int, host: str) -> None:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
         start_http_server(port, addr=host, registry=self.registry)
@@ -235,3 +271,18 @@ class CoordinatorMetrics:
 
     def drafter_failed(self, reason: str) -> None:
         self.drafter_failures.inc()
+
+    # ---- discovery (coordinator.discovery.DiscoveryObserver) ----
+
+    def discovery_replicas(self, tier: str, counts: Mapping[str, int]) -> None:
+        for condition, count in counts.items():
+            self.discovery_replicas_gauge.labels(tier, condition).set(count)
+
+    def discovery_watch_restarted(self, tier: str, reason: str) -> None:
+        self.discovery_watch_restarts.labels(tier, reason).inc()
+
+    def discovery_acted(self, tier: str, seconds: float) -> None:
+        self.discovery_apply_seconds.labels(tier).observe(seconds)
+
+    def discovery_first_session(self, tier: str, seconds: float) -> None:
+        self.discovery_first_session_seconds.labels(tier).observe(seconds)

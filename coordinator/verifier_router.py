@@ -17,6 +17,12 @@ pinned to it is its probe. The failed call's session is pinned afresh to a
 replica that is up and the call raises SessionMoved, on which the round loop
 prefills the session there from its committed tokens and repeats the round.
 With no replica up, calls fail with UNAVAILABLE and a message saying so.
+
+With a ``k8s://`` target (coordinator.discovery) the replica set comes from a
+watch of the Service's EndpointSlices instead, read at every call (no refresh
+period): a replica that turns ready gets the next new session; one that is
+terminating (or not ready) is listed as not ``accepting``: it keeps the
+sessions pinned to it, so they finish there, and gets no new ones.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from coordinator.discovery import Replica
 from coordinator.ports import VerifierInfo, VerifierPort
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
@@ -60,13 +67,18 @@ class StickyVerifierRouter:
 
     def __init__(
         self,
-        resolve: Callable[[], Sequence[str]],
+        resolve: Callable[[], Sequence[str | Replica]],
         connect: Callable[[str], VerifierPort],
         refresh_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         down_s: float = 5.0,
+        on_pin: Callable[[str], None] | None = None,
     ) -> None:
+        """``resolve`` lists the replicas (addresses: all accepting); ``on_pin`` hears each new session's replica."""
         self._resolve = resolve
+        self._on_pin = on_pin
+        self._resolved: Sequence[str | Replica] | None = None
+        self._not_accepting: set[str] = set()  # listed, keeping their sessions, but given no new ones
         self._connect = connect
         self._refresh_s = refresh_s
         self._clock = clock
@@ -88,9 +100,15 @@ class StickyVerifierRouter:
             return
         self._next_refresh = self._clock() + self._refresh_s
         try:
-            addresses = list(self._resolve())
+            resolved = self._resolve()
         except OSError:
             return  # keep the replicas we know; DNS hiccups must not fail requests
+        if isinstance(resolved, tuple) and resolved is self._resolved:
+            return  # a watched set (immutable) that has not changed since the last call
+        self._resolved = resolved
+        replicas = [r if isinstance(r, Replica) else Replica(r) for r in resolved]
+        addresses = [r.address for r in replicas]
+        self._not_accepting = {r.address for r in replicas if not r.accepting}
         for address in addresses:
             if address not in self._replicas:
                 self._replicas[address] = self._connect(address)
@@ -107,6 +125,11 @@ class StickyVerifierRouter:
                 "no verifier replica is available: retry shortly",
                 detail="no verifier replica is known: check the verifier address and its DNS name",
             )
+        if all(a in self._not_accepting for a in self._replicas):
+            return Unavailable(
+                "no verifier replica takes new sessions now: retry shortly",
+                detail=f"replicas terminating or not ready: {', '.join(sorted(self._replicas))}",
+            )
         return Unavailable(
             f"every verifier replica failed within the last {self._down_s:g} s: retry once one is back",
             detail=f"replicas down: {', '.join(sorted(self._replicas))}: check the verifier pods",
@@ -115,7 +138,11 @@ class StickyVerifierRouter:
     def _pin(self, session_id: str) -> str:
         """Pin ``session_id`` to the replica that is up with the fewest sessions pinned here."""
         now = self._clock()
-        load = {a: 0 for a in self._replicas if self._is_up(a) and self._closed_until.get(a, 0.0) <= now}
+        load = {
+            a: 0
+            for a in self._replicas
+            if self._is_up(a) and self._closed_until.get(a, 0.0) <= now and a not in self._not_accepting
+        }
         if not load:
             raise self._no_replica()
         for pinned in self._pinned.values():
@@ -123,6 +150,8 @@ class StickyVerifierRouter:
                 load[pinned] += 1
         address = min(sorted(load), key=load.__getitem__)
         self._pinned[session_id] = address
+        if self._on_pin is not None:
+            self._on_pin(address)
         return address
 
     def _address_for(self, session_id: str, creating: bool) -> str:

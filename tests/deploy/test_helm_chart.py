@@ -579,14 +579,20 @@ def test_production_puts_the_verifier_on_gpus_and_drafters_on_their_pool(rendere
     assert "nvidia.com/gpu" not in drafter["containers"][0]["resources"].get("limits", {})
 
 
-def test_coordinator_dials_the_headless_services(rendered: dict[str, list[Obj]]) -> None:
-    objs = rendered["default"]
-    args = pod_template(named(objs, "Deployment", "specserve-coordinator"))["spec"]["containers"][0]["args"]
-    for tier, port in (("drafter", 50052), ("verifier", 50053)):
-        service = named(objs, "Service", f"specserve-{tier}")
-        assert service["spec"]["clusterIP"] == "None"
-        assert f"--{tier}=dns:///specserve-{tier}.{NAMESPACE}.svc.cluster.local:{port}" in args
-        assert service["spec"]["ports"][0]["port"] == port
+def test_coordinator_watches_the_services_or_dials_them_by_dns(rendered: dict[str, list[Obj]]) -> None:
+    """Kubernetes discovery by default (k8s:// targets); `discovery: dns` (the variants) dials the headless names."""
+    for value_set, release, expected in (
+        ("default", "specserve", "k8s://{namespace}/{release}-{tier}:{port}"),
+        ("variants", "llm", "dns:///{release}-{tier}.{namespace}.svc.cluster.local:{port}"),
+    ):
+        objs = rendered[value_set]
+        args = pod_template(named(objs, "Deployment", f"{release}-coordinator"))["spec"]["containers"][0]["args"]
+        for tier in ("drafter", "verifier"):
+            service = named(objs, "Service", f"{release}-{tier}")
+            port = service["spec"]["ports"][0]["port"]
+            assert service["spec"]["clusterIP"] == "None"
+            target = expected.format(namespace=NAMESPACE, release=release, tier=tier, port=port)
+            assert f"--{tier}={target}" in args, value_set
 
 
 def ingress_sources(policy: Obj, port: int) -> list[dict[str, str]] | None:
@@ -603,9 +609,11 @@ def ingress_sources(policy: Obj, port: int) -> list[dict[str, str]] | None:
 
 
 def policies_by_tier(objs: Sequence[Obj]) -> dict[str, Obj]:
+    """The ingress policy of each tier (the coordinator's egress policy is tests/deploy/test_helm_discovery.py's)."""
     return {
         p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
         for p in of_kind(objs, "NetworkPolicy")
+        if "Ingress" in p["spec"]["policyTypes"]
     }
 
 

@@ -124,3 +124,20 @@ so it never appears in the pod spec.
       key: {{ $redis.external.existingSecretKey }}
 {{- end }}
 {{- end }}
+
+{{/* Whether the coordinator watches the other tiers through the Kubernetes API (coordinator.discovery). */}}
+{{- define "specserve.kubernetesDiscovery" -}}
+{{- if eq .Values.coordinator.discovery "kubernetes" }}true{{ end }}
+{{- end }}
+
+{{/*
+ServiceAccount of the coordinator: its own (<fullname>-coordinator) with kubernetes discovery, so that the
+Role reading EndpointSlices is bound to it alone; the shared one otherwise.
+*/}}
+{{- define "specserve.coordinatorServiceAccountName" -}}
+{{- if and (include "specserve.kubernetesDiscovery" .) .Values.serviceAccount.create }}
+{{- printf "%s-coordinator" (include "specserve.fullname" .) }}
+{{- else }}
+{{- include "specserve.serviceAccountName" . }}
+{{- end }}
+{{- end }}

@@ -117,6 +117,7 @@ Deployment of one tier. Extra keys:
             module, so the chart passes arguments only
   env     - rendered YAML list of tier-specific EnvVars (may be empty)
   serviceAccountName
+  automountToken - mount the ServiceAccount's API token (the coordinator with kubernetes discovery)
   ports   - extra container ports, a list of {name, port} (the coordinator's HTTP API)
 */}}
 {{- define "specserve.deployment" -}}
@@ -156,8 +157,13 @@ spec:
         {{- end }}
     spec:
       serviceAccountName: {{ .serviceAccountName }}
-      # No tier talks to the Kubernetes API: replicas are found through the headless Services' DNS names.
+      {{- if .automountToken }}
+      # The coordinator watches EndpointSlices (coordinator.discovery: kubernetes); its Role allows nothing else.
+      automountServiceAccountToken: true
+      {{- else }}
+      # This pod does not talk to the Kubernetes API.
       automountServiceAccountToken: false
+      {{- end }}
       # Service links would inject SPECSERVE_*_PORT style variables into the
       # specserve-* pods and could shadow the servers' own SPECSERVE_* settings.
       enableServiceLinks: false
