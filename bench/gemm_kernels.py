@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from target_service.packed_linear import ONEDNN_HINT, ONEDNN_ROWS, row_invariant_rows
+from specserve.packed_linear import ONEDNN_HINT, ONEDNN_ROWS, row_invariant_rows
 
 from .machine import describe
 from .verify_cost import SHAPES

@@ -6,7 +6,7 @@ takes the weights over into a compact model of its own:
 - **fused projections**: one QKV product and one gate-up product a layer (4
   products a layer instead of 7), their weights concatenated once at start-up
   from the checkpoint's separate tensors (vLLM's ``llama.py`` does the same);
-- **prepacked weights** (``packed_linear``): each product's weight is packed
+- **prepacked weights** (``specserve.packed_linear``): each product's weight is packed
   once for the CPU's GEMM kernel, so a step of 2-8 rows costs about what one
   row does;
 - **plain tensor code**: RMSNorm, rotary embedding, SiLU-gated MLP, row by row
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from target_service.packed_linear import PackedLinear, Packing
+from specserve.packed_linear import PackedLinear, Packing
 
 # Attention for one layer: (layer, q [T, heads, d], k and v [T, kv_heads, d], scaling) -> [T, heads, d]; it also
 # stores k and v in the KV cache. ``ragged_attention.attend_segments`` (bound to a plan) or a static step's.

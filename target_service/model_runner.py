@@ -4,7 +4,7 @@ transformers loads the model; the engine's own forward (``llama_forward``)
 runs it, so that:
 
 - many sessions' tokens share every matmul (one sequence of T rows);
-- the weights are prepacked for the CPU's GEMM kernel (``packed_linear``), so
+- the weights are prepacked for the CPU's GEMM kernel (``specserve.packed_linear``), so
   a verify of 2-8 rows costs about what one row does, and a step runs only at
   row counts where each row's result is the same bits whatever the count
   (checked at start-up; others are padded up), so a token is scored alike in
@@ -31,6 +31,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specserve.packed_linear import (
+    PackedLinear,
+    Packing,
+    available_packing,
+    bucket_for,
+    candidate_rows,
+    row_invariant_rows,
+)
 from target_service.kv_arena import BLOCK_TOKENS, KVArena, bytes_per_token
 from target_service.llama_forward import (
     SUPPORTED_MODEL_TYPES,
@@ -38,14 +46,6 @@ from target_service.llama_forward import (
     LlamaShape,
     UnsupportedModelError,
     rms_norm,
-)
-from target_service.packed_linear import (
-    PackedLinear,
-    Packing,
-    available_packing,
-    bucket_for,
-    candidate_rows,
-    row_invariant_rows,
 )
 from target_service.ragged_attention import StepPlan, attend_segments
 from target_service.static_steps import StaticSteps

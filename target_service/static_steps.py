@@ -43,9 +43,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from specserve.packed_linear import bucket_for
 from target_service.kv_arena import KVArena
 from target_service.llama_forward import Attend
-from target_service.packed_linear import bucket_for
 from target_service.ragged_attention import Segment, StepPlan
 
 ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)

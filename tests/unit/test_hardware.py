@@ -3,9 +3,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from specserve import packed_linear
 from specserve.hardware import choose_dtype, cpu_flags, cpu_model, cpu_vendor
-from target_service import packed_linear
-from target_service.packed_linear import FP32_GEMM_ENV, available_packing
+from specserve.packed_linear import FP32_GEMM_ENV, available_packing
 
 
 def test_auto_picks_bf16_only_where_the_hardware_runs_it_natively() -> None:

@@ -17,11 +17,11 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from specserve.packed_linear import PackedLinear, available_packing
 from specserve.tree_masks import ancestor_matrix
 from target_service.kv_arena import KVArena
 from target_service.llama_forward import UnsupportedModelError
 from target_service.model_runner import ModelRunner
-from target_service.packed_linear import PackedLinear, available_packing
 from target_service.ragged_attention import Segment, StepPlan
 
 VOCAB = 96

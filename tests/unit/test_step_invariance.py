@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bench.step_invariance import RowProbe
+from specserve.packed_linear import ONEDNN_ROWS, available_packing
 from target_service.model_runner import ModelRunner
-from target_service.packed_linear import ONEDNN_ROWS, available_packing
 from tests.conftest import tiny_llama
 
 CPU = torch.device("cpu")
