@@ -65,6 +65,11 @@ class CostCurve:
     def step_s(self, sessions: int, tokens: int) -> float:
         return self.forward_s(tokens) + sessions * self.per_session_s
 
+    def plausible(self) -> bool:
+        """No size costs more than ``STALL_FACTOR`` times linear growth from the one before (a stalled timing)."""
+        pairs = zip(self.tokens, self.seconds, self.tokens[1:], self.seconds[1:], strict=False)
+        return all(s1 <= STALL_FACTOR * s0 * n1 / n0 for n0, s0, n1, s1 in pairs)
+
     def to_json(self) -> str:
         return json.dumps({"tokens": self.tokens, "seconds": self.seconds, "per_session_s": self.per_session_s})
 
@@ -108,6 +113,13 @@ def flattened(curve: CostCurve) -> CostCurve:
     return CostCurve(curve.tokens, (curve.seconds[0],) * len(curve.tokens), curve.per_session_s)
 
 
+# A size costing more than this times linear growth from the size before it was measured while something
+# else held the cores (seen: c(16) 45x c(8) for every repeat while another process was installing packages;
+# rows cost at most linearly). It is timed again, up to STALL_RETRIES times, keeping the least time.
+STALL_FACTOR = 1.5
+STALL_RETRIES = 3
+
+
 def measure_curve(
     run: Callable[[int, int], None],
     sizes: Sequence[int],
@@ -116,7 +128,8 @@ def measure_curve(
 ) -> CostCurve:
     """Time ``run(sessions, tokens)``: one session with each of ``sizes`` tokens, then 8 one-token sessions.
 
-    Each point is the minimum of ``repeats`` runs after a warm-up run.
+    Each point is the minimum of ``repeats`` runs after a warm-up run; a point far above linear growth from
+    the one before is timed again (``STALL_FACTOR``). ``CostCurve.plausible`` says whether one still is.
     """
 
     def timed(sessions: int, tokens: int) -> float:
@@ -129,7 +142,14 @@ def measure_curve(
         return best
 
     ordered = sorted(set(sizes))
-    seconds = [timed(1, n) for n in ordered]
+    seconds: list[float] = []
+    for i, n in enumerate(ordered):
+        took = timed(1, n)
+        for _ in range(STALL_RETRIES):
+            if not seconds or took <= STALL_FACTOR * seconds[-1] * n / ordered[i - 1]:
+                break
+            took = min(took, timed(1, n))
+        seconds.append(took)
     # More tokens never cost less: a dip is noise (another process took the cores for a moment).
     seconds = list(itertools.accumulate(seconds, max))
     curve = CostCurve(tuple(ordered), tuple(seconds))

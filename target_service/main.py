@@ -158,6 +158,9 @@ def _size_budgets(verifier: Verifier, cached: Path) -> None:
         pass
     log.info("measuring the engine's cost curve (once per machine, model and dtype)")
     curve = verifier.profile_cost()
+    if not curve.plausible():
+        log.warning("the cost curve looks stalled (another process held the cores?): used now, not kept")
+        return
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         cached.write_text(curve.to_json())

@@ -152,3 +152,20 @@ def test_guard_judges_the_arms_on_the_same_sessions_only() -> None:
     # A session in both stretches is judged: here drafting costs it half its rate.
     run_guard(guard, clock, 12, {True: 5, False: 10}, sessions=("warm", "next"))
     assert not guard.speculate and guard.num_switches == 1
+
+
+def test_a_size_timed_while_the_cores_were_taken_is_timed_again() -> None:
+    """A stall (every repeat of one size far above linear growth) is retried; a curve still stalled is flagged."""
+    clock_now = [0.0]
+    stalls = {16: 3 * 4}  # 16 tokens: every run (a warm-up and 3 repeats) of its first 3 timings stalls
+
+    def run(sessions: int, tokens: int) -> None:
+        stalled = sessions == 1 and stalls.get(tokens, 0) > 0
+        if stalled:
+            stalls[tokens] -= 1
+        clock_now[0] += 40.0 if stalled else 1.0 + tokens * 0.01
+
+    curve = measure_curve(run, (1, 8, 16, 32), repeats=3, clock=lambda: clock_now[0])
+    assert abs(curve.forward_s(16) - 1.16) < 1e-9 and curve.plausible()
+    stuck = CostCurve((1, 8, 16), (1.0, 1.1, 40.0))
+    assert not stuck.plausible() and CPU_FP32.plausible()
