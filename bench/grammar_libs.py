@@ -120,7 +120,7 @@ def measure_llguidance(hf_tokenizer: Any, tokens: list[int], repeats: int) -> di
         _, s = _timed(lambda: fill_next_token_bitmask(matcher, mask, 0))
         mask_times.append(s)
         allowed = int(np.unpackbits(mask.view(np.uint8), bitorder="little").sum())
-        ff, s = _timed(matcher.compute_ff_tokens)
+        _, s = _timed(matcher.compute_ff_tokens)
         ff_times.append(s)
         forced += allowed == 1
         assert matcher.consume_token(token), matcher.get_error()

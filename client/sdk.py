@@ -64,6 +64,7 @@ class Stats:
     request_id: str = ""  # the id the coordinator logged the request under
     num_forced_tokens: int = 0  # accepted draft tokens the constraint alone allowed
     constraint_complete: bool = False  # with a constraint: the output completed it
+    mask_s: float = 0.0  # computing the constraint's token masks on the coordinator
 
     @property
     def tau(self) -> float:
@@ -124,6 +125,7 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         request_id=s.request_id,
         num_forced_tokens=s.num_forced_tokens,
         constraint_complete=s.constraint_complete,
+        mask_s=s.mask_ns / 1e9,
     )
 
 
