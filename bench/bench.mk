@@ -9,6 +9,7 @@
 #   make bench-sampling       seeded chat prompts at T = 0, 0.7, 1.0 with speculation on and off through the three
 #                             processes, the drafter with coupled drafts and without (bench/results/sampling/)
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/results/numerics/)
+#   make bench-structured     structured output: JSON-schema prompts constrained with speculation, without, and unconstrained
 #   make bench-peers          specserve against llama.cpp on the same prompts (bench/results/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
 # All write to bench/results/. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
@@ -28,8 +29,9 @@ BENCH_NUMERICS_ARGS ?=
 BENCH_HEAD_ARGS ?=
 BENCH_PEERS_ARGS ?=
 BENCH_SAMPLING_ARGS ?=
+BENCH_STRUCTURED_ARGS ?=
 
-.PHONY: bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
+.PHONY: bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -49,6 +51,11 @@ bench-head: proto
 
 bench-sampling: proto
 	$(PY) -m bench.sampling $(BENCH_SAMPLING_ARGS)
+
+# Structured output (issue #33): 30 JSON-schema prompts, constrained speculative vs constrained plain vs
+# unconstrained speculative, greedy, three processes (bench/results/structured/).
+bench-structured: proto
+	$(PY) -m bench.structured $(BENCH_STRUCTURED_ARGS)
 
 bench-numerics: proto
 	$(PY) -m bench.numerics $(BENCH_NUMERICS_ARGS)

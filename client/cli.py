@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="off: plain decoding, no drafting (the output is the same either way)",
     )
     gen.add_argument("--max-draft-tokens", type=int, default=0, help="cap on draft tokens per round; 0: the server's")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is JSON matching this JSON Schema file")
+    shape.add_argument("--regex", help="the output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="the output matches this Lark grammar file")
+    shape.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
     gen.add_argument("--timeout-s", type=float, default=300.0, help="deadline of the whole request")
     gen.add_argument(
         "--api-key",
@@ -98,6 +103,13 @@ def purge_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(path: str | None) -> str | None:
+    if path is None:
+        return None
+    with open(path) as f:
+        return f.read()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "admin":
@@ -111,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         stop=args.stop,
         speculation=args.speculation,
         max_draft_tokens=args.max_draft_tokens,
+        json_schema=_read(args.json_schema),
+        regex=args.regex,
+        lark_grammar=_read(args.grammar),
+        choice=args.choice,
     )
     chat = [("system", args.system)] if args.system else []
     chat.append(("user", args.prompt))

@@ -24,6 +24,12 @@ class GenerationParams:
     # "auto": the server drafts as much as pays; "off": plain decoding (same output, no drafting).
     speculation: str = "auto"
     max_draft_tokens: int = 0  # cap on draft tokens per round under "auto"; 0: the server's limit
+    # Structured output, at most one: a JSON Schema (as JSON text), a regular expression, a Lark grammar, or
+    # a choice among fixed strings. The output then matches it (unless max_new_tokens cuts it short).
+    json_schema: str | None = None
+    regex: str | None = None
+    lark_grammar: str | None = None
+    choice: Sequence[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class Stats:
     num_drafts: int = 0  # rounds whose tree held at least one draft token
     num_accepted_tokens_per_pos: tuple[int, ...] = ()  # entry i: rounds whose accepted path reached depth i + 1
     request_id: str = ""  # the id the coordinator logged the request under
+    num_forced_tokens: int = 0  # accepted draft tokens the constraint alone allowed
+    constraint_complete: bool = False  # with a constraint: the output completed it
+    mask_s: float = 0.0  # computing the constraint's token masks on the coordinator
 
     @property
     def tau(self) -> float:
@@ -114,6 +123,9 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         num_drafts=s.num_drafts,
         num_accepted_tokens_per_pos=tuple(s.num_accepted_tokens_per_pos),
         request_id=s.request_id,
+        num_forced_tokens=s.num_forced_tokens,
+        constraint_complete=s.constraint_complete,
+        mask_s=s.mask_ns / 1e9,
     )
 
 
@@ -134,11 +146,29 @@ def build_request(
             mode=_speculation_mode(params.speculation), max_draft_tokens=params.max_draft_tokens
         ),
     )
+    constraint = _constraint(params)
+    if constraint is not None:
+        request.constraint.CopyFrom(constraint)
     if chat is not None:
         request.chat.messages.extend(generation_pb2.ChatMessage(role=r, content=c) for r, c in chat)
     else:
         request.prompt = prompt or ""
     return request
+
+
+def _constraint(params: GenerationParams) -> generation_pb2.Constraint | None:
+    constraints = []
+    if params.json_schema is not None:
+        constraints.append(generation_pb2.Constraint(json_schema=params.json_schema))
+    if params.regex is not None:
+        constraints.append(generation_pb2.Constraint(regex=params.regex))
+    if params.lark_grammar is not None:
+        constraints.append(generation_pb2.Constraint(lark_grammar=params.lark_grammar))
+    if params.choice is not None:
+        constraints.append(generation_pb2.Constraint(choice=generation_pb2.ChoiceConstraint(choices=params.choice)))
+    if len(constraints) > 1:
+        raise ValueError("give at most one of json_schema, regex, lark_grammar, choice")
+    return constraints[0] if constraints else None
 
 
 def _speculation_mode(name: str) -> generation_pb2.SpeculationMode:

@@ -18,10 +18,12 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from coordinator.admission import AdmissionController, Slot
+from coordinator.constraints.compiler import GrammarCompiler
+from coordinator.constraints.spec import Constraint
 from coordinator.deadlines import deadline_scope
 from coordinator.prompts import (
     ChatTurn,
@@ -36,7 +38,7 @@ from coordinator.prompts import (
 from coordinator.request_log import RequestRecord
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, TextChunk
 from coordinator.speculation import Speculation
-from specserve.errors import SpecserveError, Unavailable
+from specserve.errors import InvalidArgument, SpecserveError, Unavailable
 from specserve.sampling import SamplingParams
 from specserve.tenancy import Tenant, tenant_scope
 
@@ -63,6 +65,7 @@ class EdgeRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     speculation: Speculation = Speculation()
+    constraint: Constraint | None = None  # structured output
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class GenerationBackend:
     limits: PromptLimits
     new_generation: Callable[[GenerationRequest], Generation]
     max_tokenize_queue: int = 16  # prompts waiting for a tokenizer worker; more: RESOURCE_EXHAUSTED
+    constraints: GrammarCompiler | None = None  # None: structured output is refused
     encoder: PromptEncoder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -238,4 +242,9 @@ class GenerationFrontend:
         max_new_tokens = request.max_new_tokens
         if max_new_tokens is None:
             max_new_tokens = min(limits.max_new_tokens, limits.max_session_tokens - len(prompt_ids))
-        return build_request(prompt_ids, max_new_tokens, request.sampling, request.stop, limits, request.speculation)
+        built = build_request(prompt_ids, max_new_tokens, request.sampling, request.stop, limits, request.speculation)
+        if request.constraint is None:
+            return built
+        if backend.constraints is None:
+            raise InvalidArgument("this coordinator does not serve structured output")
+        return replace(built, constraint=await backend.constraints.compile(request.constraint))

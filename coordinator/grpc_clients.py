@@ -19,6 +19,7 @@ from specserve.drain import DRAINING_METADATA
 from specserve.errors import DrafterDraining, DrafterFailed, ReplicaDraining, ReplicaUnreachable
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
@@ -26,6 +27,7 @@ from specserve.wire import (
     cost_to_proto,
     features_from_proto,
     features_to_proto,
+    masks_to_proto,
     sampling_to_proto,
     split_features,
     tree_from_proto,
@@ -157,6 +159,7 @@ class GrpcVerifier:
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        token_masks: TokenMasks | None = None,
     ) -> VerifyResult:
         request = verifier_pb2.VerifyRequest(
             session_id=session_id,
@@ -164,6 +167,7 @@ class GrpcVerifier:
             tree=tree_to_proto(tree),
             num_successors=num_successors,
             return_features=return_features,
+            token_masks=masks_to_proto(token_masks),
         )
         try:
             r = await self._stub.Verify(request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata())

@@ -16,6 +16,7 @@ from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterFailed
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier
 
@@ -56,9 +57,12 @@ class InProcessVerifier:
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        token_masks: TokenMasks | None = None,
     ) -> VerifyResult:
         return await asyncio.wrap_future(
-            self._verifier.submit_verify(session_id, num_committed, tree, num_successors, return_features)
+            self._verifier.submit_verify(
+                session_id, num_committed, tree, num_successors, return_features, token_masks=token_masks
+            )
         )
 
     async def release(self, session_id: str) -> None:

@@ -28,6 +28,7 @@ from coordinator.config import (
     prompt_limits,
     round_policy,
 )
+from coordinator.constraints.compiler import GrammarCompiler
 from coordinator.discovery import (
     TargetError,
     WatchedReplicas,
@@ -572,7 +573,8 @@ async def serve(config: CoordinatorConfig) -> None:
         return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy, drafter_monitor=drafter)
 
     limits = prompt_limits(config, info)
-    frontend.attach(GenerationBackend(tokenizer, limits, new_generation, config.max_tokenize_queue))
+    constraints = GrammarCompiler(tokenizer, info.vocab_size, eos, fingerprint)
+    frontend.attach(GenerationBackend(tokenizer, limits, new_generation, config.max_tokenize_queue, constraints))
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"

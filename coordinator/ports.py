@@ -21,6 +21,7 @@ from typing import Protocol
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
 
 
@@ -53,9 +54,11 @@ class VerifierPort(Protocol):
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        token_masks: TokenMasks | None = None,
     ) -> VerifyResult:
         """Verify ``tree``; ``num_successors`` > 0 also asks for that many of the target's likeliest next tokens
-        per scored position (Token Recycling), ``return_features`` for its hidden states at the committed positions."""
+        per scored position (Token Recycling), ``return_features`` for its hidden states at the committed positions,
+        ``token_masks`` (structured output) limits the tokens the target may pick at each scored row."""
         ...
 
     async def release(self, session_id: str) -> None: ...

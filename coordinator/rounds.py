@@ -38,6 +38,8 @@ from typing import Any
 import numpy as np
 
 from coordinator import deadlines
+from coordinator.constraints.compiler import CompiledGrammar
+from coordinator.constraints.grammar_state import FittedTree, GrammarState
 from coordinator.ports import DrafterMonitor, DrafterPort, DraftStream, VerifierPort
 from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.text import IncrementalDetokenizer, StopMatcher
@@ -55,6 +57,7 @@ from specserve.errors import (
     Unavailable,
 )
 from specserve.sampling import SamplingParams
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
 
 _CLOSING: set[asyncio.Task[None]] = set()
@@ -74,6 +77,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     speculation: Speculation = Speculation()
+    constraint: CompiledGrammar | None = None  # structured output: what the text must match
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,10 @@ class GenerationStats:
     speculation: SpeculationMode = SpeculationMode.AUTO  # what the request ran with
     sampled: bool = False  # the request sampled (temperature > 0); else greedy
     max_draft_tokens: int = 0  # its cap on draft tokens per round: the request's, within the server's (0: off)
+    constrained: bool = False  # the request had a constraint (structured output)
+    num_forced_tokens: int = 0  # accepted draft tokens the constraint alone allowed (certain drafts)
+    constraint_complete: bool = False  # with a constraint: the output completed it
+    mask_ns: int = 0  # computing the constraint's token masks
 
     @property
     def drafter_error_logged(self) -> str:
@@ -170,6 +178,9 @@ class Generation:
         self.stats.speculation = self.request.speculation.mode
         self.stats.sampled = not self.request.sampling.greedy
         self.stats.max_draft_tokens = self.request.speculation.draft_limit(self.policy.max_draft_tokens)
+        constraint = self.request.constraint
+        self._grammar: GrammarState | None = constraint.new_state() if constraint is not None else None
+        self.stats.constrained = self._grammar is not None
 
     async def stream(self) -> AsyncGenerator[TextChunk | GenerationStats, None]:
         start = time.perf_counter_ns()
@@ -183,6 +194,9 @@ class Generation:
                     yield chunk
             await self._report_final()
         finally:
+            if self._grammar is not None:
+                self.stats.constraint_complete = self._grammar.complete
+                self.stats.mask_ns = self._grammar.mask_ns
             await self._close()
             self.stats.total_ns = time.perf_counter_ns() - start
         yield self.stats
@@ -207,6 +221,8 @@ class Generation:
                 self.stats.finish_reason = FinishReason.STOP
                 kept = kept[:count]
                 break
+        if self._grammar is not None:
+            self._grammar.commit([t for t in kept if t not in self.eos_token_ids])
         self._committed.extend(kept)
         self._unreported.extend(kept)
         self._num_new += len(kept)
@@ -226,21 +242,40 @@ class Generation:
             max_nodes = self._draft_budget
             self.stats.num_rounds_budget_off += max_nodes == 0
         tree, drafted = await self._propose(max_nodes)
+        fitted = self._fit(tree, remaining, room)
         pending = self._committed[-1]
-        result, tree = await self._verify(tree)
+        result, tree = await self._verify(tree if fitted is None else fitted.tree, fitted)
+        if fitted is not None and len(tree) != len(fitted.tree):
+            fitted = None  # the verifier refused the tree: the round ran with none
         drafted = drafted and bool(tree.token_ids)
         self._draft_budget = result.draft_budget_nodes
         if result.successors and self._draft is not None:
             positions = (pending, *tree.token_ids)
             self._successors = [(t, tuple(top)) for t, top in zip(positions, result.successors, strict=True)]
         if drafted:  # the drafter learns which of its nodes were taken, in its own tree's indices
-            self._accepted_nodes = tuple(result.accepted_nodes)
+            nodes = result.accepted_nodes
+            self._accepted_nodes = tuple(nodes) if fitted is None else fitted.drafter_path(nodes)
+        if fitted is not None:
+            self.stats.num_forced_tokens += sum(fitted.forced[node] for node in result.accepted_nodes)
         self._count_round(len(tree), len(result.accepted_tokens))
         before = len(self._committed)
         chunk = self._commit(result.committed)
         # Row i is the feature at the position before new token i: one row per committed token.
         self._keep_features(result.features, len(self._committed) - before)
         return chunk
+
+    def _fit(self, tree: TokenTree, remaining: int, room: int) -> FittedTree | None:
+        """With a constraint: the drafter's tree pruned to what the grammar allows, forced tokens added, and
+        each row's mask (None without a constraint). Forced tokens are certain, so they go in whatever the
+        load budget says, within the verifier's limits; with speculation off there are none (plain decoding)."""
+        if self._grammar is None:
+            return None
+        limits = self.policy.tree_limits
+        cap = max(0, min(remaining - 1, room, limits.max_nodes if limits else self.policy.max_draft_tokens))
+        if self.request.speculation.mode is SpeculationMode.OFF:
+            cap = 0
+        depth = (limits.max_depth if limits and limits.max_depth else cap) or cap
+        return self._grammar.fit(tree, cap, depth)
 
     def _count_round(self, num_draft: int, num_accepted: int) -> None:
         stats = self.stats
@@ -354,8 +389,12 @@ class Generation:
             return
         raise self._lost_too_often()
 
-    async def _verify(self, tree: TokenTree) -> tuple[VerifyResult, TokenTree]:
-        """The verifier's result, and the tree it verified (empty when it refused the drafter's)."""
+    async def _verify(self, tree: TokenTree, fitted: FittedTree | None = None) -> tuple[VerifyResult, TokenTree]:
+        """The verifier's result, and the tree it verified (empty when it refused the drafter's).
+
+        ``fitted``: the constraint's masks for ``tree``'s rows (the first row alone when the tree is refused).
+        """
+        masks: TokenMasks | None = fitted.masks if fitted is not None else None
         lost = False
         for _ in range(self.policy.max_reprefills_per_round):
             num_successors = self.policy.num_successors if self._draft is not None else 0
@@ -365,8 +404,10 @@ class Generation:
                     prefill = await self.verifier.prefill(self.session_id, self._committed, self._sampling)
                     self.stats.verify_ns += prefill.prefill_ns
                     lost = False
+                # Masks travel only with constrained requests: unconstrained calls stay as they were.
+                extra = {"token_masks": masks} if masks is not None else {}
                 result = await self.verifier.verify(
-                    self.session_id, len(self._committed), tree, num_successors, self._wants_features
+                    self.session_id, len(self._committed), tree, num_successors, self._wants_features, **extra
                 )
                 self.stats.verify_ns += result.verify_ns
                 return result, tree
@@ -376,6 +417,7 @@ class Generation:
                 # The verifier refused the drafter's tree (past our checks): this round is plain decoding.
                 self._drafter_misbehaved("the verifier rejected its tree", detail=exc.detail)
                 tree = TokenTree()
+                masks = TokenMasks(masks.bits[:1]) if masks is not None else None
             except (NotFound, FailedPrecondition, SessionMoved):
                 # The verifier lost the session (or its replica died): rebuild it from what was committed, on
                 # whichever replica now holds it, and verify the same tree again.

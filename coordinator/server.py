@@ -7,10 +7,12 @@ from typing import Any
 
 import grpc
 
+from coordinator.constraints.spec import Constraint, ConstraintKind
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationFrontend, request_id
 from coordinator.prompts import ChatTurn
 from coordinator.rounds import FinishReason, GenerationStats, TextChunk
 from coordinator.speculation import Speculation, SpeculationMode
+from specserve.errors import InvalidArgument
 from specserve.sampling import SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.v1 import generation_pb2, generation_pb2_grpc
@@ -53,6 +55,9 @@ def stats_to_proto(stats: GenerationStats, request_id: str = "") -> generation_p
         num_drafts=stats.num_drafts,
         num_accepted_tokens_per_pos=stats.num_accepted_tokens_per_pos,
         request_id=request_id,
+        num_forced_tokens=stats.num_forced_tokens,
+        constraint_complete=stats.constraint_complete,
+        mask_ns=stats.mask_ns,
     )
 
 
@@ -76,7 +81,17 @@ def edge_request(request: generation_pb2.GenerateRequest) -> EdgeRequest:
         ),
         stop=tuple(request.stop),
         speculation=speculation_from_proto(request.speculation),
+        constraint=constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
     )
+
+
+def constraint_from_proto(message: generation_pb2.Constraint) -> Constraint:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("constraint is set but holds none of json_schema, regex, lark_grammar, choice")
+    if kind == "choice":
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(message.choice.choices))
+    return Constraint(ConstraintKind(kind), getattr(message, kind))
 
 
 def metadata_value(metadata: Sequence[tuple[str, Any]] | None, key: str) -> str | None:

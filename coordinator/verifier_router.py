@@ -37,6 +37,7 @@ from coordinator.ports import VerifierInfo, VerifierPort
 from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.sampling import SamplingParams
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
 
 _DNS_SCHEME = "dns:///"
@@ -215,9 +216,13 @@ class StickyVerifierRouter:
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        token_masks: TokenMasks | None = None,
     ) -> VerifyResult:
+        extra = {"token_masks": token_masks} if token_masks is not None else {}
         return await self._call(
-            session_id, False, lambda r: r.verify(session_id, num_committed, tree, num_successors, return_features)
+            session_id,
+            False,
+            lambda r: r.verify(session_id, num_committed, tree, num_successors, return_features, **extra),
         )
 
     async def release(self, session_id: str) -> None:

@@ -7,8 +7,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from specserve.sampling import SamplingParams
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import DraftDistribution, TokenTree
-from specserve.v1 import common_pb2
+from specserve.v1 import common_pb2, verifier_pb2
 
 
 def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
@@ -87,3 +88,16 @@ def cost_to_proto(cost: Mapping[int, float]) -> list[common_pb2.CostPoint]:
 def cost_from_proto(points: Iterable[common_pb2.CostPoint]) -> tuple[tuple[int, float], ...]:
     """(nodes, relative cost) pairs, as sent; checking them is the receiver's (``VerifyCost.from_points``)."""
     return tuple((int(p.nodes), float(p.relative_cost)) for p in points)
+
+
+def masks_to_proto(masks: TokenMasks | None) -> verifier_pb2.TokenMasks | None:
+    if masks is None:
+        return None
+    return verifier_pb2.TokenMasks(num_rows=masks.num_rows, packed_bits=masks.packed())
+
+
+def masks_from_proto(message: verifier_pb2.TokenMasks) -> TokenMasks | None:
+    """None when the request carries no masks; raises InvalidTokenMasksError when they do not split into rows."""
+    if message.num_rows == 0 and not message.packed_bits:
+        return None
+    return TokenMasks.from_packed(message.packed_bits, message.num_rows)

@@ -17,6 +17,7 @@ import torch
 
 from specserve.errors import SpecserveError
 from specserve.sampling import SamplingParams
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
 from target_service.session_cache import Session
 
@@ -55,6 +56,7 @@ class VerifyCall(Call):
     num_successors: int = 0  # the target's likeliest next tokens returned per scored position
     return_features: bool = False
     score_only: bool = False  # answer the fp32 logits and leave the session as it was
+    token_masks: TokenMasks | None = None  # structured output: allowed tokens per scored row (None: all)
 
     @property
     def num_tokens(self) -> int:

@@ -9,9 +9,10 @@ import grpc
 
 from specserve.auth.internal import session_owner
 from specserve.drain import Drain
-from specserve.errors import Unavailable
+from specserve.errors import InvalidArgument, Unavailable
+from specserve.token_masks import InvalidTokenMasksError
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
-from specserve.wire import cost_to_proto, features_to_proto, sampling_from_proto, tree_from_proto
+from specserve.wire import cost_to_proto, features_to_proto, masks_from_proto, sampling_from_proto, tree_from_proto
 from target_service.metrics import VerifierMetrics
 from target_service.verifier import Verifier
 
@@ -71,6 +72,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         tree = tree_from_proto(request.tree)
+        try:
+            token_masks = masks_from_proto(request.token_masks)
+        except InvalidTokenMasksError as exc:
+            raise InvalidArgument(str(exc)) from exc
         with self._metrics.in_flight(), self._drain.in_flight():
             submitted = self._verifier.submit_verify(
                 request.session_id,
@@ -79,6 +84,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 request.num_successors,
                 request.return_features,
                 owner=_owner(context),
+                token_masks=token_masks,
             )
             result = _wait(submitted, context)
         return verifier_pb2.VerifyResponse(

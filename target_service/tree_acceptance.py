@@ -16,9 +16,21 @@ import torch
 from specserve.acceptance import Acceptance, accept_greedy, accept_sampled
 from specserve.keyed_noise import PositionNoise
 from specserve.sampling import target_probs
+from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
 from target_service.kv_arena import KVArena
 from target_service.session_cache import Session
+
+
+def masked_logits(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """``logits`` [rows, vocab] with the tokens each row's mask forbids at -inf (a copy).
+
+    Structured output: row r's mask is the grammar's after the committed tokens and row r's own path, so
+    greedy takes the argmax of what the grammar allows there, and sampling (temperature, top-k, top-p and
+    rejection sampling alike, all downstream of this) draws from p renormalised over it.
+    """
+    allowed = torch.from_numpy(masks.allowed(logits.shape[-1])).to(logits.device)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def accept(tree: TokenTree, logits: torch.Tensor, session: Session) -> Acceptance:

@@ -54,6 +54,7 @@ from specserve.errors import (
     Unavailable,
 )
 from specserve.sampling import SamplingParams
+from specserve.token_masks import InvalidTokenMasksError, TokenMasks
 from specserve.token_tree import InvalidTreeError, TokenTree
 from target_service import step_inputs
 from target_service.config import VerifierConfig
@@ -63,7 +64,7 @@ from target_service.kv_arena import KVArena
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
 from target_service.session_cache import PREFILL_HEADROOM_TOKENS, Session, SessionCache
-from target_service.tree_acceptance import accept, commit
+from target_service.tree_acceptance import accept, commit, masked_logits
 
 log = logging.getLogger(__name__)
 
@@ -285,14 +286,16 @@ class Verifier:
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        token_masks: TokenMasks | None = None,
     ) -> VerifyResult:
         """Verify ``tree`` on top of the session.
 
         ``num_successors`` > 0 also returns that many of the target's likeliest next tokens at every scored
         position (for Token Recycling); ``return_features`` its hidden states at the committed ones.
+        ``token_masks`` (structured output) limits the tokens the target may pick at each scored row.
         """
         result: VerifyResult = self.submit_verify(
-            session_id, num_committed, tree, num_successors, return_features
+            session_id, num_committed, tree, num_successors, return_features, token_masks=token_masks
         ).result()
         return result
 
@@ -304,10 +307,13 @@ class Verifier:
         num_successors: int = 0,
         return_features: bool = False,
         owner: str = "",
+        token_masks: TokenMasks | None = None,
     ) -> Future[VerifyResult]:
         try:
             tree.validate(self.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
-        except InvalidTreeError as exc:
+            if token_masks is not None:
+                token_masks.check(len(tree) + 1, self.vocab_size)
+        except (InvalidTreeError, InvalidTokenMasksError) as exc:
             raise InvalidArgument(str(exc)) from exc
         if num_successors < 0:
             raise InvalidArgument(f"num_successors must be >= 0, got {num_successors}")
@@ -318,6 +324,7 @@ class Verifier:
             tree=tree,
             num_successors=num_successors,
             return_features=return_features,
+            token_masks=token_masks,
         )
         return self._submit(call)
 
@@ -671,6 +678,8 @@ class Verifier:
         if call.score_only:
             resolve(call, logits.clone())
             return 0
+        if call.token_masks is not None:
+            logits = masked_logits(logits, call.token_masks)
         try:
             acceptance = accept(tree, logits, session)
         except Exception:  # e.g. no probability mass left after top-k/top-p: this session only

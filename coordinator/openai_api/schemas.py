@@ -47,6 +47,10 @@ class GenerationFields(_Strict):
     # Extensions.
     speculation: SpeculationControl | None = None
     top_k: int | None = None  # as vLLM: 0 (or absent) means no top-k cut
+    # Structured output: OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}, and
+    # vLLM's extension {"regex" | "choice" | "grammar" | "json": ...}.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Harmless: they never change the output.
     user: str | None = None
     safety_identifier: str | None = None
@@ -83,7 +87,6 @@ class ChatCompletionRequest(GenerationFields):
     functions: list[Any] | None = None
     function_call: Any | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any | None = None
     prediction: Any | None = None
@@ -121,6 +124,8 @@ class SpeculationStats(BaseModel):
     num_accepted_tokens: int
     num_accepted_tokens_per_pos: list[int]  # entry i: rounds whose accepted path reached depth i + 1
     acceptance_length: float  # tokens committed per target forward (tau)
+    num_forced_tokens: int = 0  # accepted draft tokens the constraint alone allowed (structured output)
+    constraint_complete: bool | None = None  # with a constraint: whether the output completed it
 
 
 class ChatCompletionMessage(BaseModel):

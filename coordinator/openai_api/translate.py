@@ -3,7 +3,8 @@
 Defaults follow OpenAI's API, not specserve's gRPC API: ``temperature`` 1 (the gRPC default is greedy), and
 ``/v1/completions`` generates 16 tokens unless told (chat: as many as fit). A parameter specserve does not
 implement is refused with a 400 that names it, unless given its no-op value (``n: 1``, ``logprobs: false``,
-``presence_penalty: 0``, ``response_format: {"type": "text"}``, ...).
+``presence_penalty: 0``, ...). Structured output: ``response_format`` (``json_object``, ``json_schema``) on both
+endpoints, and vLLM's ``structured_outputs`` extension (``regex``, ``choice``, ``grammar``, ``json``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from coordinator.constraints.spec import Constraint, ConstraintKind
 from coordinator.frontend import EdgeRequest
 from coordinator.openai_api.errors import ApiError
 from coordinator.openai_api.schemas import (
@@ -58,11 +60,6 @@ _CHAT_RULES: list[Rule] = [
     ("functions", lambda v: not v, _NO_TOOLS),
     ("function_call", lambda v: v == "none", _NO_TOOLS),
     ("parallel_tool_calls", lambda v: False, _NO_TOOLS),
-    (
-        "response_format",
-        lambda v: v == {"type": "text"},
-        "only response_format {'type': 'text'} is supported: no JSON mode or schemas",
-    ),
     ("modalities", lambda v: v == ["text"], "only the 'text' modality is supported"),
     ("audio", lambda v: False, "audio output is not supported"),
     ("prediction", lambda v: False, "predicted outputs are not supported"),
@@ -181,7 +178,71 @@ def chat_request(request: ChatCompletionRequest) -> EdgeRequest:
         sampling=_sampling(request),
         stop=_stop(request),
         speculation=_speculation(request),
+        constraint=_constraint(request),
     )
+
+
+def _constraint(request: GenerationFields) -> Constraint | None:
+    """``response_format`` or ``structured_outputs`` as a constraint (None: free text); both at once is refused."""
+    from_format = _response_format(request.response_format)
+    from_extension = _structured_outputs(request.structured_outputs)
+    if from_format is not None and from_extension is not None:
+        raise ApiError.invalid("send response_format or structured_outputs, not both", param="structured_outputs")
+    return from_format or from_extension
+
+
+def _response_format(value: dict[str, Any] | None) -> Constraint | None:
+    kind = (value or {}).get("type", "text")
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_schema({"type": "object"})
+    if kind != "json_schema":
+        raise ApiError.invalid(
+            f"response_format.type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ApiError.invalid(
+            "response_format json_schema needs json_schema.schema, a JSON Schema object", param="response_format"
+        )
+    return Constraint.json_schema(spec["schema"])
+
+
+_STRUCTURED_KINDS = {
+    "json": ConstraintKind.JSON_SCHEMA,
+    "regex": ConstraintKind.REGEX,
+    "grammar": ConstraintKind.LARK_GRAMMAR,
+}
+
+
+def _structured_outputs(value: dict[str, Any] | None) -> Constraint | None:
+    """vLLM's extension: exactly one of ``json`` (a schema), ``regex``, ``choice`` (strings), ``grammar`` (Lark)."""
+    if not value:
+        return None
+    given = [k for k in ("json", "regex", "choice", "grammar") if value.get(k) is not None]
+    unknown = sorted(set(value) - {"json", "regex", "choice", "grammar"})
+    if unknown or len(given) != 1:
+        raise ApiError.invalid(
+            "structured_outputs takes exactly one of json, regex, choice, grammar"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else ""),
+            param="structured_outputs",
+        )
+    kind, body = given[0], value[given[0]]
+    if kind == "choice":
+        if not isinstance(body, list) or not all(isinstance(c, str) for c in body):
+            raise ApiError.invalid("structured_outputs.choice must be a list of strings", param="structured_outputs")
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(body))
+    if kind == "json":
+        if isinstance(body, dict):
+            return Constraint.json_schema(body)
+        if not isinstance(body, str):
+            raise ApiError.invalid("structured_outputs.json must be a schema object", param="structured_outputs")
+    if not isinstance(body, str):
+        raise ApiError.invalid(f"structured_outputs.{kind} must be a string", param="structured_outputs")
+    return Constraint(_STRUCTURED_KINDS[kind], body)
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -207,6 +268,7 @@ def completion_request(request: CompletionRequest) -> EdgeRequest:
         sampling=_sampling(request),
         stop=_stop(request),
         speculation=_speculation(request),
+        constraint=_constraint(request),
     )
 
 
@@ -233,4 +295,6 @@ def speculation_stats(stats: GenerationStats) -> SpeculationStats:
         num_accepted_tokens=stats.num_accepted_tokens,
         num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos),
         acceptance_length=round(stats.tau, 4),
+        num_forced_tokens=stats.num_forced_tokens,
+        constraint_complete=stats.constraint_complete if stats.constrained else None,
     )

@@ -171,6 +171,8 @@ def test_chat_completion_whole() -> None:
         "num_accepted_tokens": 1,
         "num_accepted_tokens_per_pos": [1],
         "acceptance_length": 1.5,
+        "num_forced_tokens": 0,
+        "constraint_complete": None,
     }
     request, call = frontend.calls[0]
     # OpenAI's defaults: temperature 1, no token limit in chat (as many as fit).
@@ -372,7 +374,7 @@ def test_a_bug_outside_the_generation_is_500_too() -> None:
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
         ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias"),
         ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),

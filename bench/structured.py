@@ -1,0 +1,272 @@
+"""Structured output with speculation (issue #33): validity, speed and tau through the three processes.
+
+30 extraction and function-argument prompts, each with its own JSON schema (flat objects, nested arrays, enums,
+numbers, free strings), greedy, in three modes over gRPC: constrained speculative, constrained plain (speculation
+off: the baseline), unconstrained speculative (the same prompts, no schema). For each: outputs that validate with
+``jsonschema`` (those cut by max tokens counted apart), tokens/s, tau, the share of tokens the grammar forced, and
+the mask time per round.
+
+    make bench-structured BENCH_STRUCTURED_ARGS="--prompts 3 --max-new-tokens 96"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from client import GenerationParams, SpecserveClient, Stats, TextChunk
+from specserve.local_cluster import LocalCluster, free_port
+
+_STR = {"type": "string", "maxLength": 40}
+_SCHEMAS: list[tuple[str, dict[str, Any]]] = [
+    (
+        "a person",
+        {"type": "object", "properties": {"name": _STR, "age": {"type": "integer"}}, "required": ["name", "age"]},
+    ),
+    (
+        "a book",
+        {
+            "type": "object",
+            "properties": {"title": _STR, "author": _STR, "year": {"type": "integer"}},
+            "required": ["title", "author", "year"],
+        },
+    ),
+    (
+        "a product review",
+        {
+            "type": "object",
+            "properties": {
+                "product": _STR,
+                "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+                "sentiment": {"enum": ["positive", "neutral", "negative"]},
+            },
+            "required": ["product", "rating", "sentiment"],
+        },
+    ),
+    (
+        "a weather report",
+        {
+            "type": "object",
+            "properties": {
+                "city": _STR,
+                "temperature_c": {"type": "number"},
+                "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
+            },
+            "required": ["city", "temperature_c", "conditions"],
+        },
+    ),
+    (
+        "a shopping list",
+        {
+            "type": "object",
+            "properties": {"items": {"type": "array", "items": _STR, "minItems": 1, "maxItems": 4}},
+            "required": ["items"],
+        },
+    ),
+    (
+        "a function call to get_weather",
+        {
+            "type": "object",
+            "properties": {
+                "location": _STR,
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["location", "unit", "days"],
+        },
+    ),
+    (
+        "a function call to send_email",
+        {
+            "type": "object",
+            "properties": {"to": _STR, "subject": _STR, "urgent": {"type": "boolean"}},
+            "required": ["to", "subject", "urgent"],
+        },
+    ),
+    (
+        "an order with line items",
+        {
+            "type": "object",
+            "properties": {
+                "order_id": _STR,
+                "lines": {
+                    "type": "array",
+                    "maxItems": 3,
+                    "items": {
+                        "type": "object",
+                        "properties": {"sku": _STR, "qty": {"type": "integer"}},
+                        "required": ["sku", "qty"],
+                    },
+                },
+            },
+            "required": ["order_id", "lines"],
+        },
+    ),
+    (
+        "a calendar event",
+        {
+            "type": "object",
+            "properties": {
+                "title": _STR,
+                "day": {"enum": ["monday", "tuesday", "wednesday", "thursday", "friday"]},
+                "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                "attendees": {"type": "array", "items": _STR, "maxItems": 3},
+            },
+            "required": ["title", "day", "hour", "attendees"],
+        },
+    ),
+    (
+        "a city",
+        {
+            "type": "object",
+            "properties": {
+                "name": _STR,
+                "country": _STR,
+                "population_millions": {"type": "number"},
+                "is_capital": {"type": "boolean"},
+            },
+            "required": ["name", "country", "population_millions", "is_capital"],
+        },
+    ),
+]
+_SUBJECTS = [
+    "Alice Smith is a 34 year old engineer from Lyon who ordered two keyboards (KB-1) on Monday at 9.",
+    "The Hobbit by J. R. R. Tolkien came out in 1937; readers call it a wonderful, five-star book.",
+    "In Oslo it is -3 degrees and snowing; Bob wants the 3 day forecast in celsius and to email the team.",
+]
+
+
+def prompts(count: int) -> list[tuple[str, dict[str, Any]]]:
+    """``count`` (prompt, schema) pairs: each schema with each subject, 30 in all."""
+    out = []
+    for subject in _SUBJECTS:
+        for what, schema in _SCHEMAS:
+            schema = {**schema, "additionalProperties": False}
+            out.append((f"{subject}\nExtract {what} from the text above as JSON.", schema))
+    return out[:count]
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    outputs: int = 0
+    valid: int = 0
+    cut_by_length: int = 0
+    invalid: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    forced: int = 0
+    mask_ns: int = 0
+    tokens_per_s: float = 0.0
+    tau: float = 0.0
+    forced_share: float = 0.0
+    mask_ms_per_round: float = 0.0
+    texts: list[str] = field(default_factory=list)
+
+    def add(self, text: str, stats: Stats, schema: dict[str, Any] | None, mask_ns: int) -> None:
+        self.outputs += 1
+        self.tokens += stats.num_generated_tokens
+        self.seconds += stats.total_s
+        self.rounds += stats.num_rounds
+        self.forced += stats.num_forced_tokens
+        self.mask_ns += mask_ns
+        self.texts.append(text)
+        if schema is None:
+            return
+        if stats.finish_reason == "length":
+            self.cut_by_length += 1
+            return
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            self.valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            self.invalid += 1
+
+    def finish(self) -> None:
+        self.tokens_per_s = self.tokens / self.seconds if self.seconds else 0.0
+        self.tau = self.tokens / self.rounds if self.rounds else 0.0
+        self.forced_share = self.forced / self.tokens if self.tokens else 0.0
+        self.mask_ms_per_round = self.mask_ns / self.rounds / 1e6 if self.rounds else 0.0
+
+
+def run_mode(address: str, mode: str, items: list[tuple[str, dict[str, Any]]], max_new_tokens: int) -> ModeResult:
+    result = ModeResult(mode)
+    constrained = mode != "unconstrained speculative"
+    with SpecserveClient(address, timeout_s=600) as client:
+        for prompt, schema in items:
+            params = GenerationParams(
+                max_new_tokens=max_new_tokens,
+                json_schema=json.dumps(schema) if constrained else None,
+                speculation="off" if mode == "constrained plain" else "auto",
+            )
+            events = list(client.generate_chat([("user", prompt)], params))
+            stats = events[-1]
+            assert isinstance(stats, Stats)
+            text = "".join(e.text for e in events if isinstance(e, TextChunk))
+            result.add(text, stats, schema if constrained else None, round(stats.mask_s * 1e9))
+    result.finish()
+    return result
+
+
+def write_report(results: list[ModeResult], out_dir: Path, meta: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "structured.json").write_text(json.dumps({**meta, "modes": [asdict(r) for r in results]}, indent=2))
+    base = next(r for r in results if r.mode == "constrained plain")
+    lines = [
+        "# Structured output: constrained speculative vs constrained plain vs unconstrained speculative",
+        "",
+        f"{meta['machine']}; {meta['prompts']} prompts, greedy, max {meta['max_new_tokens']} new tokens; "
+        f"{meta['date']}. Made by `bench/structured.py`.",
+        "",
+        "| mode | valid | cut by length | invalid | tokens | tok/s | x plain | tau | forced share | mask ms/round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        speedup = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        valid = f"{r.valid}/{r.outputs}" if r.mode != "unconstrained speculative" else "-"
+        lines.append(
+            f"| {r.mode} | {valid} | {r.cut_by_length} | {r.invalid} | {r.tokens} | {r.tokens_per_s:.1f} | "
+            f"{speedup:.2f} | {r.tau:.2f} | {r.forced_share:.0%} | {r.mask_ms_per_round:.2f} |"
+        )
+    (out_dir / "structured.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=30)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/structured"))
+    parser.add_argument("--verifier-arg", action="append", default=[], help="extra verifier flag (repeatable)")
+    args = parser.parse_args()
+    items = prompts(args.prompts)
+    cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=args.out_dir / "tmp" / "logs")
+    cluster.extra_verifier_args = args.verifier_arg
+    with cluster:
+        # Warm-up (compiled steps, the grammar engine's tokenizer), then the three modes.
+        run_mode(cluster.coordinator_address, "constrained speculative", items[:1], 16)
+        results = [
+            run_mode(cluster.coordinator_address, mode, items, args.max_new_tokens)
+            for mode in ("constrained speculative", "constrained plain", "unconstrained speculative")
+        ]
+    meta = {
+        "machine": f"{platform.machine()}, 2 cores shared with other jobs",
+        "prompts": len(items),
+        "max_new_tokens": args.max_new_tokens,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "median_tokens": statistics.median([len(t) for r in results for t in r.texts] or [0]),
+    }
+    write_report(results, args.out_dir, meta)
+
+
+if __name__ == "__main__":
+    main()

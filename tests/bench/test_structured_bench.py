@@ -1,0 +1,41 @@
+"""bench.structured's pieces without a cluster: 30 prompts with valid schemas, and the report from fake stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jsonschema
+
+from bench.structured import ModeResult, prompts, write_report
+from client import Stats
+
+
+def _stats(tokens: int, rounds: int, forced: int, finish: str = "eos") -> Stats:
+    return Stats(finish, 10, tokens, rounds, 0, 0, 0, 0, 1.0, 0.0, 0.5, 0.1, "", num_forced_tokens=forced, mask_s=0.001)
+
+
+def test_thirty_prompts_with_valid_distinct_schemas() -> None:
+    items = prompts(30)
+    assert len(items) == 30 and len({p for p, _ in items}) == 30
+    for _, schema in items:
+        jsonschema.Draft202012Validator.check_schema(schema)
+
+
+def test_report_counts_validity_and_speed(tmp_path: Path) -> None:
+    schema = prompts(1)[0][1]
+    spec, plain, free = (
+        ModeResult("constrained speculative"),
+        ModeResult("constrained plain"),
+        ModeResult("unconstrained speculative"),
+    )
+    spec.add('{"name": "Al", "age": 3}', _stats(12, 4, 6), schema, 1_000_000)
+    spec.add('{"name": "A', _stats(5, 2, 2, finish="length"), schema, 0)
+    plain.add('{"name": 3}', _stats(10, 10, 0), schema, 0)
+    free.add("text", _stats(8, 4, 0), None, 0)
+    for r in (spec, plain, free):
+        r.finish()
+    assert (spec.valid, spec.cut_by_length, plain.invalid) == (1, 1, 1)
+    assert spec.forced_share == 8 / 17 and spec.tau == 17 / 6
+    write_report([spec, plain, free], tmp_path, {"machine": "m", "prompts": 2, "max_new_tokens": 8, "date": "d"})
+    table = (tmp_path / "structured.md").read_text()
+    assert "| constrained speculative | 1/2 | 1 | 0 |" in table

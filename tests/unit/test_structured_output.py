@@ -1,0 +1,234 @@
+"""Structured output through token trees on a tiny model, a 16-token vocabulary and a hand-written grammar.
+
+- masked greedy through trees (drafts that mix right, wrong and forbidden tokens; forced tokens added) commits
+  exactly what masked plain decoding does, on the real verifier engine;
+- sampling: the first token's distribution, with a tree of sampled children some of which the grammar forbids,
+  is the masked, renormalised p (chi-square);
+- fitting a tree leaves the grammar state untouched; committing moves it by exactly the committed tokens;
+- forced tokens are always accepted (greedy and sampled); EOS is allowed only where the grammar is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from coordinator.constraints.compiler import CompiledGrammar, GrammarCompiler
+from coordinator.constraints.grammar_state import FittedTree, GrammarState, allows
+from coordinator.constraints.spec import Constraint, ConstraintKind
+from specserve.acceptance import accept_sampled
+from specserve.errors import InvalidArgument
+from specserve.keyed_noise import PositionNoise
+from specserve.sampling import SamplingParams, target_probs
+from specserve.token_masks import TokenMasks
+from specserve.token_tree import ROOT, DraftDistribution, TokenTree
+from target_service.tree_acceptance import masked_logits
+from target_service.verifier import Verifier
+from tests.conftest import tiny_llama
+
+EOS = 0
+WORDS = ["<eos>", "a", "b", "c", "[", "]", ",", "ab", "abc", "],", "x", "y", "ca", "bc", "[a", "cab"]
+VOCAB = len(WORDS)
+# A list of items made of a/b/c: "x" and "y" are never allowed; EOS only after "]", and then nothing else.
+GRAMMAR = 'start: "[" item ("," item)* "]"\nitem: /[abc]{1,6}/'
+MODEL = tiny_llama(vocab_size=VOCAB, context=256)
+
+
+def _tokenizer() -> SimpleNamespace:
+    merges = [("a", "b"), ("ab", "c"), ("]", ","), ("c", "a"), ("b", "c"), ("[", "a"), ("c", "ab")]
+    tok = Tokenizer(models.BPE(vocab={w: i for i, w in enumerate(WORDS)}, merges=merges))
+    tok.decoder = decoders.ByteLevel()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.add_special_tokens(["<eos>"])
+    return SimpleNamespace(backend_tokenizer=tok)  # what the compiler reads of a Hugging Face tokenizer
+
+
+COMPILER = GrammarCompiler(_tokenizer(), VOCAB, [EOS], "tiny")
+
+
+LIST = Constraint(ConstraintKind.LARK_GRAMMAR, GRAMMAR)
+
+
+def compiled(constraint: Constraint = LIST) -> CompiledGrammar:
+    return asyncio.run(COMPILER.compile(constraint))
+
+
+def random_tree(rng: random.Random, truth: list[int]) -> TokenTree:
+    """Paths that follow the truth for a while, then guess (allowed, forbidden or EOS tokens alike)."""
+    paths = []
+    for _ in range(rng.randint(0, 3)):
+        keep = rng.randint(0, len(truth))
+        paths.append(truth[:keep] + [rng.randrange(VOCAB) for _ in range(rng.randint(0, 3))])
+    return TokenTree.from_paths([p for p in paths if p])
+
+
+@torch.inference_mode()
+def masked_plain_greedy(prompt: list[int], state: GrammarState, max_new_tokens: int) -> list[int]:
+    """Reference: one token per full forward, argmax of the logits masked by the grammar, until EOS."""
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        logits = MODEL(input_ids=torch.tensor([prompt + out])).logits[0, -1:].float()
+        row = state.fit(TokenTree(), 0, 0).masks
+        token = int(masked_logits(logits, row).argmax())
+        out.append(token)
+        if token == EOS:
+            break
+        state.commit([token])
+    return out
+
+
+def check_forced_accepted(fitted: FittedTree, accepted: list[int]) -> None:
+    on_path = {ROOT, *accepted}
+    for node, forced in enumerate(fitted.forced):
+        if forced and fitted.tree.parents[node] in on_path:
+            assert node in on_path, "a forced node whose parent was accepted was rejected"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_masked_greedy_through_trees_equals_masked_plain_decoding(seed: int) -> None:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))]
+    grammar = compiled()
+    reference = masked_plain_greedy(prompt, grammar.new_state(), 24)
+    verifier = Verifier(MODEL, "tiny")
+    verifier.prefill("s", prompt, SamplingParams())
+    state = grammar.new_state()
+    committed: list[int] = []
+    while len(committed) < len(reference):
+        truth = reference[len(committed) :]
+        fitted = state.fit(random_tree(rng, truth), max_nodes=8, max_depth=8)
+        result = verifier.verify("s", len(prompt) + len(committed), fitted.tree, token_masks=fitted.masks)
+        check_forced_accepted(fitted, result.accepted_nodes)
+        new = result.committed[: len(reference) - len(committed)]
+        committed += new
+        assert committed == reference[: len(committed)]
+        if EOS in new:
+            break
+        state.commit(new)
+    assert committed == reference
+
+
+def test_fitting_leaves_the_grammar_state_untouched_and_commit_moves_it_exactly() -> None:
+    grammar = compiled()
+    state, fresh = grammar.new_state(), grammar.new_state()
+    rng = random.Random(3)
+    committed: list[int] = []
+    for tokens in ([4], [1, 2], [6], [8, 3]):  # "[", "a" "b", ",", "abc" "c"
+        before = state.fit(TokenTree(), 0, 0).masks.bits.copy()
+        for _ in range(5):  # trees with allowed, forbidden and EOS branches, tried and thrown away
+            state.fit(random_tree(rng, [*tokens, 5, 0]), max_nodes=12, max_depth=6)
+        assert np.array_equal(state.fit(TokenTree(), 0, 0).masks.bits, before)
+        state.commit(tokens)
+        committed += tokens
+        replay = grammar.new_state()
+        replay.commit(committed)
+        assert np.array_equal(state.fit(TokenTree(), 0, 0).masks.bits, replay.fit(TokenTree(), 0, 0).masks.bits)
+    assert not fresh.complete
+
+
+def test_eos_allowed_only_where_the_grammar_is_complete_and_forced_chains_are_drafted() -> None:
+    state = compiled().new_state()
+    first = state.fit(TokenTree(), max_nodes=4, max_depth=4)
+    assert TokenMasks(first.masks.bits[:1]).allowed(VOCAB)[0].nonzero()[0].tolist() == [4, 14]  # "[" or "[a"
+    assert not first.tree.token_ids
+    for tokens in ([4], [1], [6], [3]):
+        state.commit(tokens)
+        assert not allows(state.fit(TokenTree(), 0, 0).masks.bits[0], EOS)
+        assert not state.complete
+    state.commit([5])  # "]"
+    row = state.fit(TokenTree(), 0, 0).masks.bits[0]
+    assert state.complete and allows(row, EOS)
+    # The grammar is done: EOS is the one token left, drafted as a certain node.
+    done = state.fit(TokenTree(), max_nodes=4, max_depth=4)
+    assert done.tree.token_ids == (EOS,) and done.forced == (True,)
+
+
+def test_forbidden_deterministic_nodes_are_pruned_with_their_subtrees_sampled_ones_kept_as_leaves() -> None:
+    state = compiled().new_state()
+    state.commit([4])  # "["
+    drafted = TokenTree(
+        token_ids=(10, 1, 11, 2, 3, 10),  # x (det.), a (sampled), y (sampled), then children of x and a
+        parents=(ROOT, ROOT, ROOT, 0, 1, 1),
+        sampled=(False, True, True, False, False, False),
+        distributions=(DraftDistribution(ROOT, (1, 11, 3), (0.5, 0.3, 0.2)),),
+    )
+    fitted = state.fit(drafted, max_nodes=8, max_depth=4)
+    assert fitted.tree.token_ids == (1, 3, 11)  # a, its allowed child c; y kept as a leaf; x and x's child gone
+    assert fitted.tree.parents == (ROOT, 0, ROOT)
+    assert fitted.tree.sampled == (True, False, True)
+    assert fitted.origin == (1, 4, 2)
+    assert fitted.drafter_path([0, 1]) == (1, 4)
+    fitted.tree.validate(VOCAB, 8)
+
+
+def test_sampling_distribution_through_a_pruned_tree_is_the_masked_target() -> None:
+    """The first committed token over many seeds, with sampled children (some forbidden) drafted from a q that
+    differs from p, follows softmax(masked logits / T): chi-square."""
+    grammar = compiled()
+    state = grammar.new_state()
+    state.commit([4, 1])  # "[a": next may be a/b/c/ab/abc/bc... or "," or "]" ...
+    params = SamplingParams(temperature=1.0, seed=1)
+    torch.manual_seed(0)
+    root_logits = torch.randn(1, VOCAB) * 1.5
+    child_logits = torch.randn(VOCAB, VOCAB)
+    row0 = state.fit(TokenTree(), 0, 0).masks
+    p = target_probs(masked_logits(root_logits, row0), params)[0].double()
+    q_tokens = (1, 11, 2, 10, 6)  # a, y (forbidden), b, x (forbidden), ","
+    q_probs = (0.3, 0.25, 0.2, 0.15, 0.1)
+    rng = np.random.default_rng(0)
+    draws = 6000
+    counts = np.zeros(VOCAB)
+    for seed in range(draws):
+        picked = rng.choice(len(q_tokens), size=3, replace=False, p=q_probs)  # without replacement, in order
+        kids = [q_tokens[i] for i in picked]
+        drafted = TokenTree(tuple(kids), (ROOT,) * 3, (True,) * 3, (DraftDistribution(ROOT, q_tokens, q_probs),))
+        fitted = state.fit(drafted, max_nodes=8, max_depth=4)
+        rows = torch.cat([root_logits, child_logits[list(fitted.tree.token_ids)]])
+        probs = target_probs(masked_logits(rows, fitted.masks), params)
+        noise = PositionNoise(seed, first_position=7)
+        acceptance = accept_sampled(fitted.tree, probs, noise)
+        check_forced_accepted(fitted, acceptance.path)
+        first = fitted.tree.token_ids[acceptance.path[0]] if acceptance.path else acceptance.bonus_token
+        counts[first] += 1
+    support = p.numpy() > 0
+    assert counts[~support].sum() == 0, "a token the grammar forbids was committed"
+    expected = p.numpy()[support] / p.numpy()[support].sum() * draws
+    assert chisquare(counts[support], expected).pvalue > 1e-3
+
+
+def test_masks_on_the_wire_are_checked() -> None:
+    verifier = Verifier(MODEL, "tiny")
+    verifier.prefill("s", [1, 2], SamplingParams())
+    ones = TokenMasks(np.full((1, 4), 0xFF, dtype=np.uint8))
+    with pytest.raises(InvalidArgument, match="rows"):
+        verifier.verify("s", 2, TokenTree.chain([1]), token_masks=ones)
+    with pytest.raises(InvalidArgument, match="allows no token"):
+        verifier.verify("s", 2, TokenTree(), token_masks=TokenMasks(np.zeros((1, 4), dtype=np.uint8)))
+    only_three = TokenMasks(np.array([[0b1000, 0, 0, 0]], dtype=np.uint8))
+    assert verifier.verify("s", 2, TokenTree(), token_masks=only_three).bonus_token == 3
+
+
+def test_bad_constraints_are_invalid_argument_naming_the_problem() -> None:
+    for constraint, words in [
+        (Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "strin"}'), "strin"),
+        (Constraint(ConstraintKind.JSON_SCHEMA, "{not json"), "not valid JSON"),
+        (Constraint(ConstraintKind.REGEX, "(a"), "regex"),
+        (Constraint(ConstraintKind.LARK_GRAMMAR, "start: nowhere"), "nowhere"),
+        (Constraint(ConstraintKind.CHOICE), "at least one"),
+        (Constraint(ConstraintKind.REGEX, "a" * 70_000), "limit"),
+    ]:
+        with pytest.raises(InvalidArgument, match=words):
+            compiled(constraint)
+
+
+def test_compiled_grammars_are_cached_by_constraint_and_vocabulary() -> None:
+    a = compiled(Constraint(ConstraintKind.CHOICE, choices=("ab", "c")))
+    assert compiled(Constraint(ConstraintKind.CHOICE, choices=("ab", "c"))) is a
+    assert compiled(Constraint(ConstraintKind.CHOICE, choices=("c", "ab"))) is not a
