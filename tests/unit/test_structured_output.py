@@ -31,7 +31,10 @@ from coordinator.constraints.grammar_state import FittedTree, GrammarState, allo
 from coordinator.constraints.refusals import ConstraintRefused
 from coordinator.constraints.spec import Constraint, ConstraintKind, ConstraintLimits
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend
+from coordinator.inproc import InProcessVerifier
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.prompts import PromptLimits
+from coordinator.rounds import Generation, GenerationRequest, RoundPolicy
 from specserve.acceptance import accept_sampled
 from specserve.errors import InvalidArgument
 from specserve.keyed_noise import PositionNoise
@@ -41,7 +44,7 @@ from specserve.token_masks import TokenMasks
 from specserve.token_tree import ROOT, DraftDistribution, TokenTree
 from target_service.tree_acceptance import masked_logits
 from target_service.verifier import Verifier
-from tests.conftest import tiny_llama
+from tests.conftest import CharTokenizer, run_generation, tiny_llama
 
 EOS = 0
 WORDS = ["<eos>", "a", "b", "c", "[", "]", ",", "ab", "abc", "],", "x", "y", "ca", "bc", "[a", "cab"]
@@ -337,3 +340,37 @@ def test_compiled_grammars_are_cached_by_constraint_and_vocabulary() -> None:
     a = compiled(Constraint(ConstraintKind.CHOICE, choices=("ab", "c")))
     assert compiled(Constraint(ConstraintKind.CHOICE, choices=("ab", "c"))) is a
     assert compiled(Constraint(ConstraintKind.CHOICE, choices=("c", "ab"))) is not a
+
+
+def test_the_compiler_and_a_constrained_generation_feed_the_metrics() -> None:
+    metrics = CoordinatorMetrics()
+    observed = GrammarCompiler(_tokenizer(), VOCAB, [EOS], "tiny", observer=metrics)
+    grammar = asyncio.run(observed.compile(LIST))
+    assert asyncio.run(observed.compile(LIST)) is grammar
+    with pytest.raises(ConstraintRefused):
+        asyncio.run(observed.compile(Constraint(ConstraintKind.REGEX, "(a")))
+    value = metrics.registry.get_sample_value
+    assert (value("specserve_grammar_cache_queries_total"), value("specserve_grammar_cache_hits_total")) == (3, 1)
+    assert value("specserve_grammar_compile_seconds_count", {"kind": "lark_grammar"}) == 1
+    assert value("specserve_grammar_compile_failures_total", {"kind": "regex", "reason": "regex_syntax"}) == 1
+
+    prompt = [5, 5]  # the model closes the list after 13 tokens: "]" leaves EOS the only token
+    reference = masked_plain_greedy(prompt, grammar.new_state(), 24)
+    generation = Generation(
+        GenerationRequest(prompt, 24, constraint=grammar),
+        InProcessVerifier(Verifier(MODEL, "tiny")),
+        None,  # no drafter: the grammar's forced tokens are the only drafts
+        CharTokenizer(),
+        frozenset({EOS}),
+        "tiny",
+        RoundPolicy(max_draft_tokens=8),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert [*tokens, EOS] == reference
+    assert (stats.constraint_kind, stats.constraint_complete) == ("lark_grammar", True)
+    assert len(stats.mask_ns_per_round) == stats.num_rounds and sum(stats.mask_ns_per_round) == stats.mask_ns
+    assert stats.num_forced_tokens > 0
+    metrics.observe_finished(stats, e2e_seconds=1.0)
+    assert value("specserve_constrained_requests_total", {"kind": "lark_grammar", "complete": "true"}) == 1
+    assert value("specserve_spec_decode_num_forced_tokens_total", {"decoding": "greedy"}) == stats.num_forced_tokens
+    assert value("specserve_constraint_mask_seconds_count") == stats.num_rounds
