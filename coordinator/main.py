@@ -573,7 +573,7 @@ async def serve(config: CoordinatorConfig) -> None:
         return Generation(request, verifier, drafter, tokenizer, eos, fingerprint, policy, drafter_monitor=drafter)
 
     limits = prompt_limits(config, info)
-    constraints = GrammarCompiler(tokenizer, info.vocab_size, eos, fingerprint)
+    constraints = GrammarCompiler(tokenizer, info.vocab_size, eos, fingerprint, observer=metrics)
     frontend.attach(GenerationBackend(tokenizer, limits, new_generation, config.max_tokenize_queue, constraints))
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"

@@ -17,6 +17,10 @@ Each of these carries ``decoding``: "greedy" (temperature 0) or "sampled", since
 them (a sampled request's drafts are accepted only when they hold the target's own random draw); sum over it
 for the whole. The per-position counter's ``position`` is the draft depth.
 
+Structured output: forced tokens (``spec_decode_num_forced_tokens``, a part of the accepted tokens), finished
+constrained requests by kind and completeness, each round's mask time, and the grammar compiler's compile
+time, cache hits and refusals (the compiler reports them through ``CompileObserver``).
+
 Owned by the instance (its own registry), not module globals.
 """
 
@@ -27,6 +31,8 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from coordinator.admission import AdmissionController
+from coordinator.constraints.refusals import REFUSAL_REASONS
+from coordinator.constraints.spec import ConstraintKind
 from coordinator.rounds import FinishReason, GenerationStats
 
 DECODING_KINDS = ("greedy", "sampled")
@@ -50,6 +56,14 @@ QUEUE_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 # Discovery (k8s:// targets): an endpoint change reaches the router within milliseconds; a first session waits
 # for the next request.
 DISCOVERY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Structured output: a grammar compiles in about a millisecond (a large schema in tens; the limit is 5 s); one
+# round's masks take tens of microseconds a row, a millisecond or more for a deep tree or a cold lexer.
+COMPILE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+MASK_BUCKETS_S = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+)  # fmt: skip
+CONSTRAINT_KINDS = tuple(kind.value for kind in ConstraintKind)
 
 # Admission's refusals (coordinator.admission), so their series exist at zero before the first one.
 REJECTION_REASONS = ("queue_full", "tenant_queue_full", "queue_timeout", "deadline")
@@ -157,6 +171,53 @@ class CoordinatorMetrics:
             "specserve_reprefills", "Verifier sessions rebuilt from the committed tokens after loss", registry=r
         )
 
+        # Structured output (coordinator.constraints)
+        self.num_forced_tokens = Counter(
+            "specserve_spec_decode_num_forced_tokens",
+            "Accepted draft tokens that were the only token the constraint allowed (certain drafts, free to "
+            "draft); a part of num_accepted_tokens",
+            decoding,
+            registry=r,
+        )
+        self.constrained_requests = Counter(
+            "specserve_constrained_requests",
+            "Finished requests with a constraint, by kind (json_schema, regex, lark_grammar, choice) and whether "
+            'the output completed it (complete="false": cut by max tokens or a stop string, not guaranteed valid)',
+            ["kind", "complete"],
+            registry=r,
+        )
+        self.constraint_mask_seconds = Histogram(
+            "specserve_constraint_mask_seconds",
+            "Time computing one round's token masks (every row of its tree) on the coordinator",
+            buckets=MASK_BUCKETS_S,
+            registry=r,
+        )
+        self.grammar_compile_seconds = Histogram(
+            "specserve_grammar_compile_seconds",
+            "Time building a constraint's grammar and matcher, on a cache miss, by kind",
+            ["kind"],
+            buckets=COMPILE_BUCKETS_S,
+            registry=r,
+        )
+        self.grammar_cache_queries = Counter(
+            "specserve_grammar_cache_queries", "Compiled-grammar cache lookups, one per constrained request", registry=r
+        )
+        self.grammar_cache_hits = Counter(
+            "specserve_grammar_cache_hits", "Of those, the grammar was already compiled", registry=r
+        )
+        self.grammar_compile_failures = Counter(
+            "specserve_grammar_compile_failures",
+            "Constraints refused at compile time (INVALID_ARGUMENT), by kind and reason: " + ", ".join(REFUSAL_REASONS),
+            ["kind", "reason"],
+            registry=r,
+        )
+        for kind in DECODING_KINDS:
+            self.num_forced_tokens.labels(kind)
+        for constraint in CONSTRAINT_KINDS:
+            self.grammar_compile_seconds.labels(constraint)
+            for complete in ("true", "false"):
+                self.constrained_requests.labels(constraint, complete)
+
         # The drafter: pre-drafting and failures
         self.drafter_trees = Counter(
             "specserve_drafter_trees", "Rounds whose tree the drafter was asked for and gave", registry=r
@@ -259,6 +320,12 @@ class CoordinatorMetrics:
             if count:
                 self.num_accepted_tokens_per_pos.labels(kind, str(position)).inc(count)
         self.reprefills.inc(stats.num_reprefills)
+        if stats.constrained:
+            self.num_forced_tokens.labels(kind).inc(stats.num_forced_tokens)
+            complete = "true" if stats.constraint_complete else "false"
+            self.constrained_requests.labels(stats.constraint_kind, complete).inc()
+            for mask_ns in stats.mask_ns_per_round:
+                self.constraint_mask_seconds.observe(mask_ns / 1e9)
         self.drafter_trees.inc(stats.num_drafter_trees)
         self.predraft_hits.inc(stats.num_predraft_hits)
         self.predraft_hidden_seconds.inc(stats.predraft_hidden_ns / 1e9)
@@ -266,6 +333,19 @@ class CoordinatorMetrics:
             self.drafter_drops.inc()
         elif stats.drafter_error.startswith("drafter skipped"):
             self.drafter_skips.inc()
+
+    # ---- grammar compilation (coordinator.constraints.compiler.CompileObserver) ----
+
+    def grammar_cache_lookup(self, hit: bool) -> None:
+        self.grammar_cache_queries.inc()
+        if hit:
+            self.grammar_cache_hits.inc()
+
+    def grammar_compiled(self, kind: str, seconds: float) -> None:
+        self.grammar_compile_seconds.labels(kind).observe(seconds)
+
+    def grammar_refused(self, kind: str, reason: str) -> None:
+        self.grammar_compile_failures.labels(kind, reason).inc()
 
     # ---- the drafter's health check (coordinator.drafter_health) ----
 

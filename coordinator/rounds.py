@@ -113,9 +113,12 @@ class GenerationStats:
     sampled: bool = False  # the request sampled (temperature > 0); else greedy
     max_draft_tokens: int = 0  # its cap on draft tokens per round: the request's, within the server's (0: off)
     constrained: bool = False  # the request had a constraint (structured output)
+    constraint_kind: str = ""  # its kind (a ConstraintKind value: json_schema, regex, lark_grammar, choice)
     num_forced_tokens: int = 0  # accepted draft tokens the constraint alone allowed (certain drafts)
     constraint_complete: bool = False  # with a constraint: the output completed it
     mask_ns: int = 0  # computing the constraint's token masks
+    # Entry i: mask time of round i's tree (the metrics' histogram; not sent to the client).
+    mask_ns_per_round: list[int] = field(default_factory=list)
 
     @property
     def drafter_error_logged(self) -> str:
@@ -181,6 +184,7 @@ class Generation:
         constraint = self.request.constraint
         self._grammar: GrammarState | None = constraint.new_state() if constraint is not None else None
         self.stats.constrained = self._grammar is not None
+        self.stats.constraint_kind = constraint.constraint.kind.value if constraint is not None else ""
 
     async def stream(self) -> AsyncGenerator[TextChunk | GenerationStats, None]:
         start = time.perf_counter_ns()
@@ -275,7 +279,10 @@ class Generation:
         if self.request.speculation.mode is SpeculationMode.OFF:
             cap = 0
         depth = (limits.max_depth if limits and limits.max_depth else cap) or cap
-        return self._grammar.fit(tree, cap, depth)
+        before = self._grammar.mask_ns
+        fitted = self._grammar.fit(tree, cap, depth)
+        self.stats.mask_ns_per_round.append(self._grammar.mask_ns - before)
+        return fitted
 
     def _count_round(self, num_draft: int, num_accepted: int) -> None:
         stats = self.stats

@@ -9,8 +9,11 @@ fingerprint, but the key stays right if that ever changes.
 Compilation runs in its own small thread pool under a time limit, and
 llguidance's parser limits bound its work and memory (lexer states, grammar
 size, fuel per step). A constraint over a limit, or one llguidance refuses,
-is an INVALID_ARGUMENT naming the problem in a line; llguidance's whole text
-goes to the log only.
+is an INVALID_ARGUMENT naming the problem in our words (``refusals``);
+llguidance's whole text goes to the log only.
+
+An observer (the coordinator's metrics) hears of each cache lookup, each
+grammar built (its compile time) and each refusal (its reason).
 """
 
 from __future__ import annotations
@@ -18,20 +21,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import llguidance
 
 from coordinator.constraints.grammar_state import GrammarState
+from coordinator.constraints.refusals import ConstraintRefused, refused, timed_out
 from coordinator.constraints.spec import Constraint, ConstraintKind, ConstraintLimits
-from specserve.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,15 @@ JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_
 # symbols): a pathological regex or grammar fails with "over the limit" instead of eating the coordinator.
 PARSER_LIMITS = llguidance.LLParserLimits(max_lexer_states=50_000, max_grammar_size=100_000)
 
-_LOCATION = re.compile(r"^at \d+\(\d+\): ")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+class CompileObserver(Protocol):
+    """What the compiler reports (coordinator.metrics.CoordinatorMetrics); ``kind`` is a ConstraintKind value."""
+
+    def grammar_cache_lookup(self, hit: bool) -> None: ...
+
+    def grammar_compiled(self, kind: str, seconds: float) -> None: ...
+
+    def grammar_refused(self, kind: str, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,7 @@ class CompiledGrammar:
     template: llguidance.LLMatcher
     vocab_size: int
     eos_token_ids: frozenset[int]
-    compile_ns: int
+    compile_ns: int  # building the grammar and its matcher (not llguidance's one-off tokenizer set-up)
 
     def new_state(self) -> GrammarState:
         return GrammarState(self.template.deep_copy(), self.vocab_size, self.eos_token_ids)
@@ -72,6 +81,7 @@ class GrammarCompiler:
         limits: ConstraintLimits | None = None,
         cache_size: int = 256,
         workers: int = 2,
+        observer: CompileObserver | None = None,
     ) -> None:
         self._hf_tokenizer = tokenizer
         self._vocab_size = vocab_size
@@ -83,6 +93,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile")
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
+        self._observer = observer
 
     def _ll_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built once (about 0.3 s) on first use, in a worker thread."""
@@ -103,34 +114,46 @@ class GrammarCompiler:
         constraint.check(self.limits)
         key = (constraint.digest, self._fingerprint)
         cached = self._cache.get(key)
+        if self._observer is not None:
+            self._observer.grammar_cache_lookup(cached is not None)
         if cached is not None:
             self._cache.move_to_end(key)
             return cached
         loop = asyncio.get_running_loop()
+        kind = constraint.kind.value
         try:
             async with asyncio.timeout(self.limits.compile_timeout_s):
                 compiled = await loop.run_in_executor(self._pool, self._compile, constraint)
         except TimeoutError as exc:
-            raise InvalidArgument(
-                f"{constraint.kind.value} took longer than {self.limits.compile_timeout_s:g} s to compile; simplify it"
-            ) from exc
+            refusal = timed_out(constraint, self.limits.compile_timeout_s)
+            self._refused(kind, refusal)
+            raise refusal from exc
+        except ConstraintRefused as refusal:
+            self._refused(kind, refusal)
+            raise
+        if self._observer is not None:
+            self._observer.grammar_compiled(kind, compiled.compile_ns / 1e9)
         self._cache[key] = compiled
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return compiled
 
+    def _refused(self, kind: str, refusal: ConstraintRefused) -> None:
+        if self._observer is not None:
+            self._observer.grammar_refused(kind, refusal.reason)
+
     def _compile(self, constraint: Constraint) -> CompiledGrammar:
-        started = time.perf_counter_ns()
         tokenizer = self._ll_tokenizer()
+        started = time.perf_counter_ns()
         grammar = _grammar_text(constraint)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, tokenizer, limits=PARSER_LIMITS
         )
         if is_error:
-            raise _refused(constraint, messages[0] if messages else "")
+            raise refused(constraint, messages[0] if messages else "")
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
         if template.is_error():
-            raise _refused(constraint, template.get_error())
+            raise refused(constraint, template.get_error())
         return CompiledGrammar(
             constraint, template, self._vocab_size, frozenset(self._eos), time.perf_counter_ns() - started
         )
@@ -143,7 +166,7 @@ def _grammar_text(constraint: Constraint) -> str:
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(constraint.text, defaults=JSON_OPTIONS)
             except ValueError as exc:
-                raise InvalidArgument("json_schema must be a JSON object", detail=str(exc)) from exc
+                raise ConstraintRefused("json_schema must be a JSON object", "other", detail=str(exc)) from exc
         case ConstraintKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(constraint.text)
         case ConstraintKind.LARK_GRAMMAR:
@@ -151,13 +174,3 @@ def _grammar_text(constraint: Constraint) -> str:
         case ConstraintKind.CHOICE:
             # Lark string literals take JSON's escapes: each choice is one literal, matched exactly.
             return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in constraint.choices)
-
-
-def _refused(constraint: Constraint, message: str) -> InvalidArgument:
-    """INVALID_ARGUMENT with the first line of llguidance's reason (it names the problem in the caller's own
-    constraint: "Unknown format: weird", "invalid regex"), cleaned and cut short; the whole text to the log."""
-    first = _LOCATION.sub("", message.strip().splitlines()[0] if message.strip() else "")
-    first = _CONTROL.sub(" ", first)[:200] or "it is not supported"
-    if "limit" in message.lower() or "too many" in message.lower():
-        first = f"it is over the size limit ({first})"
-    return InvalidArgument(f"{constraint.kind.value} could not be compiled: {first}", detail=message)

@@ -75,6 +75,45 @@ def test_finished_requests_count_under_vllm_spec_decode_names() -> None:
     assert value("specserve_e2e_request_latency_seconds_bucket", {"le": "1.0"}) == 2
 
 
+def test_constrained_requests_count_forced_tokens_kinds_and_mask_time_per_round() -> None:
+    metrics = CoordinatorMetrics()
+    json_request = GenerationStats(num_generated_tokens=10, num_rounds=4, num_accepted_tokens=6)
+    json_request.constrained, json_request.constraint_kind, json_request.constraint_complete = True, "json_schema", True
+    json_request.num_forced_tokens = 5
+    json_request.mask_ns_per_round = [20_000, 40_000, 300_000, 3_000_000]
+    cut = GenerationStats(num_generated_tokens=4, num_rounds=4, sampled=True, constrained=True)
+    cut.constraint_kind, cut.num_forced_tokens, cut.mask_ns_per_round = "regex", 1, [20_000] * 4
+    for stats in (json_request, cut, GenerationStats(num_generated_tokens=3, num_rounds=3)):
+        metrics.observe_finished(stats, e2e_seconds=0.5)
+    value = metrics.registry.get_sample_value
+    forced = "specserve_spec_decode_num_forced_tokens_total"
+    assert (value(forced, {"decoding": "greedy"}), value(forced, {"decoding": "sampled"})) == (5, 1)
+    requests = "specserve_constrained_requests_total"
+    assert value(requests, {"kind": "json_schema", "complete": "true"}) == 1
+    assert value(requests, {"kind": "regex", "complete": "false"}) == 1  # cut short: not guaranteed valid
+    for kind in ("json_schema", "regex", "lark_grammar", "choice"):  # every series exists from the start
+        assert value(requests, {"kind": kind, "complete": "false"}) is not None
+    mask = "specserve_constraint_mask_seconds"
+    assert value(f"{mask}_count") == 8  # one per constrained round; the free-text request has none
+    assert value(f"{mask}_sum") == pytest.approx(3.44e-3)
+    assert (value(f"{mask}_bucket", {"le": "2.5e-05"}), value(f"{mask}_bucket", {"le": "0.001"})) == (5, 7)
+
+
+def test_grammar_compiles_cache_hits_and_refusals() -> None:
+    metrics = CoordinatorMetrics()
+    for hit in (False, True, True):
+        metrics.grammar_cache_lookup(hit)
+    metrics.grammar_compiled("json_schema", 0.0008)
+    metrics.grammar_refused("regex", "regex_syntax")
+    value = metrics.registry.get_sample_value
+    assert (value("specserve_grammar_cache_queries_total"), value("specserve_grammar_cache_hits_total")) == (3, 2)
+    compile_s = "specserve_grammar_compile_seconds"
+    assert value(f"{compile_s}_bucket", {"kind": "json_schema", "le": "0.001"}) == 1
+    assert value(f"{compile_s}_count", {"kind": "choice"}) == 0
+    failures = "specserve_grammar_compile_failures_total"
+    assert value(failures, {"kind": "regex", "reason": "regex_syntax"}) == 1
+
+
 def test_latencies_and_errors_land_in_their_buckets() -> None:
     metrics = CoordinatorMetrics()
     metrics.observe_first_token(0.03)

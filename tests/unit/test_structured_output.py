@@ -11,27 +11,40 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import random
 from types import SimpleNamespace
 
+import llguidance
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from coordinator import request_log
+from coordinator.admission import AdmissionController
+from coordinator.constraints import compiler
 from coordinator.constraints.compiler import CompiledGrammar, GrammarCompiler
 from coordinator.constraints.grammar_state import FittedTree, GrammarState, allows
-from coordinator.constraints.spec import Constraint, ConstraintKind
+from coordinator.constraints.refusals import ConstraintRefused
+from coordinator.constraints.spec import Constraint, ConstraintKind, ConstraintLimits
+from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend
+from coordinator.inproc import InProcessVerifier
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.prompts import PromptLimits
+from coordinator.rounds import Generation, GenerationRequest, RoundPolicy
 from specserve.acceptance import accept_sampled
 from specserve.errors import InvalidArgument
 from specserve.keyed_noise import PositionNoise
 from specserve.sampling import SamplingParams, target_probs
+from specserve.tenancy import Tenant
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import ROOT, DraftDistribution, TokenTree
 from target_service.tree_acceptance import masked_logits
 from target_service.verifier import Verifier
-from tests.conftest import tiny_llama
+from tests.conftest import CharTokenizer, run_generation, tiny_llama
 
 EOS = 0
 WORDS = ["<eos>", "a", "b", "c", "[", "]", ",", "ab", "abc", "],", "x", "y", "ca", "bc", "[a", "cab"]
@@ -228,7 +241,136 @@ def test_bad_constraints_are_invalid_argument_naming_the_problem() -> None:
             compiled(constraint)
 
 
+def _schema(schema: object) -> Constraint:
+    return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+
+
+# What the client is told for each class of llguidance's refusals: our words, the caller's own names only.
+REFUSALS = [
+    (_schema({"type": "strin"}), "unknown_type", 'json_schema has an unknown type "strin"; the types are string, '
+     "number, integer, boolean, object, array and null"),
+    (_schema({"type": ["string", "x" * 100]}), "unknown_type", "json_schema has a type that is not one of the JSON "
+     "types; the types are string, number, integer, boolean, object, array and null"),
+    (_schema({"type": "object", "if": {}, "then": {}}), "unsupported_keyword",
+     'json_schema uses keywords this server does not support: "if", "then"'),
+    (_schema({"type": "string", "format": "weird"}), "unknown_format",
+     'json_schema has an unknown string format "weird"'),
+    (_schema({"type": "string", "pattern": "(?=a)b"}), "regex_syntax", 'json_schema has a "pattern" that is not a '
+     "valid regular expression: look-around (lookahead, lookbehind) is not supported"),
+    (_schema({"$ref": "#/$defs/nope"}), "bad_reference", 'json_schema has a $ref "#/$defs/nope" that points to '
+     "nothing in the schema"),
+    (_schema({"$ref": "https://example.com/a.json"}), "bad_reference", "json_schema has a $ref to another document; "
+     'only references inside it ("#/...") work'),
+    (_schema({"type": "integer", "minimum": 5, "maximum": 1}), "unsatisfiable",
+     "json_schema allows no value at all: its keywords contradict each other"),
+    (_schema({"type": "string", "minLength": "x"}), "bad_value",
+     'json_schema has a value for "minLength" that this server cannot use'),
+    (Constraint(ConstraintKind.REGEX, "(a"), "regex_syntax",
+     "regex is not a valid regular expression at character 1: a parenthesis is not closed"),
+    (Constraint(ConstraintKind.REGEX, r"(a)\1"), "regex_syntax",
+     "regex is not a valid regular expression at character 4: backreferences are not supported"),
+    (Constraint(ConstraintKind.REGEX, "ab\n(c"), "regex_syntax",  # no position: llguidance escaped the line break
+     "regex is not a valid regular expression: a parenthesis is not closed"),
+    (Constraint(ConstraintKind.LARK_GRAMMAR, "start: nowhere"), "grammar_syntax",
+     'lark_grammar uses "nowhere" at line 1, column 8, which no rule or terminal defines'),
+    (Constraint(ConstraintKind.LARK_GRAMMAR, 'start: ("a"'), "grammar_syntax",
+     "lark_grammar has a syntax error at line 1, column 12"),
+    (Constraint(ConstraintKind.LARK_GRAMMAR, 'item: "a"'), "grammar_syntax", 'lark_grammar has no "start" rule'),
+    (Constraint(ConstraintKind.LARK_GRAMMAR, "start: A\nA: /[a-/"), "regex_syntax", "lark_grammar has an invalid "
+     "regular expression at line 2, column 4: a character class [...] is not closed"),
+    (Constraint(ConstraintKind.LARK_GRAMMAR, 'start: %json {"type": "strin"}'), "unknown_type", "lark_grammar has a "
+     '%json schema at line 1, column 8 that has an unknown type "strin"; the types are string, number, integer, '
+     "boolean, object, array and null"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("constraint", "reason", "message"), REFUSALS)
+def test_refusals_are_told_in_our_words_with_the_library_text_kept_for_the_log(
+    constraint: Constraint, reason: str, message: str
+) -> None:
+    with pytest.raises(ConstraintRefused) as refused:
+        compiled(constraint)
+    assert (str(refused.value), refused.value.reason) == (message, reason)
+    assert refused.value.detail and refused.value.detail not in message  # llguidance's own text, whole
+    for library_words in ("Invalid type", "Unimplemented", "regex parse error", "start: /", "at 1(", "error:"):
+        assert library_words not in message
+
+
+def test_a_refusal_over_the_size_limits_and_a_compile_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiler, "PARSER_LIMITS", llguidance.LLParserLimits(max_grammar_size=20))
+    many = Constraint(ConstraintKind.LARK_GRAMMAR, "start: " + " | ".join(f'"w{i}" x' for i in range(30)) + '\nx: "q"')
+    with pytest.raises(ConstraintRefused) as refused:
+        compiled(many)
+    assert refused.value.reason == "too_large"
+    assert str(refused.value) == ("lark_grammar is over the compile limits (grammar size or lexer states); simplify it")
+    assert "limit for this grammar: 20" in refused.value.detail
+    slow = GrammarCompiler(_tokenizer(), VOCAB, [EOS], "tiny", ConstraintLimits(compile_timeout_s=1e-6))
+    with pytest.raises(ConstraintRefused, match=r"regex took longer than 1e-06 s to compile; simplify it") as late:
+        asyncio.run(slow.compile(Constraint(ConstraintKind.REGEX, "[abc]+")))
+    assert late.value.reason == "timeout"
+
+
+def test_the_request_log_carries_the_library_text_under_the_request_id() -> None:
+    stream = io.StringIO()
+    request_log.configure(stream)
+    try:
+        backend = GenerationBackend(
+            lambda text, **_: {"input_ids": [1] * len(text)},
+            PromptLimits(max_new_tokens=16, max_session_tokens=64),
+            lambda request: pytest.fail("a refused constraint must not start a generation"),
+            constraints=COMPILER,
+        )
+        front = GenerationFrontend("tiny", AdmissionController(), None, backend)
+        request = EdgeRequest(prompt="hi", max_new_tokens=4, constraint=_schema({"type": "strin"}))
+
+        async def run() -> None:
+            async for _ in front.generate(request, CallInfo("req-33", "grpc", Tenant("acme"))):
+                pass
+
+        with pytest.raises(InvalidArgument) as refused:
+            asyncio.run(run())
+    finally:
+        request_log.configure()
+    (line,) = [json.loads(text) for text in stream.getvalue().splitlines()]
+    assert (line["request_id"], line["status"], line["error"]) == ("req-33", "INVALID_ARGUMENT", str(refused.value))
+    assert line["error_detail"] == "Invalid type: strin"
+
+
 def test_compiled_grammars_are_cached_by_constraint_and_vocabulary() -> None:
     a = compiled(Constraint(ConstraintKind.CHOICE, choices=("ab", "c")))
     assert compiled(Constraint(ConstraintKind.CHOICE, choices=("ab", "c"))) is a
     assert compiled(Constraint(ConstraintKind.CHOICE, choices=("c", "ab"))) is not a
+
+
+def test_the_compiler_and_a_constrained_generation_feed_the_metrics() -> None:
+    metrics = CoordinatorMetrics()
+    observed = GrammarCompiler(_tokenizer(), VOCAB, [EOS], "tiny", observer=metrics)
+    grammar = asyncio.run(observed.compile(LIST))
+    assert asyncio.run(observed.compile(LIST)) is grammar
+    with pytest.raises(ConstraintRefused):
+        asyncio.run(observed.compile(Constraint(ConstraintKind.REGEX, "(a")))
+    value = metrics.registry.get_sample_value
+    assert (value("specserve_grammar_cache_queries_total"), value("specserve_grammar_cache_hits_total")) == (3, 1)
+    assert value("specserve_grammar_compile_seconds_count", {"kind": "lark_grammar"}) == 1
+    assert value("specserve_grammar_compile_failures_total", {"kind": "regex", "reason": "regex_syntax"}) == 1
+
+    prompt = [5, 5]  # the model closes the list after 13 tokens: "]" leaves EOS the only token
+    reference = masked_plain_greedy(prompt, grammar.new_state(), 24)
+    generation = Generation(
+        GenerationRequest(prompt, 24, constraint=grammar),
+        InProcessVerifier(Verifier(MODEL, "tiny")),
+        None,  # no drafter: the grammar's forced tokens are the only drafts
+        CharTokenizer(),
+        frozenset({EOS}),
+        "tiny",
+        RoundPolicy(max_draft_tokens=8),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert [*tokens, EOS] == reference
+    assert (stats.constraint_kind, stats.constraint_complete) == ("lark_grammar", True)
+    assert len(stats.mask_ns_per_round) == stats.num_rounds and sum(stats.mask_ns_per_round) == stats.mask_ns
+    assert stats.num_forced_tokens > 0
+    metrics.observe_finished(stats, e2e_seconds=1.0)
+    assert value("specserve_constrained_requests_total", {"kind": "lark_grammar", "complete": "true"}) == 1
+    assert value("specserve_spec_decode_num_forced_tokens_total", {"decoding": "greedy"}) == stats.num_forced_tokens
+    assert value("specserve_constraint_mask_seconds_count") == stats.num_rounds
