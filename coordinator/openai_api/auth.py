@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coordinator.openai_api.errors import ApiError
-from specserve.auth.interceptors import UNKNOWN_KEY, bearer
+from specserve.auth.interceptors import bearer, refusal
 from specserve.auth.keys import ApiKeys
 from specserve.tenancy import ANONYMOUS, Tenant
 
@@ -20,5 +20,5 @@ def authenticate(keys: ApiKeys | None, authorization: str | None) -> Tenant:
         raise ApiError(401, MISSING_KEY, code="invalid_api_key", headers=_CHALLENGE)
     principal = keys.lookup(key)
     if principal is None:
-        raise ApiError(401, UNKNOWN_KEY, code="invalid_api_key", headers=_CHALLENGE)
+        raise ApiError(401, refusal(keys), code="invalid_api_key", headers=_CHALLENGE)
     return principal.tenant

@@ -23,6 +23,10 @@ UNKNOWN_KEY = (
     "the API key is unknown or was revoked: check it (the coordinator stores its SHA-256 in --api-keys-file) "
     "or ask for a new one"
 )
+KEYS_REVOKED = (
+    "every API key is revoked: the coordinator's API key file (--api-keys-file) has been removed; "
+    "ask the operator to restore it"
+)
 MISSING_TOKEN = "internal service: send the internal token as `authorization: Bearer <token>` (--internal-token-file)"
 WRONG_TOKEN = "internal service: the internal token is wrong: give the caller the same --internal-token-file"
 
@@ -94,6 +98,11 @@ def in_tenant_scope(handler: Any, tenant: Tenant) -> grpc.RpcMethodHandler:
     return _same_kind(handler, call)
 
 
+def refusal(keys: ApiKeys) -> str:
+    """Why a key was refused: the file is gone (every key revoked) or this key is not in it."""
+    return KEYS_REVOKED if keys.revoked else UNKNOWN_KEY
+
+
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 
 
@@ -114,7 +123,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return _aio_rejection(handler, grpc.StatusCode.UNAUTHENTICATED, MISSING_KEY)
         principal = self._keys.lookup(key)
         if principal is None:
-            return _aio_rejection(handler, grpc.StatusCode.UNAUTHENTICATED, UNKNOWN_KEY)
+            return _aio_rejection(handler, grpc.StatusCode.UNAUTHENTICATED, refusal(self._keys))
         return in_tenant_scope(handler, principal.tenant)
 
 

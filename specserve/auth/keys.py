@@ -145,7 +145,14 @@ class ApiKeys:
     """The key file at ``path``, re-read when its content changes (checked at most every ``reload_s``).
 
     The path is stat'ed and read on each check, never an inode kept open: a Kubernetes Secret update swaps a
-    symlink. A file that fails to parse keeps the last good keys (and logs why); at start it is an error.
+    symlink. At start an unusable file is an error. Later:
+
+    - a file that exists but cannot be read or parsed keeps the last good keys (and logs why): an editor's or a
+      script's partial write is a moment in an edit, and must not lock every caller out;
+    - a file that is gone (or a dangling symlink: the Secret was deleted) revokes every key, with an ERROR log
+      line, until it is back: removing the file is how an operator says "no key is valid now", and keeping the
+      last keys would leave a leaked key working with nothing on disk to show it. ``revoked`` then says so, for
+      the refusal's message.
     """
 
     def __init__(self, path: Path, reload_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -158,6 +165,7 @@ class ApiKeys:
         except OSError as exc:
             raise KeyFileError(f"cannot read the API key file {path}: {exc}") from exc
         self._table = parse_key_file(self._text, str(path))
+        self._revoked = False
         self._checked = self._read_at = clock()
         self._stamp = self._stat()
         log.info("API keys: %d keys from %s", len(self._table.principals), path)
@@ -172,6 +180,11 @@ class ApiKeys:
     def lookup(self, key: str) -> Principal | None:
         self._maybe_reload()
         return self._table.lookup(key)
+
+    @property
+    def revoked(self) -> bool:
+        """True while the key file is gone: every key is refused until it is back."""
+        return self._revoked
 
     def _maybe_reload(self) -> None:
         now = self._clock()
@@ -194,19 +207,35 @@ class ApiKeys:
         self._stamp = self._stat()
         try:
             text = self._path.read_text()
+        except (FileNotFoundError, NotADirectoryError):
+            self._revoke()
+            return False
         except OSError as exc:
             log.error("API key file %s unreadable (%s): keeping the last good keys", self._path, exc)
             return False
-        if text == self._text:
+        if text == self._text and not self._revoked:
             return True
         try:
             table = parse_key_file(text, str(self._path))
         except KeyFileError as exc:
-            log.error("%s: keeping the last good keys", exc)
+            log.error("%s: %s", exc, "every key stays revoked" if self._revoked else "keeping the last good keys")
             return False
-        self._text, self._table = text, table
-        log.info("API keys reloaded: %d keys from %s", len(table.principals), self._path)
+        if self._revoked:
+            log.warning("API key file %s is back: %d keys in force again", self._path, len(table.principals))
+        else:
+            log.info("API keys reloaded: %d keys from %s", len(table.principals), self._path)
+        self._text, self._table, self._revoked = text, table, False
         return True
+
+    def _revoke(self) -> None:
+        """The file is gone: refuse every key from now on (logged once per removal)."""
+        if not self._revoked:
+            log.error(
+                "API key file %s is gone: EVERY API KEY IS REVOKED and every call is refused (UNAUTHENTICATED / "
+                "401) until the file is restored",
+                self._path,
+            )
+        self._table, self._revoked = KeyTable({}), True
 
 
 def key_entry(key: str, tenant: str, name: str) -> str:

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_service.pools import PoolRegistry
 from specserve.auth.interceptors import (
+    KEYS_REVOKED,
     MISSING_KEY,
     ApiKeyInterceptor,
     InternalTokenInterceptor,
@@ -143,12 +144,53 @@ def test_a_broken_file_keeps_the_last_good_keys(tmp_path: Path, caplog: pytest.L
     with caplog.at_level(logging.ERROR):
         assert keys.lookup(KEY_A) is not None
     assert "keeping the last good keys" in caplog.text
-    path.unlink()
+    path.chmod(0)  # there but unreadable (root reads it anyway; then it is simply the good file again)
     clock.now = 4.0
-    assert keys.lookup(KEY_A) is not None
+    assert keys.lookup(KEY_A) is not None and not keys.revoked
+    path.chmod(0o600)
     path.write_text(key_file((KEY_B, "acme", "ci")))
     clock.now = 6.0
     assert keys.lookup(KEY_B) is not None and keys.lookup(KEY_A) is None
+
+
+def test_a_deleted_file_revokes_every_key_until_it_is_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "keys.yaml"
+    path.write_text(key_file((KEY_A, "acme", "ci")))
+    clock = Clock()
+    keys = ApiKeys(path, reload_s=1.0, clock=clock)
+    path.unlink()
+    assert keys.lookup(KEY_A) is not None, "checked at most every reload_s"
+    clock.now = 2.0
+    with caplog.at_level(logging.ERROR):
+        assert keys.lookup(KEY_A) is None
+    assert keys.revoked
+    assert [r.levelno for r in caplog.records] == [logging.ERROR]
+    assert "EVERY API KEY IS REVOKED" in caplog.text and str(path) in caplog.text
+    caplog.clear()
+    clock.now = 4.0
+    assert keys.lookup(KEY_A) is None and caplog.records == [], "logged once per removal"
+    path.write_text("keys: [ {name: half-written")  # back, but half written: still nothing is valid
+    clock.now = 6.0
+    assert keys.lookup(KEY_A) is None and keys.revoked
+    path.write_text(key_file((KEY_A, "acme", "ci")))  # the very same content as before the removal
+    clock.now = 8.0
+    with caplog.at_level(logging.WARNING):
+        assert keys.lookup(KEY_A) is not None
+    assert not keys.revoked and "is back" in caplog.text
+
+
+def test_a_deleted_secret_revokes_too(tmp_path: Path) -> None:
+    """A Kubernetes Secret removed from under its mount leaves a dangling symlink: the same as a deleted file."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "keys.yaml").write_text(key_file((KEY_A, "acme", "v1")))
+    (tmp_path / "..data").symlink_to("v1")
+    path = tmp_path / "keys.yaml"
+    path.symlink_to("..data/keys.yaml")
+    clock = Clock()
+    keys = ApiKeys(path, reload_s=1.0, clock=clock)
+    (tmp_path / "..data").unlink()
+    clock.now = 2.0
+    assert keys.lookup(KEY_A) is None and keys.revoked
 
 
 def test_a_broken_file_at_start_is_an_error(tmp_path: Path) -> None:
@@ -227,6 +269,12 @@ def test_api_key_interceptor(tmp_path: Path) -> None:
                 assert "unknown or was revoked" in (wrong.value.details() or "")
                 assert await texts((("authorization", f"Bearer {KEY_A}"),)) == ["acme", "acme"]
                 assert await texts((("authorization", f"bearer {KEY_B}"),)) == ["beta", "beta"]
+                path.unlink()
+                keys.reload()  # the trigger the next check would pull
+                with pytest.raises(grpc.aio.AioRpcError) as revoked:
+                    await texts((("authorization", f"Bearer {KEY_A}"),))
+                assert revoked.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert revoked.value.details() == KEYS_REVOKED
                 health = health_pb2_grpc.HealthStub(channel)
                 answer = await health.Check(health_pb2.HealthCheckRequest(service=""))
                 assert answer.status == health_pb2.HealthCheckResponse.SERVING

@@ -17,6 +17,7 @@ from coordinator.openai_api.app import create_app, max_body_bytes
 from coordinator.prompts import ChatTurn
 from coordinator.rounds import FinishReason, GenerationStats, TextChunk
 from coordinator.speculation import Speculation, SpeculationMode
+from specserve.auth.interceptors import KEYS_REVOKED
 from specserve.auth.keys import ApiKeys, key_entry, new_key
 from specserve.drain import Drain
 from specserve.errors import (
@@ -544,6 +545,21 @@ def test_api_keys(keys: tuple[ApiKeys, str]) -> None:
     assert good.status_code == 200
     assert frontend.calls[0][1].tenant.name == "acme" and frontend.calls[0][1].tenant.max_concurrent_streams == 2
     assert http.get("/v1/models", headers={"authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_a_deleted_key_file_refuses_every_key(tmp_path: Path) -> None:
+    key = new_key()
+    path = tmp_path / "keys.yaml"
+    path.write_text("keys:\n" + key_entry(key, "acme", "ci") + "\n")
+    api_keys = ApiKeys(path)
+    frontend = FakeFrontend()
+    http = client(frontend, keys=api_keys)
+    path.unlink()
+    api_keys.reload()  # what the next periodic check does
+    refused = http.post("/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {key}"})
+    error = assert_error(refused, 401, "invalid_api_key")
+    assert error["message"] == KEYS_REVOKED and str(tmp_path) not in error["message"]
+    assert frontend.calls == []
 
 
 # ---- a client that goes away ----
