@@ -12,6 +12,7 @@ from coordinator.tree_checks import TreeLimits
 from specserve.auth.config import ServerSecurity
 from specserve.auth.tls import ClientTLS
 from specserve.drain import DEFAULT_GRACE_S
+from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, LOOPBACK, VERIFIER_PORT
 
@@ -65,6 +66,7 @@ class CoordinatorConfig:
     tenant_max_concurrent_streams: int | None = None
     max_tokenize_queue: int = 16  # prompts waiting for one of the 2 tokenizer threads; more: RESOURCE_EXHAUSTED
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, running streams get this long to finish
+    max_health_watches: int = DEFAULT_MAX_HEALTH_WATCHES  # open Health/Watch streams; more: RESOURCE_EXHAUSTED
 
 
 def internal_tls(config: CoordinatorConfig) -> ClientTLS | None:
@@ -133,7 +135,8 @@ queue, which then hear admission's own refusal (with ``retry-after-ms``) rather 
 
 def max_concurrent_calls(config: CoordinatorConfig) -> int:
     """Calls the gRPC server (``maximum_concurrent_rpcs``) and the HTTP server (uvicorn's ``limit_concurrency``)
-    each take at once: every slot, every queue place and ``CALL_HEADROOM``. A call beyond it is refused before its
+    each take at once: every slot, every queue place, every open health watch (so watches cannot crowd out
+    generation) and ``CALL_HEADROOM``. A call beyond it is refused before its
     request is read (gRPC: RESOURCE_EXHAUSTED; HTTP: 503), so a flood holds no more prompts than admission could
     ever serve."""
-    return config.max_concurrent_streams + config.max_queued_streams + CALL_HEADROOM
+    return config.max_concurrent_streams + config.max_queued_streams + config.max_health_watches + CALL_HEADROOM

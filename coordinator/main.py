@@ -55,6 +55,7 @@ from specserve.auth.keys import ApiKeys, KeyFileError
 from specserve.auth.tls import ExposureError, add_port, aio_channel, check_exposure
 from specserve.drain import Drain
 from specserve.errors import DrafterFailed
+from specserve.health import track_watches
 from specserve.model_loading import (
     default_cache_root,
     load_generation_config,
@@ -552,7 +553,8 @@ async def serve(config: CoordinatorConfig) -> None:
     drain.on_begin(admission.drain)
     frontend = GenerationFrontend(config.served_model_name or config.model, admission, metrics)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
-    health = add_health(server, [SERVICE_NAME])
+    health = add_health(server, [SERVICE_NAME], config.max_health_watches)
+    track_watches(metrics.registry, health)
     add_reflection(server)
     drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"

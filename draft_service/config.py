@@ -7,6 +7,7 @@ from pathlib import Path
 
 from specserve.auth.config import ServerSecurity
 from specserve.drain import DEFAULT_GRACE_S
+from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.service_main import DRAFTER_PORT, LOOPBACK
 
@@ -29,6 +30,7 @@ class DrafterConfig:
     sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling", "draft_model")
     metrics_port: int = 0
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
+    max_health_watches: int = DEFAULT_MAX_HEALTH_WATCHES  # open Health/Watch streams; more: RESOURCE_EXHAUSTED
     # The draft_model source: a draft head trained for this target (`make train-draft`).
     draft_head_path: str = str(DEFAULT_DRAFT_HEAD)
     target_model: str = DEFAULT_MODEL  # whose embedding and LM head the head reads (name or local path)

@@ -26,6 +26,7 @@ from specserve.auth.interceptors import AioInternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
 from specserve.head_matmul import FORMS
+from specserve.health import track_watches
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -242,14 +243,16 @@ async def serve(config: DrafterConfig) -> None:
     drain = Drain(config.shutdown_grace_s)
     servicer = DrafterServicer(drafter, pools, drain, config.stream_idle_timeout_s)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
-    health = add_health(server, [SERVICE_NAME])
+    health = add_health(server, [SERVICE_NAME], config.max_health_watches)
     drain.on_begin(lambda: mark_draining(health))
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     await server.start()
     mark_serving(health, [SERVICE_NAME])
     if config.metrics_port:
-        DrafterMetrics(drafter.memory, pools, drafter.predraft_counts).serve(config.metrics_port, config.host)
+        metrics = DrafterMetrics(drafter.memory, pools, drafter.predraft_counts)
+        track_watches(metrics.registry, health)
+        metrics.serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)
     try:
         await serve_until_signal(server, drain)

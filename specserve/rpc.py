@@ -12,10 +12,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from specserve.drain import Drain
 from specserve.errors import SpecserveError
+from specserve.health import HealthServicer
+from specserve.health import add_health as add_health  # the servers register health through here
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +28,7 @@ def status_code(error: SpecserveError) -> grpc.StatusCode:
     return grpc.StatusCode[error.status]
 
 
-def add_health(server: grpc.Server | grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:
-    """Register grpc.health.v1; every service starts NOT_SERVING until marked ready."""
-    servicer = health.HealthServicer(experimental_non_blocking=True)
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for name in ["", *service_names]:
-        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return servicer
-
-
-def mark_serving(servicer: health.HealthServicer, service_names: list[str]) -> None:
+def mark_serving(servicer: HealthServicer, service_names: list[str]) -> None:
     for name in ["", *service_names]:
         servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -71,7 +64,7 @@ def refused_while_draining(what: str) -> Callable[[F], F]:
     return decorate
 
 
-def mark_draining(servicer: health.HealthServicer) -> None:
+def mark_draining(servicer: HealthServicer) -> None:
     """Every service name NOT_SERVING from now on (later ``set`` calls are ignored)."""
     servicer.enter_graceful_shutdown()
 

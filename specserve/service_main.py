@@ -32,6 +32,9 @@ class ServerDefaults(Protocol):
     @property
     def shutdown_grace_s(self) -> float: ...
 
+    @property
+    def max_health_watches(self) -> int: ...
+
 
 def env(name: str, default: str) -> str:
     """A flag default from the environment (read when main() runs, never at import)."""
@@ -39,8 +42,8 @@ def env(name: str, default: str) -> str:
 
 
 def add_common_flags(parser: argparse.ArgumentParser, defaults: ServerDefaults) -> None:
-    """--host, --port, --metrics-port, --shutdown-grace-s, --log-level and the security flags; their defaults
-    come from ``defaults`` (the service's config dataclass), or from the environment."""
+    """--host, --port, --metrics-port, --shutdown-grace-s, --max-health-watches, --log-level and the security
+    flags; their defaults come from ``defaults`` (the service's config dataclass), or from the environment."""
     parser.add_argument("--host", default=env("SPECSERVE_HOST", defaults.host), help="interface to listen on")
     parser.add_argument("--port", type=int, default=int(env("SPECSERVE_PORT", str(defaults.port))), help="gRPC port")
     parser.add_argument(
@@ -55,6 +58,13 @@ def add_common_flags(parser: argparse.ArgumentParser, defaults: ServerDefaults) 
         default=float(env("SPECSERVE_SHUTDOWN_GRACE_S", str(defaults.shutdown_grace_s))),
         help="on SIGTERM: how long in-flight work may go on while new work is refused (a second signal stops "
         "at once); keep it below the pod's terminationGracePeriodSeconds",
+    )
+    parser.add_argument(
+        "--max-health-watches",
+        type=int,
+        default=int(env("SPECSERVE_MAX_HEALTH_WATCHES", str(defaults.max_health_watches))),
+        help="open grpc.health.v1 Watch streams served at once (health needs no credentials, so it is bounded); "
+        "more get RESOURCE_EXHAUSTED. Check is never capped",
     )
     parser.add_argument("--log-level", default=env("SPECSERVE_LOG_LEVEL", "INFO"))
     add_security_flags(parser)

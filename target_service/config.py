@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from specserve.auth.config import ServerSecurity
 from specserve.drain import DEFAULT_GRACE_S
+from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.service_main import LOOPBACK, VERIFIER_PORT
 
@@ -36,3 +37,4 @@ class VerifierConfig:
     metrics_port: int = 0  # 0: no Prometheus endpoint
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
+    max_health_watches: int = DEFAULT_MAX_HEALTH_WATCHES  # open Health/Watch streams; more: RESOURCE_EXHAUSTED

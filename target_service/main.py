@@ -16,6 +16,7 @@ from specserve.auth.interceptors import InternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
 from specserve.hardware import choose_dtype
+from specserve.health import track_watches
 from specserve.model_loading import (
     default_cache_root,
     load_model,
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     drain = Drain(config.shutdown_grace_s)
     servicer = VerifierServicer(metrics, drain=drain)
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
-    health = add_health(server, [SERVICE_NAME])
+    health = add_health(server, [SERVICE_NAME], config.max_health_watches)
+    track_watches(metrics.registry, health)
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     server.start()

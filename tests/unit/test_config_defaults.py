@@ -24,6 +24,7 @@ from coordinator.ports import VerifierInfo
 from coordinator.rounds import RoundPolicy
 from draft_service import main as drafter_main
 from draft_service.config import DrafterConfig
+from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.local_cluster import LocalCluster
 from target_service import main as verifier_main
 from target_service.config import VerifierConfig
@@ -114,10 +115,11 @@ def test_the_local_cluster_listens_where_the_services_do_by_default() -> None:
     assert cluster.model == coordinator.model == VerifierConfig().model == DrafterConfig().target_model
 
 
-def test_the_servers_take_every_slot_and_queue_place_and_some_headroom_no_more() -> None:
-    config, _ = coordinator_main.parse_config(["--max-concurrent-streams", "4", "--max-queued-streams", "10"])
-    assert max_concurrent_calls(config) == 4 + 10 + CALL_HEADROOM
-    assert max_concurrent_calls(CoordinatorConfig()) == 64 + 256 + CALL_HEADROOM
+def test_the_servers_take_every_slot_queue_place_and_health_watch_and_some_headroom_no_more() -> None:
+    flags = ["--max-concurrent-streams", "4", "--max-queued-streams", "10", "--max-health-watches", "3"]
+    config, _ = coordinator_main.parse_config(flags)
+    assert max_concurrent_calls(config) == 4 + 10 + 3 + CALL_HEADROOM
+    assert max_concurrent_calls(CoordinatorConfig()) == 64 + 256 + DEFAULT_MAX_HEALTH_WATCHES + CALL_HEADROOM
 
 
 def test_one_tenant_gets_half_the_slots_by_default_when_callers_authenticate() -> None:
