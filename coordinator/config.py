@@ -50,6 +50,7 @@ class CoordinatorConfig:
     verifier_timeout_s: float = 120.0
     startup_timeout_s: float = 900.0  # how long to wait for the verifier to load its model
     metrics_port: int = 0
+    metrics_token_file: str | None = None  # /metrics asks for this bearer token; None: open
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS; internal token it sends
     api_keys_file: str | None = None  # None: no authentication (loopback only, or --insecure)
     api_keys_reload_s: float = 5.0  # how often the key file is checked for changes

@@ -50,7 +50,7 @@ from coordinator.server import GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import ApiKeyInterceptor
-from specserve.auth.internal import InternalCredentials, Metadata
+from specserve.auth.internal import InternalCredentials, Metadata, read_token
 from specserve.auth.keys import ApiKeys, KeyFileError
 from specserve.auth.tls import ExposureError, add_port, aio_channel, check_exposure
 from specserve.drain import Drain
@@ -183,6 +183,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
         default=defaults.api_keys_reload_s,
         help="how often to check the API key file for changes",
     )
+    parser.add_argument(
+        "--metrics-token-file",
+        default=env("SPECSERVE_METRICS_TOKEN_FILE", ""),
+        help="file holding a token that /metrics (--metrics-port) then requires as `Authorization: Bearer <token>`; "
+        "unset: /metrics is open to whoever reaches the port",
+    )
     parser.add_argument("--internal-tls-ca", default=env("SPECSERVE_INTERNAL_TLS_CA", ""), help="PEM CA of the workers")
     parser.add_argument(
         "--internal-tls-cert",
@@ -207,7 +213,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]
     values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
     values["drafter"] = values["drafter"] or None
     values["cache_dir"] = values["cache_dir"] or None
-    for name in ("api_keys_file", "internal_tls_ca", "internal_tls_cert", "internal_tls_key"):
+    for name in ("api_keys_file", "metrics_token_file", "internal_tls_ca", "internal_tls_cert", "internal_tls_key"):
         values[name] = values[name] or None
     return CoordinatorConfig(**values), args.log_level
 
@@ -533,6 +539,9 @@ async def serve(config: CoordinatorConfig) -> None:
     try:
         keys = api_keys(config)
         internal_metadata(config)  # the token file is readable and not empty
+        metrics_token = (
+            read_token(config.metrics_token_file, "--metrics-token-file") if config.metrics_token_file else None
+        )
     except (ExposureError, KeyFileError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
     # Errors are mapped outermost, so a refused key is as clean a status as anything else.
@@ -544,7 +553,7 @@ async def serve(config: CoordinatorConfig) -> None:
     )
     metrics = CoordinatorMetrics()
     if config.metrics_port:
-        metrics.serve(config.metrics_port, config.host)
+        metrics.serve(config.metrics_port, config.host, metrics_token)
     admission = AdmissionController(admission_limits(config), metrics)
     metrics.track_admission(admission)
     # On SIGTERM (specserve.drain): health NOT_SERVING, new and queued streams refused, running ones finish.

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from coordinator.admission import AdmissionController
 from coordinator.constraints.refusals import REFUSAL_REASONS
 from coordinator.constraints.spec import ConstraintKind
+from coordinator.metrics_http import serve_metrics
 from coordinator.rounds import FinishReason, GenerationStats
 
 DECODING_KINDS = ("greedy", "sampled")
@@ -277,9 +278,10 @@ class CoordinatorMetrics:
             registry=r,
         )
 
-    def serve(self, port: int, host: str) -> None:
-        """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
-        start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, port: int, host: str, token: str | None = None) -> None:
+        """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0); with
+        ``token`` (--metrics-token-file), only for callers that send it as a bearer token."""
+        serve_metrics(self.registry, port, host, token)
 
     # ---- admission (coordinator.admission.AdmissionObserver) ----
 

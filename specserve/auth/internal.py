@@ -16,14 +16,15 @@ from specserve.tenancy import TENANT_METADATA_KEY, current_tenant
 Metadata = tuple[tuple[str, str], ...]
 
 
-def read_token(path: str) -> str:
-    """The token in ``path`` (surrounding whitespace dropped); ValueError when empty or unreadable."""
+def read_token(path: str, flag: str = "--internal-token-file") -> str:
+    """The token in ``path`` (surrounding whitespace dropped); ValueError (naming ``flag``) when empty or
+    unreadable."""
     try:
         token = Path(path).read_text().strip()
     except OSError as exc:
-        raise ValueError(f"cannot read --internal-token-file {path}: {exc}") from exc
+        raise ValueError(f"cannot read {flag} {path}: {exc}") from exc
     if not token:
-        raise ValueError(f"--internal-token-file {path} is empty: put a random token in it (`openssl rand -hex 32`)")
+        raise ValueError(f"{flag} {path} is empty: put a random token in it (`openssl rand -hex 32`)")
     return token
 
 
