@@ -62,6 +62,7 @@ EXTERNAL_NAMES: dict[str, set[str]] = {
         "specserve-redis-auth",
         "prod-specserve-api-keys",
         "prod-specserve-internal-token",
+        "prod-specserve-metrics-token",
     },
     "variants": {"specserve-runtime", "draft-models", "hf-token", "specserve-redis-url", "llm-tls"},
 }
@@ -408,6 +409,7 @@ def check_secret_flags_point_into_mounts(objs: Sequence[Obj]) -> list[str]:
     under one of its Secret volume mounts."""
     file_flags = {
         "api-keys-file",
+        "metrics-token-file",
         "internal-token-file",
         "tls-cert",
         "tls-key",
@@ -768,6 +770,8 @@ def test_production_serves_tls_everywhere_with_mtls_inside(rendered: dict[str, l
     assert coordinator["internal-tls-key"] == coordinator["tls-key"]
     keys_secret, _ = secret_mount_dir(objs, "coordinator", coordinator["api-keys-file"])
     assert keys_secret == "prod-specserve-api-keys"
+    metrics_secret, _ = secret_mount_dir(objs, "coordinator", coordinator["metrics-token-file"])
+    assert metrics_secret == "prod-specserve-metrics-token"
     assert not of_kind(objs, "Secret"), "production names existing Secrets; the chart creates none"
 
 

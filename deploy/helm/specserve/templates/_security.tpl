@@ -19,6 +19,10 @@ All tier defines take (dict "root" $ "tier" "<tier>").
 {{- default (printf "%s-internal-token" (include "specserve.fullname" .)) .Values.auth.internalToken.existingSecret }}
 {{- end }}
 
+{{- define "specserve.metricsTokenSecretName" -}}
+{{- default (printf "%s-metrics-token" (include "specserve.fullname" .)) .Values.metrics.auth.existingSecret }}
+{{- end }}
+
 {{/* TLS Secret of a tier: its own existingSecret, the shared one, or the one its cert-manager Certificate writes. */}}
 {{- define "specserve.tlsSecretName" -}}
 {{- $tls := .root.Values.tls }}
@@ -97,6 +101,9 @@ are taken off.
 {{- if and (eq .tier "coordinator") $root.Values.auth.apiKeys.enabled }}
 - --api-keys-file={{ $dir }}/api-keys/{{ $root.Values.auth.apiKeys.existingSecretKey }}
 {{- end }}
+{{- if and (eq .tier "coordinator") $root.Values.metrics.auth.enabled }}
+- --metrics-token-file={{ $dir }}/metrics-token/{{ $root.Values.metrics.auth.existingSecretKey }}
+{{- end }}
 {{- if $tls.enabled }}
 - --tls-cert={{ $dir }}/tls/tls.crt
 - --tls-key={{ $dir }}/tls/tls.key
@@ -134,6 +141,12 @@ are taken off.
     secretName: {{ include "specserve.apiKeysSecretName" $root }}
     defaultMode: {{ include "specserve.secretFileMode" $root }}
 {{- end }}
+{{- if and (eq .tier "coordinator") $root.Values.metrics.auth.enabled }}
+- name: metrics-token
+  secret:
+    secretName: {{ include "specserve.metricsTokenSecretName" $root }}
+    defaultMode: {{ include "specserve.secretFileMode" $root }}
+{{- end }}
 {{- if $root.Values.tls.enabled }}
 - name: tls
   secret:
@@ -153,6 +166,11 @@ are taken off.
 {{- if and (eq .tier "coordinator") $root.Values.auth.apiKeys.enabled }}
 - name: api-keys
   mountPath: {{ $dir }}/api-keys
+  readOnly: true
+{{- end }}
+{{- if and (eq .tier "coordinator") $root.Values.metrics.auth.enabled }}
+- name: metrics-token
+  mountPath: {{ $dir }}/metrics-token
   readOnly: true
 {{- end }}
 {{- if $root.Values.tls.enabled }}
