@@ -3,8 +3,8 @@
 A dynamic-tree round runs the head over 1 row (the newest committed token) and then over the beam's
 rows (4 by default) at each level. This times both row counts on a cached context, alternating
 ``--head-matmul linear`` (``F.linear`` everywhere) with ``auto`` (the fc, the layer's linears and the draft
-logits on weights prepacked for the CPU's GEMM kernel) round by round, in each dtype asked for, and reports
-medians and their ratio.
+logits on weights prepacked for the CPU's GEMM kernel) step by step, in each dtype asked for, and reports
+medians per round and the ratio of their medians.
 
     python -m bench.draft_step [--dtypes float32,bfloat16] [--context 300] [--rounds 3] [--reps 30]
         [--out-dir bench/results/tmp/draft-step]
@@ -43,6 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=300, help="tokens in the head's cache before each step")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the two arms")
     parser.add_argument("--reps", type=int, default=30, help="timed steps per arm, row count and round")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every CPU this process may use)")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results/tmp/draft-step"))
     args = parser.parse_args(argv)
     if min(args.context, args.rounds, args.reps) < 1:
@@ -54,44 +55,46 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def time_steps(head: DraftHead, context: int, rounds: int, reps: int) -> dict[str, dict[int, list[float]]]:
-    """Median ms of one step per (arm, rows), one entry per round; the arms alternate within each round.
+    """Median ms of one step per (arm, rows), one entry per round.
 
-    The head is packed anew for each arm; it is left as it came (its ``head_matmul``) afterwards.
+    Each arm is a copy of ``head`` with its own cache, packed for its ``--head-matmul``; their steps
+    interleave one by one (which goes first alternates), so a shared machine's load falls on both alike.
+    ``head`` itself is left as it came.
     """
     hidden = head.config.hidden_size
+    dtype = head.draft_lm_head.dtype
     generator = torch.Generator().manual_seed(0)
-    served = head.head_matmul
+    heads = {arm: copy.deepcopy(head) for arm in ARMS}
+    caches = {arm: DynamicCache() for arm in ARMS}
     times: dict[str, dict[int, list[float]]] = {arm: {rows: [] for rows in ROWS} for arm in ARMS}
+    features = torch.randn(1, context, hidden, generator=generator).to(dtype)
+    tokens = torch.randint(0, int(head.draft_vocab.max()), (1, context), generator=generator)
     with torch.inference_mode():
-        cache = DynamicCache()
-        dtype = head.draft_lm_head.dtype
-        head(
-            torch.randn(1, context, hidden, generator=generator).to(dtype),
-            torch.randint(0, int(head.draft_vocab.max()), (1, context), generator=generator),
-            position_ids=torch.arange(context)[None],
-            past_key_values=cache,
-            last_logits_only=True,
-        )
+        for arm, choice in ARMS.items():
+            heads[arm].pack_products(choice)
+            heads[arm](features, tokens, position_ids=torch.arange(context)[None], past_key_values=caches[arm])
 
-        def step(rows: int) -> None:
+        def step(arm: str, rows: int) -> float:
             features = torch.randn(1, rows, hidden, generator=generator).to(dtype)
             tokens = torch.randint(0, int(head.draft_vocab.max()), (1, rows), generator=generator)
-            head(features, tokens, position_ids=torch.full((1, rows), context), past_key_values=cache)
-            truncate_cache(cache, context)
+            positions = torch.full((1, rows), context)
+            start = time.perf_counter()
+            heads[arm](features, tokens, position_ids=positions, past_key_values=caches[arm])
+            elapsed = time.perf_counter() - start
+            truncate_cache(caches[arm], context)
+            return elapsed
 
         for _ in range(rounds):
-            for arm, choice in ARMS.items():
-                head.pack_products(choice)
-                for rows in ROWS:
-                    for _ in range(3):
-                        step(rows)
-                    samples = []
-                    for _ in range(reps):
-                        start = time.perf_counter()
-                        step(rows)
-                        samples.append(time.perf_counter() - start)
-                    times[arm][rows].append(statistics.median(samples) * 1000)
-    head.pack_products(served)
+            for rows in ROWS:
+                samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+                for rep in range(3 + reps):
+                    order = list(ARMS) if rep % 2 == 0 else list(reversed(ARMS))
+                    for arm in order:
+                        elapsed = step(arm, rows)
+                        if rep >= 3:  # three warm-up steps each
+                            samples[arm].append(elapsed)
+                for arm in ARMS:
+                    times[arm][rows].append(statistics.median(samples[arm]) * 1000)
     return times
 
 
@@ -103,8 +106,9 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
         "",
         f"{meta['measured_at']}; {m['cpu_model']}, {m['torch_threads']} threads (native bf16: "
         f"{', '.join(m.get('cpu_bf16_flags') or []) or 'no'}), torch {m['torch_version']}; "
-        f"{meta['context']}-token cached context. Median of {meta['reps']} steps per round, {meta['rounds']} "
-        "rounds with the arms alternating (`--head-matmul linear`, then `auto`).",
+        f"{meta['context']}-token cached context. Median of {meta['reps']} steps per arm and round, "
+        f"{meta['rounds']} rounds; the arms' steps interleave one by one (`--head-matmul linear` and `auto`, "
+        "each a copy of the head with its own cache).",
     ]
     for dtype, run in runs.items():
         times = run["times_ms"]
@@ -145,7 +149,7 @@ def fp32_head(target: Target) -> DraftHead:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_libraries()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
     loaded = fp32_head(load_target(args.model, "float32"))
     runs: dict[str, dict[str, Any]] = {}
     for dtype in args.dtypes:

@@ -9,7 +9,7 @@ from draft_service.draft_head import DraftHead, DraftHeadConfig
 from tests.conftest import tiny_llama
 
 
-def test_both_arms_are_timed_alternately_and_the_served_packing_is_restored() -> None:
+def test_both_arms_are_timed_interleaved_and_the_head_is_left_as_it_came() -> None:
     target = tiny_llama(vocab_size=48, seed=3, context=256)
     config = DraftHeadConfig.for_target(target.config, 16, intermediate_size=96)
     head = DraftHead(
@@ -18,7 +18,7 @@ def test_both_arms_are_timed_alternately_and_the_served_packing_is_restored() ->
         target.get_output_embeddings().weight.detach(),
         torch.arange(16),
     ).eval()
-    head.pack_products("linear")  # as served with --head-matmul linear: the bench leaves it so
+    head.pack_products("linear")  # as served with --head-matmul linear: the bench times copies
     times = time_steps(head, context=20, rounds=2, reps=2)
     assert head.head_matmul == "linear" and head.packing == "none"
     assert set(times) == set(ARMS) == {"F.linear", "packed"}
