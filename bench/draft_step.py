@@ -4,7 +4,7 @@ A dynamic-tree round runs the head over 1 row (the newest committed token) and t
 rows (4 by default) at each level. This times both row counts on a cached context, alternating
 ``--head-matmul linear`` (``F.linear`` everywhere) with ``auto`` (the fc, the layer's linears and the draft
 logits on weights prepacked for the CPU's GEMM kernel) step by step, in each dtype asked for, and reports
-medians per round and the ratio of their medians.
+medians per round, each round's ratio and the median ratio.
 
     python -m bench.draft_step [--dtypes float32,bfloat16] [--context 300] [--rounds 3] [--reps 30]
         [--out-dir bench/results/tmp/draft-step]
@@ -118,15 +118,15 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
             "",
             f"Packed arm: {run['products']}.",
             "",
-            "| rows | F.linear ms (per round) | packed ms (per round) | packed / F.linear (median of rounds) |",
-            "|---|---|---|---|",
+            "| rows | F.linear ms (per round) | packed ms (per round) | packed / F.linear (per round) | median |",
+            "|---|---|---|---|---|",
         ]
         for rows in ROWS:
             base, new = times["F.linear"][rows], times["packed"][rows]
-            ratio = statistics.median(new) / statistics.median(base)
+            ratios = [n / b for n, b in zip(new, base, strict=True)]  # the arms of one round share its load
             lines.append(
                 f"| {rows} | {', '.join(f'{t:.2f}' for t in base)} | {', '.join(f'{t:.2f}' for t in new)} "
-                f"| {ratio:.2f} |"
+                f"| {', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} |"
             )
     return "\n".join(lines) + "\n"
 
