@@ -1,16 +1,19 @@
-"""The draft head's step with its products by ``F.linear`` against the forms chosen at start-up, side by side.
+"""The draft head's step with its products by ``F.linear`` against prepacked weights, side by side.
 
 A dynamic-tree round runs the head over 1 row (the newest committed token) and then over the beam's
 rows (4 by default) at each level. This times both row counts on a cached context, alternating
-``F.linear`` everywhere with the chosen forms of the logits and of the head's linears (``--head-matmul``)
-round by round, in the serving dtype, and reports medians and their ratio.
+``--head-matmul linear`` (``F.linear`` everywhere) with ``auto`` (the fc, the layer's linears and the draft
+logits on weights prepacked for the CPU's GEMM kernel) step by step, in each dtype asked for, and reports
+medians per round, each round's ratio and the median ratio.
 
-    python -m bench.draft_step [--context 300] [--rounds 3] [--reps 30] [--out-dir bench/results/draft-step]
+    python -m bench.draft_step [--dtypes float32,bfloat16] [--context 300] [--rounds 3] [--reps 30]
+        [--out-dir bench/results/tmp/draft-step]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -23,110 +26,146 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from draft_service.draft_head import DraftHead, truncate_cache
+from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head, truncate_cache
 
 from . import machine
-from .run import DEFAULT_MODEL, draft_head, fp32_model, load_target, quiet_libraries
+from .head_identity import draft_head_path
+from .run import DEFAULT_MODEL, Target, fp32_model, load_target, quiet_libraries
 
 ROWS = (1, 4)
+ARMS = {"F.linear": "linear", "packed": "auto"}  # arm -> --head-matmul
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.draft_step", description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target whose draft head ships with the drafter")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="the head's compute dtypes, each timed apart")
     parser.add_argument("--context", type=int, default=300, help="tokens in the head's cache before each step")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two forms")
-    parser.add_argument("--reps", type=int, default=30, help="timed steps per form, row count and round")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/draft-step"))
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two arms")
+    parser.add_argument("--reps", type=int, default=30, help="timed steps per arm, row count and round")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every CPU this process may use)")
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/tmp/draft-step"))
     args = parser.parse_args(argv)
     if min(args.context, args.rounds, args.reps) < 1:
         parser.error("--context, --rounds and --reps must be at least 1")
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not args.dtypes or not set(args.dtypes) <= {"float32", "bfloat16"}:
+        parser.error("--dtypes: a comma-separated list of float32, bfloat16")
     return args
 
 
 def time_steps(head: DraftHead, context: int, rounds: int, reps: int) -> dict[str, dict[int, list[float]]]:
-    """Median ms of one step per (form, rows), one entry per round; forms alternate within each round."""
-    hidden = head.config.hidden_size
-    generator = torch.Generator().manual_seed(0)
-    chosen = (head.transposed_rows, head.layer_matmul.transposed_rows)
-    forms = {"F.linear": (frozenset[int](), frozenset[int]()), "chosen": chosen}
-    times: dict[str, dict[int, list[float]]] = {name: {rows: [] for rows in ROWS} for name in forms}
-    with torch.inference_mode():
-        cache = DynamicCache()
-        dtype = head.draft_lm_head.dtype
-        head(
-            torch.randn(1, context, hidden, generator=generator).to(dtype),
-            torch.randint(0, int(head.draft_vocab.max()), (1, context), generator=generator),
-            position_ids=torch.arange(context)[None],
-            past_key_values=cache,
-            last_logits_only=True,
-        )
+    """Median ms of one step per (arm, rows), one entry per round.
 
-        def step(rows: int) -> None:
+    Each arm is a copy of ``head`` with its own cache, packed for its ``--head-matmul``; their steps
+    interleave one by one (which goes first alternates), so a shared machine's load falls on both alike.
+    ``head`` itself is left as it came.
+    """
+    hidden = head.config.hidden_size
+    dtype = head.draft_lm_head.dtype
+    generator = torch.Generator().manual_seed(0)
+    heads = {arm: copy.deepcopy(head) for arm in ARMS}
+    caches = {arm: DynamicCache() for arm in ARMS}
+    times: dict[str, dict[int, list[float]]] = {arm: {rows: [] for rows in ROWS} for arm in ARMS}
+    features = torch.randn(1, context, hidden, generator=generator).to(dtype)
+    tokens = torch.randint(0, int(head.draft_vocab.max()), (1, context), generator=generator)
+    with torch.inference_mode():
+        for arm, choice in ARMS.items():
+            heads[arm].pack_products(choice)
+            heads[arm](features, tokens, position_ids=torch.arange(context)[None], past_key_values=caches[arm])
+
+        def step(arm: str, rows: int) -> float:
             features = torch.randn(1, rows, hidden, generator=generator).to(dtype)
             tokens = torch.randint(0, int(head.draft_vocab.max()), (1, rows), generator=generator)
-            head(features, tokens, position_ids=torch.full((1, rows), context), past_key_values=cache)
-            truncate_cache(cache, context)
+            positions = torch.full((1, rows), context)
+            start = time.perf_counter()
+            heads[arm](features, tokens, position_ids=positions, past_key_values=caches[arm])
+            elapsed = time.perf_counter() - start
+            truncate_cache(caches[arm], context)
+            return elapsed
 
         for _ in range(rounds):
-            for name, (logits_rows, layer_rows) in forms.items():
-                head.transposed_rows, head.layer_matmul.transposed_rows = logits_rows, layer_rows
-                for rows in ROWS:
-                    for _ in range(3):
-                        step(rows)
-                    samples = []
-                    for _ in range(reps):
-                        start = time.perf_counter()
-                        step(rows)
-                        samples.append(time.perf_counter() - start)
-                    times[name][rows].append(statistics.median(samples) * 1000)
-    head.transposed_rows, head.layer_matmul.transposed_rows = chosen
+            for rows in ROWS:
+                samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+                for rep in range(3 + reps):
+                    order = list(ARMS) if rep % 2 == 0 else list(reversed(ARMS))
+                    for arm in order:
+                        elapsed = step(arm, rows)
+                        if rep >= 3:  # three warm-up steps each
+                            samples[arm].append(elapsed)
+                for arm in ARMS:
+                    times[arm][rows].append(statistics.median(samples[arm]) * 1000)
     return times
 
 
-def markdown(meta: dict[str, Any], times: dict[str, dict[int, list[float]]]) -> str:
+def markdown(meta: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
+    """``runs``: per dtype, ``products`` (what the packed arm ran) and ``times_ms`` (``time_steps``)."""
     m = meta["machine"]
     lines = [
-        "# Draft head step: F.linear against the chosen product forms",
+        "# Draft head step: F.linear against prepacked weights",
         "",
         f"{meta['measured_at']}; {m['cpu_model']}, {m['torch_threads']} threads (native bf16: "
-        f"{', '.join(m.get('cpu_bf16_flags') or []) or 'no'}), torch {m['torch_version']}; head in "
-        f"{meta['dtype']}, {meta['context']}-token cached context; chosen forms: logits {meta['chosen']}; "
-        f"linears {meta.get('chosen_layers', 'F.linear at every row count')}. "
-        f"Median of {meta['reps']} steps per round, {meta['rounds']} rounds with the forms alternating.",
-        "",
-        "| rows | F.linear ms (per round) | chosen ms (per round) | chosen / F.linear (median of rounds) |",
-        "|---|---|---|---|",
+        f"{', '.join(m.get('cpu_bf16_flags') or []) or 'no'}), torch {m['torch_version']}; "
+        f"{meta['context']}-token cached context. Median of {meta['reps']} steps per arm and round, "
+        f"{meta['rounds']} rounds; the arms' steps interleave one by one (`--head-matmul linear` and `auto`, "
+        "each a copy of the head with its own cache).",
     ]
-    for rows in ROWS:
-        base, new = times["F.linear"][rows], times["chosen"][rows]
-        ratio = statistics.median(new) / statistics.median(base)
-        lines.append(
-            f"| {rows} | {', '.join(f'{t:.2f}' for t in base)} | {', '.join(f'{t:.2f}' for t in new)} | {ratio:.2f} |"
-        )
+    for dtype, run in runs.items():
+        times = run["times_ms"]
+        lines += [
+            "",
+            f"## {dtype}",
+            "",
+            f"Packed arm: {run['products']}.",
+            "",
+            "| rows | F.linear ms (per round) | packed ms (per round) | packed / F.linear (per round) | median |",
+            "|---|---|---|---|---|",
+        ]
+        for rows in ROWS:
+            base, new = times["F.linear"][rows], times["packed"][rows]
+            ratios = [n / b for n, b in zip(new, base, strict=True)]  # the arms of one round share its load
+            lines.append(
+                f"| {rows} | {', '.join(f'{t:.2f}' for t in base)} | {', '.join(f'{t:.2f}' for t in new)} "
+                f"| {', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def fp32_head(target: Target) -> DraftHead:
+    """The drafter's default head over the float32 target, as loaded (fp32, unpacked)."""
+    fp32 = fp32_model(target)
+    try:
+        head, _ = load_draft_head(
+            draft_head_path(),
+            target_fingerprint=target.fingerprint,
+            embedding=fp32.get_input_embeddings().weight.detach(),
+            lm_head=fp32.get_output_embeddings().weight.detach(),
+        )
+    except DraftHeadError as exc:
+        raise SystemExit(f"error: no draft head to time: {exc}") from exc
+    return head
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_libraries()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    target = load_target(args.model, "float32")
-    head = draft_head(target, fp32_model(target))
-    times = time_steps(head, args.context, args.rounds, args.reps)
+    torch.set_num_threads(args.threads or len(os.sched_getaffinity(0)))
+    loaded = fp32_head(load_target(args.model, "float32"))
+    runs: dict[str, dict[str, Any]] = {}
+    for dtype in args.dtypes:
+        head, _ = in_serving_dtype(copy.deepcopy(loaded), dtype, "auto")
+        times = time_steps(head, args.context, args.rounds, args.reps)
+        runs[dtype] = {"products": head.products, "times_ms": times}
     meta = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "dtype": str(head.draft_lm_head.dtype).removeprefix("torch."),
         "context": args.context,
         "rounds": args.rounds,
         "reps": args.reps,
-        "chosen": head.logits_form,
-        "chosen_layers": head.layers_form,
         "machine": machine.describe(),
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    text = markdown(meta, times)
-    (args.out_dir / "draft_step.json").write_text(json.dumps({"meta": meta, "times_ms": times}, indent=1) + "\n")
+    text = markdown(meta, runs)
+    (args.out_dir / "draft_step.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
     (args.out_dir / "draft_step.md").write_text(text)
     print(text)
     return 0

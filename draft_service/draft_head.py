@@ -24,9 +24,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
+from draft_service.head_products import WeightPack, describe, head_packing, pack_linears, pack_of, product
 from specserve.hardware import DtypeChoice, choose_dtype
-from specserve.head_matmul import HeadMatmul, head_matmul, head_product
-from specserve.layer_matmul import LayerMatmul, install_layer_matmul
+from specserve.packed_linear import Packing
 
 FORMAT_VERSION = 1
 
@@ -117,9 +117,10 @@ class DraftHead(nn.Module):
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self.register_buffer("draft_lm_head", lm_head.detach()[draft_vocab].clone(), persistent=False)
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
-        # Row counts whose logits use (W @ x.T).T (``choose_logits_form``); none while training.
-        self.transposed_rows: frozenset[int] = frozenset()
-        self.layer_matmul = LayerMatmul()  # the same for the fc and the layer's linears, once chosen
+        # The products' packed kernel (``pack_products``); none while training: every product is F.linear.
+        self.packing: Packing = "none"
+        self.head_matmul = "linear"  # --head-matmul of the last pack_products
+        self._logits_pack: WeightPack | None = None
 
     def forward(
         self,
@@ -141,29 +142,24 @@ class DraftHead(nn.Module):
         )
         predicted = out.last_hidden_state
         scored = predicted[:, -1:] if last_logits_only else predicted
-        return HeadOutput(
-            predicted, head_product(scored, self.draft_lm_head, self.transposed_rows), out.past_key_values
-        )
+        return HeadOutput(predicted, product(scored, self.draft_lm_head, None, self._logits_pack), out.past_key_values)
 
-    def choose_logits_form(self, form: str = "auto") -> None:
-        """The product form of the draft logits and of the head's linears (``--head-matmul``): 'auto' times both
-        forms on the head in its current dtype and keeps the faster per row count; 'linear' keeps F.linear.
+    def pack_products(self, head_matmul: str = "auto") -> None:
+        """Run the fc, the layer's linears and the draft logits on weights prepacked now, in the head's current
+        dtype, where ``head_matmul`` is "auto" and a packed kernel exists; else (and for "linear") on F.linear.
 
-        Called on a head ready to serve: the linears become ``FormedLinear`` over the same parameters.
+        Called on a head ready to serve: its ``nn.Linear``s become ``PackableLinear``s over the same parameters.
         """
-        with torch.inference_mode():
-            self.transposed_rows = head_matmul(self.draft_lm_head, form).transposed_rows
-        self.layer_matmul = install_layer_matmul(self, form)
+        weight = self.draft_lm_head
+        self.packing = head_packing(weight.dtype, weight.device, head_matmul)
+        self.head_matmul = head_matmul
+        pack_linears(self, self.packing)
+        self._logits_pack = pack_of(weight, None, self.packing)
 
     @property
-    def logits_form(self) -> str:
-        """Which product form the draft logits use at which row counts, for logs and reports."""
-        return HeadMatmul(self.draft_lm_head, self.transposed_rows).describe()
-
-    @property
-    def layers_form(self) -> str:
-        """Which product form the fc and the layer's linears use at which row counts."""
-        return self.layer_matmul.describe()
+    def products(self) -> str:
+        """What runs the head's products, for logs and reports."""
+        return describe(self.packing, self.head_matmul, self.draft_lm_head.dtype)
 
     def save(self, path: Path, *, target_fingerprint: str, metadata: dict[str, Any] | None = None) -> None:
         """Weights in bfloat16 with the config, draft vocabulary and target fingerprint."""
@@ -232,16 +228,16 @@ def load_state(head: DraftHead, payload: dict[str, Any], path: Path) -> None:
 
 
 def in_serving_dtype(
-    head: DraftHead, requested: str = "auto", logits_matmul: str = "auto"
+    head: DraftHead, requested: str = "auto", head_matmul: str = "auto"
 ) -> tuple[DraftHead, DtypeChoice]:
     """``head`` in the dtype the drafter computes in (``--head-dtype``; auto: bf16 where the CPU runs it natively),
-    its logits and linears in the product form ``logits_matmul`` picks (``--head-matmul``; auto: measured here).
+    its products packed in that dtype as ``head_matmul`` says (``--head-matmul``; auto: where a kernel exists).
 
     Loaded heads are fp32 (``load_draft_head``); the benchmarks call this too, so they draft as the service does.
     """
     choice = choose_dtype(requested, "cpu")
     head = head.to(getattr(torch, choice.dtype))
-    head.choose_logits_form(logits_matmul)
+    head.pack_products(head_matmul)
     return head, choice
 
 

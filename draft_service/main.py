@@ -15,6 +15,7 @@ import torch
 from draft_service.config import POOL_SHARE, DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head, require_weights
 from draft_service.drafter import ALL_SOURCES, Drafter
+from draft_service.head_products import HEAD_MATMUL_CHOICES
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.metrics import DrafterMetrics
 from draft_service.pools import PoolRegistry
@@ -25,7 +26,6 @@ from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import AioInternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
-from specserve.head_matmul import FORMS
 from specserve.health import track_watches
 from specserve.model_loading import (
     default_cache_root,
@@ -86,9 +86,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         "--head-logits-matmul",
         dest="head_logits_matmul",
         default=env("SPECSERVE_HEAD_LOGITS_MATMUL", defaults.head_logits_matmul),
-        choices=FORMS,
-        help="auto: time F.linear against (W @ x.T).T for the draft logits and for the head's linears at start-up "
-        "and use the faster for each row count; linear: always F.linear",
+        choices=HEAD_MATMUL_CHOICES,
+        help="auto: the head's fc, layer linears and draft logits run on weights prepacked once at start-up for "
+        "the CPU's GEMM kernel (oneDNN; MKL for fp32 on Intel), F.linear where the dtype has none; "
+        "linear: F.linear everywhere",
     )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
@@ -198,12 +199,11 @@ def load_head(config: DrafterConfig) -> DraftHead:
     )
     head, dtype = in_serving_dtype(head, config.head_dtype, config.head_logits_matmul)
     log.info(
-        "draft head %s runs in %s (%s); its logits: %s; its linears: %s",
+        "draft head %s runs in %s (%s); its products: %s",
         config.draft_head_path,
         dtype.dtype,
         dtype.reason,
-        head.logits_form,
-        head.layers_form,
+        head.products,
     )
     return head
 

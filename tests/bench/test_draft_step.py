@@ -1,15 +1,15 @@
-"""bench.draft_step's measurement on a tiny random head: both forms timed at every row count, every round."""
+"""bench.draft_step's measurement on a tiny random head: both arms timed at every row count, every round."""
 
 from __future__ import annotations
 
 import torch
 
-from bench.draft_step import ROWS, markdown, time_steps
+from bench.draft_step import ARMS, ROWS, markdown, time_steps
 from draft_service.draft_head import DraftHead, DraftHeadConfig
 from tests.conftest import tiny_llama
 
 
-def test_both_forms_are_timed_alternately_and_the_chosen_form_is_restored() -> None:
+def test_both_arms_are_timed_interleaved_and_the_head_is_left_as_it_came() -> None:
     target = tiny_llama(vocab_size=48, seed=3, context=256)
     config = DraftHeadConfig.for_target(target.config, 16, intermediate_size=96)
     head = DraftHead(
@@ -18,21 +18,17 @@ def test_both_forms_are_timed_alternately_and_the_chosen_form_is_restored() -> N
         target.get_output_embeddings().weight.detach(),
         torch.arange(16),
     ).eval()
-    head.choose_logits_form("linear")  # the head's linears become FormedLinear, as in serving
-    head.transposed_rows = frozenset({4})
-    head.layer_matmul.transposed_rows = frozenset({2, 4})
+    head.pack_products("linear")  # as served with --head-matmul linear: the bench times copies
     times = time_steps(head, context=20, rounds=2, reps=2)
-    assert head.transposed_rows == frozenset({4}) and head.layer_matmul.transposed_rows == frozenset({2, 4})
-    assert set(times) == {"F.linear", "chosen"}
-    assert all(len(times[form][rows]) == 2 and min(times[form][rows]) > 0 for form in times for rows in ROWS)
+    assert head.head_matmul == "linear" and head.packing == "none"
+    assert set(times) == set(ARMS) == {"F.linear", "packed"}
+    assert all(len(times[arm][rows]) == 2 and min(times[arm][rows]) > 0 for arm in times for rows in ROWS)
     meta = {
         "measured_at": "now",
-        "dtype": "float32",
         "context": 20,
         "rounds": 2,
         "reps": 2,
-        "chosen": "x",
         "machine": {"cpu_model": "cpu", "torch_threads": 2, "torch_version": "t"},
     }
-    report = markdown(meta, times)
-    assert "| 4 |" in report and "chosen / F.linear" in report
+    report = markdown(meta, {"float32": {"products": head.products, "times_ms": times}})
+    assert "## float32" in report and "| 4 |" in report and "packed / F.linear (per round)" in report

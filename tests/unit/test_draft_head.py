@@ -294,25 +294,6 @@ def test_skipped_prompts_are_new_data_evaluated_on_the_same_held_out_prompts() -
         split_prompts(mix, 10, 41, 50)
 
 
-def test_the_logits_form_changes_no_output() -> None:
-    head = new_head().eval()
-    features, tokens = torch.randn(1, 4, 64), torch.randint(VOCAB, (1, 4))
-    with torch.inference_mode():
-        plain = head(features, tokens).logits
-        head.transposed_rows = frozenset({2, 4, 8, 16})  # every small row count by (W @ x.T).T
-        transposed = head(features, tokens).logits
-        # Pinned, not 'auto' (timed, so the form under test would depend on the machine's load): the layers'
-        # linears too, first F.linear, then (W @ x.T).T at every small row count.
-        head.choose_logits_form("linear")
-        assert head.transposed_rows == frozenset() and head.layer_matmul.transposed_rows == frozenset()
-        linear = head(features, tokens).logits
-        head.transposed_rows = head.layer_matmul.transposed_rows = frozenset({2, 4, 8, 16})
-        both_transposed = head(features, tokens).logits
-    torch.testing.assert_close(transposed, plain, rtol=1e-5, atol=1e-5)
-    assert torch.equal(linear, plain)  # FormedLinear in the F.linear form is F.linear
-    torch.testing.assert_close(both_transposed, plain, rtol=1e-5, atol=1e-5)
-
-
 def test_the_model_card_says_whether_the_answers_were_greedy_or_sampled() -> None:
     import json
 

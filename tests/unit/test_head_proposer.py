@@ -19,7 +19,6 @@ from draft_service.training.distill_data import distil_batch
 from draft_service.training.train import TrainSettings, train
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
 from specserve.draft_feedback import DraftFeedback
-from specserve.head_matmul import ROW_COUNTS
 from specserve.keyed_noise import PositionNoise
 from specserve.ngram_pool import InMemoryNgramPool
 from specserve.sampling import SamplingParams, target_probs
@@ -366,21 +365,37 @@ def test_concurrent_sampled_sessions_with_coupled_drafts_share_steps_and_each_is
     assert steps < sum(stats.num_rounds for stats in finished) + len(requests)  # prefills and rounds shared steps
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["F.linear", "transposed"])
-def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead, transposed: bool) -> None:
+@pytest.mark.parametrize("head_matmul", ["linear", "auto"])
+def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead, head_matmul: str) -> None:
     """The drafter runs its head in bf16 where the CPU does so natively (--head-dtype auto): fp32 features in.
 
-    Each product form pinned ('auto' times them, so which one ran would depend on the machine's load).
+    Its products on F.linear and, where this CPU has a packed bf16 kernel, on prepacked weights.
     """
-    half, choice = in_serving_dtype(copy.deepcopy(head), "bfloat16", "linear")
-    if transposed:
-        half.transposed_rows = half.layer_matmul.transposed_rows = frozenset(ROW_COUNTS)
+    half, choice = in_serving_dtype(copy.deepcopy(head), "bfloat16", head_matmul)
     assert half.draft_lm_head.dtype == torch.bfloat16 and choice.reason == "requested"
+    assert (half.packing == "none") == (head_matmul == "linear" or "F.linear" in half.products)
     prompt = [2, 7, 1, 8, 2, 8]
     tokens, stats, _ = generate(half, GenerationRequest(prompt, 40))
     assert tokens == plain_decode(TARGET, prompt, 40, SamplingParams())
     assert not stats.drafter_error
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def test_the_packed_fp32_head_drafts_the_f_linear_heads_trees(head: DraftHead) -> None:
+    """Prepacked products round unlike F.linear only in the last bits: the same trees, q within rounding."""
+    packed, _ = in_serving_dtype(copy.deepcopy(head), "float32", "auto")
+    plain, _ = in_serving_dtype(copy.deepcopy(head), "float32", "linear")
+    assert plain.packing == "none"
+    shape = TreeShape(depth=3, branching=3, beam=4, max_nodes=16)
+    for tokens in ([5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17], [2, 7, 1, 8, 2, 8, 1, 8]):
+        trees = []
+        for drafter in (plain, packed):
+            proposer = HeadProposer(drafter, shape)
+            feed(proposer, tokens)
+            trees.append(proposer.propose(tokens, 16))
+        want, got = trees
+        assert len(want) > 0 and got.token_ids == want.token_ids and got.parents == want.parents
+        np.testing.assert_allclose(got.node_probs, want.node_probs, rtol=1e-4, atol=1e-6)
 
 
 ALL_THREE = ("prompt_lookup", "token_recycling", "draft_model")

@@ -1,0 +1,112 @@
+"""The draft head's products on the verifier's prepacked GEMM kernels (``specserve.packed_linear``).
+
+A draft step runs the head over one row (the newest committed token) and then over a beam's few rows per
+level: products of 1-16 rows against small weights, where ``F.linear`` repacks the weight into its GEMM
+kernel's layout on every call. ``--head-matmul auto`` packs the fc, the decoder layer's linears and the
+draft logits' weight once, when the head is put in its serving dtype, for the kernel ``available_packing``
+names for that dtype on this CPU (oneDNN, or MKL for fp32 on Intel); ``linear``, and a dtype or device
+without a packed kernel, keep ``F.linear``.
+
+Each packed product runs at the row counts where its kernel computes a row alike whatever the count
+(``row_invariant_rows``), padding other counts up, so a draft does not depend on how many rows shared its
+step. Packs are for inference only: a product whose weight changed since it was packed (loaded, trained,
+moved to another dtype or device), or that needs gradients, runs ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.packed_linear import PackedLinear, Packing, available_packing, candidate_rows, row_invariant_rows
+
+HEAD_MATMUL_CHOICES = ("auto", "linear")
+"""``--head-matmul``: packed where this dtype and device have a packed kernel, else F.linear; or F.linear."""
+
+
+def head_packing(dtype: torch.dtype, device: torch.device, choice: str) -> Packing:
+    """The packed kernel the head's products use for ``choice`` (``--head-matmul``); "none": F.linear."""
+    if choice not in HEAD_MATMUL_CHOICES:
+        raise ValueError(f"--head-matmul must be one of {', '.join(HEAD_MATMUL_CHOICES)}, not {choice!r}")
+    return available_packing(dtype, device) if choice == "auto" else "none"
+
+
+class WeightPack:
+    """``weight`` (and ``bias``) prepacked for ``packing``; it serves only the tensors it was made from."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packing: Packing) -> None:
+        out_features, in_features = weight.shape
+        candidates = candidate_rows(packing)
+        rows = row_invariant_rows(packing, weight.dtype, out_features, in_features, candidates) or candidates[-1:]
+        self.product = PackedLinear(weight, bias, packing, rows)
+        self._made_from = _identity(weight, bias)
+
+    def serves(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``weight`` and ``bias`` are still the tensors packed: same storage, dtype and in-place version."""
+        return _identity(weight, bias) == self._made_from
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        # A copied module has copies of its weights, which this pack does not serve (and MKL's must not move).
+        return None
+
+
+def _identity(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Any, ...]:
+    tensors = (weight,) if bias is None else (weight, bias)
+    return tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape), t._version) for t in tensors)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pack: WeightPack | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x of [..., in]: on ``pack`` where it serves these weights, else ``F.linear``."""
+    differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if pack is None or differentiated or not pack.serves(weight, bias):  # the packed kernels have no backward
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [batch * n, in]
+    return pack.product(rows).reshape(*x.shape[:-1], pack.product.out_features)
+
+
+class PackableLinear(nn.Linear):
+    """An ``nn.Linear`` over another's parameters (same objects, same names) whose product may run on a pack."""
+
+    pack: WeightPack | None = None
+
+    @classmethod
+    def over(cls, linear: nn.Linear) -> PackableLinear:
+        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        module.weight = linear.weight
+        module.bias = linear.bias
+        return module.train(linear.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return product(x, self.weight, self.bias, self.pack)
+
+
+def pack_linears(root: nn.Module, packing: Packing) -> None:
+    """Every ``nn.Linear`` under ``root`` runs as a ``PackableLinear``, packed for ``packing`` ("none": unpacked)."""
+    for parent in list(root.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                child = PackableLinear.over(child)
+                setattr(parent, name, child)
+            if isinstance(child, PackableLinear):
+                child.pack = pack_of(child.weight, child.bias, packing)
+
+
+def pack_of(weight: torch.Tensor, bias: torch.Tensor | None, packing: Packing) -> WeightPack | None:
+    """A pack of ``weight`` for ``packing``; None for "none"."""
+    if packing == "none":
+        return None
+    with torch.no_grad():
+        return WeightPack(weight.detach(), None if bias is None else bias.detach(), packing)
+
+
+def describe(packing: Packing, choice: str, dtype: torch.dtype) -> str:
+    """For logs and reports: what runs the head's products."""
+    name = str(dtype).removeprefix("torch.")
+    if packing == "none":
+        why = "--head-matmul linear" if choice == "linear" else f"no packed kernel for {name} here"
+        return f"F.linear ({why})"
+    kernel = {"onednn": "oneDNN", "mkl": "MKL"}[packing]
+    return f"{kernel} on {name} weights prepacked for the fc, the layer's linears and the draft logits"
