@@ -21,13 +21,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 LEVELS = (1, 2)
 MAX_NEW_TOKENS = 8
-# A Redis database of its own: the benchmarks use /15 and the Spec-Bench smoke test /14, and this
-# test empties its vocabulary's n-gram keys.
-SMOKE_REDIS_URL = "redis://127.0.0.1:6379/13"
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def out_dir(tmp_path_factory: pytest.TempPathFactory, smoke_redis_url: str) -> Path:
     try:
         resolve_model("smollm2")
     except ModelNotFoundError as exc:
@@ -41,7 +38,7 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--max-new-tokens",
             str(MAX_NEW_TOKENS),
             "--redis-url",
-            SMOKE_REDIS_URL,
+            smoke_redis_url,  # a private redis-server (tests/bench/conftest.py)
             # fp32: greedy output is token-identical to plain decoding (bf16 only up to its noise floor).
             # No cost-curve profile at start-up: it takes minutes on 2 busy cores and sizes draft
             # budgets, which change speed only, never the output this test checks.

@@ -26,13 +26,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 CATEGORIES = ("writing", "translation")
 PROMPTS_PER_CATEGORY = 1
 MAX_NEW_TOKENS = 16
-# A Redis database apart from the benchmark's own (/15), so a smoke test never empties a running benchmark's pool.
-SMOKE_REDIS_URL = "redis://127.0.0.1:6379/14"
 DEFAULT_MODES = default_modes("float32")
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def out_dir(tmp_path_factory: pytest.TempPathFactory, smoke_redis_url: str) -> Path:
     try:
         resolve_model("smollm2")
     except ModelNotFoundError as exc:
@@ -49,7 +47,7 @@ def out_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--max-new-tokens",
             str(MAX_NEW_TOKENS),
             "--redis-url",
-            SMOKE_REDIS_URL,
+            smoke_redis_url,  # a private redis-server (tests/bench/conftest.py)
             "--warm-pool",
             "1",
             "--no-progress",
@@ -266,7 +264,7 @@ def test_bf16_run_has_an_fp32_baseline_row_compared_with_nothing(bf16_out_dir: P
 
 
 @pytest.fixture(scope="module")
-def pinned_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def pinned_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory, smoke_redis_url: str) -> Path:
     """Separate hardware on one machine: the verifier (and baseline) on CPU 0, drafter and coordinator on the rest."""
     import os
 
@@ -274,7 +272,7 @@ def pinned_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         pytest.skip("pinning needs two CPUs")
     out = tmp_path_factory.mktemp("bench-pinned")
     argv = ["--dtype", "float32", "--modes", "baseline,distributed", "--categories", "writing"]
-    argv += ["--prompts-per-category", "1", "--max-new-tokens", "16", "--redis-url", SMOKE_REDIS_URL]
+    argv += ["--prompts-per-category", "1", "--max-new-tokens", "16", "--redis-url", smoke_redis_url]
     code = run.main([*argv, "--pin-verifier-cpus", "0", "--no-progress", "--out-dir", str(out)])
     assert code == 0, "the harness stopped early; see its stderr"
     return out

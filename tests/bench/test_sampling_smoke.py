@@ -17,7 +17,7 @@ from specserve.model_loading import ModelNotFoundError, resolve_model
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_the_sampling_benchmark_reports_every_drafter_and_temperature(tmp_path: Path) -> None:
+def test_the_sampling_benchmark_reports_every_drafter_and_temperature(tmp_path: Path, smoke_redis_url: str) -> None:
     try:
         resolve_model("smollm2")
     except ModelNotFoundError as exc:
@@ -31,7 +31,7 @@ def test_the_sampling_benchmark_reports_every_drafter_and_temperature(tmp_path: 
             "--max-new-tokens",
             "12",
             "--redis-url",
-            "redis://127.0.0.1:6379/14",
+            smoke_redis_url,  # a private redis-server (tests/bench/conftest.py)
             "--out-dir",
             str(tmp_path),
         ]
