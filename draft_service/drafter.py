@@ -11,10 +11,10 @@ way the tree is a draft that the verifier checks, so output never changes.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from draft_service.capped_registry import CappedRegistry
 from draft_service.draft_head import DraftHead
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.namespace_state import NamespaceState
@@ -261,7 +261,9 @@ class Drafter:
         if max_namespaces < 1:
             raise ValueError(f"the drafter must keep at least one pool namespace, got {max_namespaces}")
         self.max_namespaces = max_namespaces
-        self._namespaces: OrderedDict[tuple[str, str], NamespaceState] = OrderedDict()
+        self._namespaces: CappedRegistry[tuple[str, str], NamespaceState] = CappedRegistry(
+            max_namespaces, self._new_namespace, lambda key, state: self._drop(state)
+        )
         # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
         # where drafting has its own cores: in one process with the verifier it would take the verifier's.
         self.predraft_outcomes = predraft_outcomes
@@ -341,14 +343,11 @@ class Drafter:
 
     def _namespace(self, fingerprint: str, namespace: str) -> NamespaceState:
         """The state of (``fingerprint``, ``namespace``), made most recent; beyond the cap the least recent goes."""
-        key = (fingerprint, namespace)
-        state = self._namespaces.pop(key, None)
-        if state is None:
-            state = NamespaceState(fingerprint, namespace)
-            self.memory.opened(state)
-        self._namespaces[key] = state
-        while len(self._namespaces) > self.max_namespaces:
-            self._drop(self._namespaces.popitem(last=False)[1])
+        return self._namespaces.get((fingerprint, namespace))
+
+    def _new_namespace(self, key: tuple[str, str]) -> NamespaceState:
+        state = NamespaceState(*key)
+        self.memory.opened(state)
         return state
 
     def _drop(self, state: NamespaceState) -> None:

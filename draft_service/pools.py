@@ -8,11 +8,11 @@ output, so a shared pool would let one tenant draft from (and probe for) another
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import redis
 
+from draft_service.capped_registry import CappedRegistry
 from specserve.ngram_pool import ByteBudget, FallbackPool, InMemoryNgramPool, NgramPool, PoolShape
 from specserve.redis_pool import RedisNgramPool, purge_namespace
 from specserve.tenancy import ANONYMOUS
@@ -27,6 +27,14 @@ class PurgeCounts:
     memory_pools: int = 0
     memory_keys: int = 0
     redis_keys: int = 0
+
+
+@dataclass(frozen=True)
+class _Pools:
+    """One (vocabulary, namespace)'s pool as sessions use it, and its in-memory part (the pool itself without Redis)."""
+
+    pool: NgramPool
+    local: InMemoryNgramPool
 
 
 DEFAULT_MAX_POOLS = 1024
@@ -63,8 +71,7 @@ class PoolRegistry:
             if redis_url
             else None
         )
-        self._pools: OrderedDict[tuple[str, str], NgramPool] = OrderedDict()  # least recently asked for first
-        self._local: dict[tuple[str, str], InMemoryNgramPool] = {}
+        self._pools: CappedRegistry[tuple[str, str], _Pools] = CappedRegistry(max_pools, self._new_pools, self._evicted)
 
     def __len__(self) -> int:
         return len(self._pools)
@@ -79,35 +86,29 @@ class PoolRegistry:
         return "redis" if self._client is not None else "memory"
 
     def __call__(self, fingerprint: str, namespace: str = "") -> NgramPool:
-        key = (fingerprint, namespace or ANONYMOUS.pool_namespace)
-        pool = self._pools.get(key)
-        if pool is not None:
-            self._pools.move_to_end(key)
-            return pool
+        return self._pools.get((fingerprint, namespace or ANONYMOUS.pool_namespace)).pool
+
+    def _new_pools(self, key: tuple[str, str]) -> _Pools:
         local = InMemoryNgramPool(self._shape, self._max_keys, self._budget)
-        pool = local
-        if self._client is not None:
-            pool = FallbackPool(RedisNgramPool(self._client, redis_namespace(*key), self._shape), local)
-        self._pools[key] = pool
-        self._local[key] = local
-        while len(self._pools) > self._max_pools:
-            oldest, _ = self._pools.popitem(last=False)
-            self._local.pop(oldest).retire()
-            log.info("dropped the in-memory n-gram pool of %s (more than %d pools)", oldest, self._max_pools)
-        return pool
+        if self._client is None:
+            return _Pools(local, local)
+        return _Pools(FallbackPool(RedisNgramPool(self._client, redis_namespace(*key), self._shape), local), local)
+
+    def _evicted(self, key: tuple[str, str], pools: _Pools) -> None:
+        pools.local.retire()
+        log.info("dropped the in-memory n-gram pool of %s (more than %d pools)", key, self._max_pools)
 
     def purge_memory(self, namespace: str) -> PurgeCounts:
         """Forget ``namespace``'s in-memory pools, emptied (sessions still open keep no old text).
 
         Not thread-safe: call it where sessions are served (the drafter's drafting lock).
         """
-        keys = [key for key in self._local if key[1] == namespace]
+        keys = [key for key in self._pools if key[1] == namespace]
         memory_keys = 0
         for key in keys:
-            local = self._local.pop(key)
+            local = self._pools.pop(key).local
             memory_keys += len(local)
             local.retire()  # sessions still open on it record nothing more into the shared budget
-            del self._pools[key]
         return PurgeCounts(memory_pools=len(keys), memory_keys=memory_keys)
 
     def purge_shared(self, namespace: str) -> int:
