@@ -130,14 +130,25 @@ def max_receive_message_bytes(config: CoordinatorConfig) -> int:
 
 
 CALL_HEADROOM = 32
-"""Calls each server takes above the admission limits: health checks and reflection, and requests just past the
-queue, which then hear admission's own refusal (with ``retry-after-ms``) rather than the server's."""
+"""Calls each server takes above the admission limits: reflection, and requests just past the queue, which then
+hear admission's own refusal (with ``retry-after-ms``) rather than the call limit's."""
 
 
 def max_concurrent_calls(config: CoordinatorConfig) -> int:
-    """Calls the gRPC server (``maximum_concurrent_rpcs``) and the HTTP server (uvicorn's ``limit_concurrency``)
-    each take at once: every slot, every queue place, every open health watch (so watches cannot crowd out
-    generation) and ``CALL_HEADROOM``. A call beyond it is refused before its
-    request is read (gRPC: RESOURCE_EXHAUSTED; HTTP: 503), so a flood holds no more prompts than admission could
-    ever serve."""
-    return config.max_concurrent_streams + config.max_queued_streams + config.max_health_watches + CALL_HEADROOM
+    """Calls (health aside) the gRPC server and the HTTP API each serve at once (``specserve.call_limit``): every
+    slot, every queue place and ``CALL_HEADROOM``. One more is refused in our words: RESOURCE_EXHAUSTED (HTTP 429)
+    with ``retry-after-ms``."""
+    return config.max_concurrent_streams + config.max_queued_streams + CALL_HEADROOM
+
+
+def grpc_call_backstop(config: CoordinatorConfig) -> int:
+    """gRPC's own ``maximum_concurrent_rpcs``, the backstop above ``max_concurrent_calls``: room for the health
+    watches and ``CALL_HEADROOM`` more (health checks, calls being refused). gRPC refuses a call past it before its
+    request is read, so a flood holds no more prompts than this many; in practice the call limit answers first."""
+    return max_concurrent_calls(config) + config.max_health_watches + CALL_HEADROOM
+
+
+def http_connection_backstop(config: CoordinatorConfig) -> int:
+    """uvicorn's ``limit_concurrency``, the HTTP API's backstop above ``max_concurrent_calls``: uvicorn counts open
+    connections, idle keep-alive ones included, so it gets twice the calls; past it uvicorn answers a plain 503."""
+    return 2 * max_concurrent_calls(config)

@@ -22,6 +22,8 @@ from coordinator.admission import AdmissionController
 from coordinator.config import (
     CoordinatorConfig,
     admission_limits,
+    grpc_call_backstop,
+    http_connection_backstop,
     internal_tls,
     max_concurrent_calls,
     max_receive_message_bytes,
@@ -53,6 +55,7 @@ from specserve.auth.interceptors import ApiKeyInterceptor
 from specserve.auth.internal import InternalCredentials, Metadata, read_token
 from specserve.auth.keys import ApiKeys, KeyFileError
 from specserve.auth.tls import ExposureError, add_port, aio_channel, check_exposure
+from specserve.call_limit import AioCallLimitInterceptor, CallLimit
 from specserve.drain import Drain
 from specserve.errors import DrafterFailed
 from specserve.health import track_watches
@@ -517,7 +520,7 @@ def api_keys(config: CoordinatorConfig) -> ApiKeys | None:
 
 
 async def start_http(
-    config: CoordinatorConfig, frontend: GenerationFrontend, keys: ApiKeys | None, drain: Drain
+    config: CoordinatorConfig, frontend: GenerationFrontend, keys: ApiKeys | None, drain: Drain, call_limit: CallLimit
 ) -> HttpServer | None:
     """The OpenAI-compatible HTTP API on --host:--http-port, with the gRPC port's TLS, keys and drain (None: off).
 
@@ -526,8 +529,8 @@ async def start_http(
     """
     if not config.http_port:
         return None
-    app = create_app(frontend, keys, drain, config.max_prompt_bytes)
-    http = HttpServer(app, config.host, config.http_port, config.security.tls, max_concurrent_calls(config))
+    app = create_app(frontend, keys, drain, config.max_prompt_bytes, call_limit=call_limit)
+    http = HttpServer(app, config.host, config.http_port, config.security.tls, http_connection_backstop(config))
     try:
         await http.start()
     except HttpStartError as exc:
@@ -544,18 +547,28 @@ async def serve(config: CoordinatorConfig) -> None:
         )
     except (ExposureError, KeyFileError, ValueError) as exc:
         raise StartupError(str(exc)) from exc
-    # Errors are mapped outermost, so a refused key is as clean a status as anything else.
-    interceptors: list[grpc.aio.ServerInterceptor] = [AioErrorInterceptor()]
-    interceptors += [ApiKeyInterceptor(keys)] if keys is not None else []
-    options = [*server_options(), ("grpc.max_receive_message_length", max_receive_message_bytes(config))]
-    server = grpc.aio.server(
-        options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_calls(config)
-    )
     metrics = CoordinatorMetrics()
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.host, metrics_token)
     admission = AdmissionController(admission_limits(config), metrics)
     metrics.track_admission(admission)
+
+    def call_limit(server: str) -> CallLimit:
+        return CallLimit(
+            max_concurrent_calls(config), server, admission.retry_after_s, lambda: metrics.rejected("call_limit")
+        )
+
+    # Errors are mapped outermost, so a refused key or call is as clean a status as anything else. The call limit
+    # answers before gRPC's own maximum_concurrent_rpcs (a backstop above it) would, in its library words.
+    interceptors: list[grpc.aio.ServerInterceptor] = [
+        AioErrorInterceptor(),
+        AioCallLimitInterceptor(call_limit("coordinator")),
+    ]
+    interceptors += [ApiKeyInterceptor(keys)] if keys is not None else []
+    options = [*server_options(), ("grpc.max_receive_message_length", max_receive_message_bytes(config))]
+    server = grpc.aio.server(
+        options=options, interceptors=interceptors, maximum_concurrent_rpcs=grpc_call_backstop(config)
+    )
     # On SIGTERM (specserve.drain): health NOT_SERVING, new and queued streams refused, running ones finish.
     drain = Drain(config.shutdown_grace_s)
     drain.count_busy(lambda: admission.running)
@@ -569,7 +582,9 @@ async def serve(config: CoordinatorConfig) -> None:
     address = f"{config.host}:{config.port}"
     add_port(server, address, config.security.tls)
     await server.start()
-    http = await start_http(config, frontend, keys, drain)  # /health: 503 until the workers are connected
+    http = await start_http(
+        config, frontend, keys, drain, call_limit("coordinator's HTTP API")
+    )  # /health: 503 until the workers are connected
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
     tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)

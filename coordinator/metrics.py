@@ -67,7 +67,8 @@ MASK_BUCKETS_S = (
 CONSTRAINT_KINDS = tuple(kind.value for kind in ConstraintKind)
 
 # Admission's refusals (coordinator.admission), so their series exist at zero before the first one.
-REJECTION_REASONS = ("queue_full", "tenant_queue_full", "queue_timeout", "deadline")
+# "call_limit": a call past the server's --max-concurrent-streams + --max-queued-streams + 32 (specserve.call_limit).
+REJECTION_REASONS = ("queue_full", "tenant_queue_full", "queue_timeout", "deadline", "call_limit")
 
 
 class CoordinatorMetrics:

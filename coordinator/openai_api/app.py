@@ -42,6 +42,7 @@ from coordinator.openai_api.responses import (
 from coordinator.openai_api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from coordinator.openai_api.translate import chat_request, completion_request, include_usage
 from specserve.auth.keys import ApiKeys
+from specserve.call_limit import CallLimit
 from specserve.drain import Drain
 from specserve.errors import SpecserveError
 from specserve.tenancy import Tenant
@@ -107,6 +108,33 @@ class RequestIdMiddleware:
             error = as_api_error(exc, f"{scope.get('method')} {scope.get('path')} (request {rid})")
             if not started:
                 await send_error(send_with_id, error)
+
+
+class CallLimitMiddleware:
+    """Counts the HTTP API's calls (``/health`` aside) against a ``CallLimit``: one past it gets our 429 JSON error
+    with ``Retry-After``, before uvicorn's ``limit_concurrency`` backstop would answer its plain-text 503.
+
+    Inside ``RequestIdMiddleware``, so the refusal carries ``X-Request-Id`` too; a streamed answer counts until
+    its last chunk.
+    """
+
+    def __init__(self, app: ASGIApp, limit: CallLimit) -> None:
+        self._app = app
+        self._limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") == "/health":
+            await self._app(scope, receive, send)
+            return
+        try:
+            self._limit.enter()
+        except SpecserveError as exc:
+            await send_error(send, from_domain(exc))
+            return
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._limit.leave()
 
 
 def _json(error: ApiError) -> JSONResponse:
@@ -177,8 +205,10 @@ def create_app(
     drain: Drain | None = None,
     max_prompt_bytes: int = 4 << 20,
     clock: Callable[[], float] = time.time,
+    call_limit: CallLimit | None = None,
 ) -> FastAPI:
-    """The ASGI app; ``keys`` None: no authentication (the coordinator allows that on loopback only)."""
+    """The ASGI app; ``keys`` None: no authentication (the coordinator allows that on loopback only);
+    ``call_limit`` None: no count of calls (uvicorn's own ``limit_concurrency`` alone)."""
     app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
     started = int(clock())
     limit = max_body_bytes(max_prompt_bytes)
@@ -284,5 +314,7 @@ def create_app(
     app.add_exception_handler(SpecserveError, on_domain_error)
     app.add_exception_handler(HTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_middleware(RequestIdMiddleware)
+    if call_limit is not None:
+        app.add_middleware(CallLimitMiddleware, limit=call_limit)
+    app.add_middleware(RequestIdMiddleware)  # added last: outermost
     return app

@@ -17,6 +17,7 @@ from coordinator.config import (
     CALL_HEADROOM,
     CoordinatorConfig,
     admission_limits,
+    grpc_call_backstop,
     max_concurrent_calls,
     round_policy,
 )
@@ -115,11 +116,13 @@ def test_the_local_cluster_listens_where_the_services_do_by_default() -> None:
     assert cluster.model == coordinator.model == VerifierConfig().model == DrafterConfig().target_model
 
 
-def test_the_servers_take_every_slot_queue_place_and_health_watch_and_some_headroom_no_more() -> None:
+def test_the_servers_take_every_slot_queue_place_and_some_headroom_and_grpc_room_for_health_watches() -> None:
     flags = ["--max-concurrent-streams", "4", "--max-queued-streams", "10", "--max-health-watches", "3"]
     config, _ = coordinator_main.parse_config(flags)
-    assert max_concurrent_calls(config) == 4 + 10 + 3 + CALL_HEADROOM
-    assert max_concurrent_calls(CoordinatorConfig()) == 64 + 256 + DEFAULT_MAX_HEALTH_WATCHES + CALL_HEADROOM
+    assert max_concurrent_calls(config) == 4 + 10 + CALL_HEADROOM
+    assert grpc_call_backstop(config) == max_concurrent_calls(config) + 3 + CALL_HEADROOM
+    defaults = CoordinatorConfig()
+    assert grpc_call_backstop(defaults) == 64 + 256 + DEFAULT_MAX_HEALTH_WATCHES + 2 * CALL_HEADROOM
 
 
 def test_one_tenant_gets_half_the_slots_by_default_when_callers_authenticate() -> None:
