@@ -1,6 +1,6 @@
 """What the round loop needs from a verifier and a drafter.
 
-The gRPC clients (``grpc_clients``) and the in-process adapters (``inproc``)
+The gRPC clients (``grpc_clients``) and the in-process adapters (``bench.inproc``)
 both implement these, so the round loop is the same code in a deployment and
 in a single-process benchmark.
 

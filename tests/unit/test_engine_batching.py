@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from coordinator.inproc import InProcessVerifier
+from bench.inproc import InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest
 from specserve.acceptance import VerifyResult
 from specserve.errors import FailedPrecondition, NotFound, ResourceExhausted

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from coordinator.inproc import InProcessDrafter, InProcessVerifier
+from bench.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from draft_service.draft_head import DraftHead, in_serving_dtype
 from draft_service.drafter import Drafter, PredraftCounts

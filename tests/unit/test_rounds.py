@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from bench.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.deadlines import deadline_scope
-from coordinator.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.ports import DraftStream
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
 from coordinator.speculation import Speculation, SpeculationMode

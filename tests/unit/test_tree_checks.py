@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.inproc import InProcessVerifier
+from bench.inproc import InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from coordinator.tree_checks import TreeLimits, tree_problem
 from specserve.draft_feedback import DraftFeedback, DraftReply

@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 import pytest
 
+from bench.inproc import InProcessDrafter, verifier_info
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
-from coordinator.inproc import InProcessDrafter, verifier_info
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.tree_builder import CPU_VERIFY_COST, VerifyCost
 from specserve.drain import Drain
