@@ -32,7 +32,6 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api.app import create_app
 from coordinator.openai_api.serve import HttpServer, HttpStartError
 from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
-from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
 from coordinator.server import GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
@@ -44,7 +43,7 @@ from specserve.auth.tls import ExposureError, add_port, aio_channel, check_expos
 from specserve.drain import Drain
 from specserve.model_loading import (
     default_cache_root,
-    load_generation_config,
+    eos_token_ids,
     load_tokenizer,
     materialize,
     resolve_model,
@@ -409,7 +408,7 @@ async def serve(config: CoordinatorConfig) -> None:
     fingerprint = vocab_fingerprint(tokenizer)
     verifier, info = await connect_verifier(config, fingerprint)
     drafter = health_checked(config, await connect_drafter(config, fingerprint, info), metrics)
-    eos = eos_token_ids(tokenizer, load_generation_config(source))
+    eos = eos_token_ids(source, tokenizer)
     policy = round_policy(config, info)
 
     def new_generation(request: GenerationRequest) -> Generation:

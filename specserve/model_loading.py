@@ -160,6 +160,17 @@ def load_generation_config(source: ModelSource) -> Any | None:
         return None
 
 
+def eos_token_ids(source: ModelSource, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids: the tokenizer's, plus any the model's generation config lists."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(load_generation_config(source), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    return frozenset(ids)
+
+
 def vocab_fingerprint(tokenizer: Any) -> str:
     """A short hash of the vocabulary and special tokens.
 
