@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from draft_service.draft_head import DraftHead
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.namespace_state import NamespaceState
+from draft_service.ngram_pool import NgramPool
 from draft_service.proposers import PoolProposer, PromptLookupProposer, Proposer, TokenRecyclingProposer
 from draft_service.session_memory import SESSION, UNBOUNDED, SessionMemory
 from draft_service.tree_builder import (
@@ -31,7 +32,6 @@ from draft_service.tree_builder import (
     likely_outcomes,
 )
 from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.ngram_pool import NgramPool
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree

@@ -17,6 +17,7 @@ from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype
 from draft_service.drafter import ALL_SOURCES, Drafter
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.metrics import DrafterMetrics
+from draft_service.ngram_pool import PoolShape
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
@@ -34,7 +35,6 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.ngram_pool import PoolShape
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging

@@ -106,7 +106,7 @@ def restart_drafter(cluster: LocalCluster) -> None:
         time.sleep(0.5)
 
 
-REDIS_DOWN = "redis n-gram pool unavailable"  # the drafter's warning (specserve.redis_pool)
+REDIS_DOWN = "redis n-gram pool unavailable"  # the drafter's warning (draft_service.redis_pool)
 TEXT = "List the planets of the solar system in order, with one fact about each."
 POOL_TOKENS = 64
 

@@ -11,9 +11,9 @@ import threading
 import grpc
 
 from draft_service.drafter import Drafter
+from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.work_ahead import WorkAhead
 from specserve.drain import Drain
-from specserve.ngram_pool import InMemoryNgramPool
 from specserve.v1 import drafter_pb2_grpc
 from tests.unit.test_drain import Stream, drafter_server, propose, start
 
