@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import TokenTree
 

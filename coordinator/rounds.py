@@ -43,7 +43,6 @@ from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tree_checks import TreeLimits, tree_problem
 from specserve.acceptance import VerifyResult
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import (
     DeadlineExceeded,
     DrafterFailed,
@@ -54,6 +53,7 @@ from specserve.errors import (
     SessionMoved,
     Unavailable,
 )
+from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 

@@ -31,7 +31,7 @@ from draft_service.tree_builder import (
     learn_from_acceptance,
     likely_outcomes,
 )
-from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from draft_service.ngram_pool import NgramPool
-from specserve.draft_feedback import DraftFeedback
+from specserve.results import DraftFeedback
 from specserve.token_tree import TokenTree
 
 

@@ -19,8 +19,8 @@ from draft_service.pools import PoolRegistry
 from draft_service.tree_builder import VerifyCost
 from draft_service.work_ahead import WorkAhead
 from specserve import errors
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import Drain
+from specserve.results import DraftFeedback, DraftReply
 from specserve.rpc import refused_while_draining
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 from specserve.wire import cost_from_proto, features_from_proto, sampling_from_proto, tree_to_proto

@@ -21,9 +21,9 @@ from draft_service.pools import PoolRegistry
 from draft_service.server import idle_limited
 from draft_service.session_memory import SESSION, SessionMemory
 from draft_service.tree_builder import VerifyCost
-from specserve.draft_feedback import DraftFeedback
 from specserve.drain import Drain
 from specserve.errors import DeadlineExceeded
+from specserve.results import DraftFeedback
 from specserve.v1 import drafter_pb2_grpc
 from tests.conftest import tiny_llama
 from tests.unit.test_drain import Stream, drafter_server, propose, start

@@ -8,7 +8,7 @@ import pytest
 from coordinator.grpc_clients import FEATURE_CHUNK_BYTES, GrpcDraftStream
 from draft_service.server import FeaturesAhead
 from specserve import errors
-from specserve.draft_feedback import DraftFeedback
+from specserve.results import DraftFeedback
 from specserve.v1 import common_pb2, drafter_pb2
 from specserve.wire import features_from_proto, features_to_proto, split_features
 

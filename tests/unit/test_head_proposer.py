@@ -19,9 +19,9 @@ from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.training.distill_data import distil_batch
 from draft_service.training.train import TrainSettings, train
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
-from specserve.draft_feedback import DraftFeedback
 from specserve.head_matmul import ROW_COUNTS
 from specserve.keyed_noise import PositionNoise
+from specserve.results import DraftFeedback
 from specserve.sampling import SamplingParams, target_probs
 from specserve.token_tree import ROOT, TokenTree
 from specserve.v1 import common_pb2

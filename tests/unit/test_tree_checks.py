@@ -6,8 +6,8 @@ from bench.inproc import InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from coordinator.tree_checks import TreeLimits, tree_problem
 from draft_service.ngram_pool import InMemoryNgramPool, PoolShape
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import InvalidArgument
+from specserve.results import DraftFeedback, DraftReply
 from specserve.token_tree import DraftDistribution, TokenTree
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
