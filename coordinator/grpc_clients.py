@@ -12,11 +12,10 @@ import numpy as np
 from coordinator import deadlines
 from coordinator.ports import VerifierInfo
 from specserve import errors
-from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.drain import DRAINING_METADATA
 from specserve.errors import DrafterDraining, DrafterFailed, ReplicaDraining, ReplicaUnreachable
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_tree import TokenTree

@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import TokenTree
 

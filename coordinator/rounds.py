@@ -42,7 +42,6 @@ from coordinator.ports import DrafterMonitor, DrafterPort, DraftStream, Verifier
 from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tree_checks import TreeLimits, tree_problem
-from specserve.acceptance import VerifyResult
 from specserve.errors import (
     DeadlineExceeded,
     DrafterFailed,
@@ -53,7 +52,7 @@ from specserve.errors import (
     SessionMoved,
     Unavailable,
 )
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 

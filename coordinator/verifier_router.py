@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from coordinator.ports import VerifierInfo, VerifierPort
-from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
+from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 

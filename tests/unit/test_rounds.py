@@ -16,9 +16,8 @@ from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.verifier_router import StickyVerifierRouter
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
-from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import DeadlineExceeded, DrafterFailed, ReplicaUnreachable
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier
