@@ -54,8 +54,9 @@ from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
 from specserve.keyed_noise import PositionNoise
+from specserve.probs import target_probs
 from specserve.results import DraftFeedback
-from specserve.sampling import GREEDY, SamplingParams, target_probs
+from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import ROOT, TokenTree
 from specserve.tree_masks import additive_mask, ancestor_matrix
 

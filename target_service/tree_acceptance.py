@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specserve.keyed_noise import PositionNoise
-from specserve.sampling import target_probs
+from specserve.probs import target_probs
 from specserve.token_tree import TokenTree
 from target_service.acceptance import Acceptance, accept_greedy, accept_sampled
 from target_service.kv_arena import KVArena

@@ -21,8 +21,9 @@ from draft_service.training.train import TrainSettings, train
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
 from specserve.head_matmul import ROW_COUNTS
 from specserve.keyed_noise import PositionNoise
+from specserve.probs import target_probs
 from specserve.results import DraftFeedback
-from specserve.sampling import SamplingParams, target_probs
+from specserve.sampling import SamplingParams
 from specserve.token_tree import ROOT, TokenTree
 from specserve.v1 import common_pb2
 from specserve.wire import features_from_proto, features_to_proto
