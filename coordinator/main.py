@@ -44,8 +44,7 @@ from specserve.drain import Drain
 from specserve.model_loading import (
     default_cache_root,
     eos_token_ids,
-    load_tokenizer,
-    materialize,
+    load_tokenizer_without_torch,
     resolve_model,
     vocab_fingerprint,
 )
@@ -403,8 +402,7 @@ async def serve(config: CoordinatorConfig) -> None:
     await server.start()
     http = await start_http(config, frontend, keys, drain)  # /health: 503 until the workers are connected
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
-    source = materialize(resolve_model(config.model), cache_root)
-    tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
+    source, tokenizer = await asyncio.to_thread(load_tokenizer_without_torch, resolve_model(config.model), cache_root)
     fingerprint = vocab_fingerprint(tokenizer)
     verifier, info = await connect_verifier(config, fingerprint)
     drafter = health_checked(config, await connect_drafter(config, fingerprint, info), metrics)
