@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from specserve.keyed_noise import PositionNoise
-from specserve.sampling import SamplingParams, target_probs
+from specserve.probs import target_probs
+from specserve.sampling import SamplingParams
 
 from . import machine
 from .dataset import CATEGORIES, load_questions, select

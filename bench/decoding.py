@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from specserve.keyed_noise import PositionNoise, fresh_seed
-from specserve.sampling import SamplingParams, target_probs
+from specserve.keyed_noise import PositionNoise
+from specserve.probs import target_probs
+from specserve.sampling import SamplingParams, fresh_seed
 
 
 @dataclass

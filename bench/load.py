@@ -29,22 +29,22 @@ from typing import Any
 
 import grpc
 import torch
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 from client.sdk import AsyncSpecserveClient, GenerationParams, Stats
-from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
+from coordinator.prompts import ChatTurn, encode_prompt
 from specserve.local_cluster import LocalCluster
 from specserve.model_loading import (
     DEFAULT_MODEL,
     ModelSource,
     default_cache_root,
-    load_generation_config,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     materialize,
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.verifier import Verifier
 
 from . import machine
@@ -173,7 +173,7 @@ def progress(message: str) -> None:
 def load_target_text(name: str) -> TargetText:
     source = materialize(resolve_model(name), default_cache_root())
     tokenizer = load_tokenizer(source)
-    eos_ids = eos_token_ids(tokenizer, load_generation_config(source))
+    eos_ids = eos_token_ids(source, tokenizer)
     return TargetText(name, source, tokenizer, vocab_fingerprint(tokenizer), eos_ids)
 
 

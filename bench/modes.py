@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from bench.inproc import InProcessDrafter, InProcessVerifier, verifier_info
 from client.sdk import GenerationParams, SpecserveClient, Stats
 from client.sdk import TextChunk as ClientChunk
 from coordinator.config import CoordinatorConfig, prompt_limits, round_policy
-from coordinator.inproc import InProcessDrafter, InProcessVerifier, verifier_info
 from coordinator.prompts import build_request
 from coordinator.rounds import FinishReason, Generation, GenerationStats, TextChunk
 from draft_service.config import DrafterConfig

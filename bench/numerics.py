@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
+from coordinator.prompts import ChatTurn, encode_prompt
 from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head
 from draft_service.drafter import ALL_SOURCES
@@ -45,7 +45,7 @@ from draft_service.head_proposer import HeadProposer
 from specserve.model_loading import (
     DEFAULT_MODEL,
     default_cache_root,
-    load_generation_config,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     materialize,
@@ -552,7 +552,7 @@ def load_target(name: str, dtype: str, sources: tuple[str, ...]) -> Target:
     fingerprint = vocab_fingerprint(tokenizer)
     model = load_model(source, dtype=dtype)
     head = load_head(model, fingerprint) if HeadProposer.name in sources else None
-    eos = eos_token_ids(tokenizer, load_generation_config(source))
+    eos = eos_token_ids(source, tokenizer)
     return Target(model, tokenizer, fingerprint, eos, dtype, sources, head)
 
 

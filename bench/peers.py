@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
+from coordinator.prompts import ChatTurn, encode_prompt
 from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHeadError
 from draft_service.drafter import ALL_SOURCES
@@ -47,7 +47,7 @@ from specserve.model_loading import (
     DEFAULT_MODEL,
     ModelSource,
     default_cache_root,
-    load_generation_config,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     materialize,
@@ -386,7 +386,7 @@ def load_target(name: str) -> Target:
     gguf = gguf_path(packaged)
     source = materialize(packaged, default_cache_root())
     tokenizer = load_tokenizer(source)
-    eos_ids = eos_token_ids(tokenizer, load_generation_config(source))
+    eos_ids = eos_token_ids(source, tokenizer)
     return Target(gguf, source, tokenizer, vocab_fingerprint(tokenizer), eos_ids)
 
 

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from coordinator.config import CoordinatorConfig
-from coordinator.prompts import ChatTurn, encode_prompt, eos_token_ids
+from coordinator.prompts import ChatTurn, encode_prompt
 from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head
 from draft_service.head_proposer import HeadProposer
@@ -36,7 +36,7 @@ from specserve.model_loading import (
     DEFAULT_MODEL,
     ModelSource,
     default_cache_root,
-    load_generation_config,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     materialize,
@@ -229,7 +229,6 @@ def quiet_libraries() -> None:
 def load_target(name: str, dtype: str = FLOAT32) -> Target:
     source = materialize(resolve_model(name), default_cache_root())
     tokenizer = load_tokenizer(source)
-    generation_config = load_generation_config(source)
     model = load_model(source, DEVICE, dtype)
     return Target(
         name,
@@ -237,7 +236,7 @@ def load_target(name: str, dtype: str = FLOAT32) -> Target:
         model,
         tokenizer,
         vocab_fingerprint(tokenizer),
-        eos_token_ids(tokenizer, generation_config),
+        eos_token_ids(source, tokenizer),
         model_dtype(model),
         Fp32Head(model),
     )

@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from specserve.acceptance import VerifyResult
 from specserve.hardware import choose_dtype
 from specserve.model_loading import DEFAULT_MODEL
+from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.kv_arena import bytes_per_token

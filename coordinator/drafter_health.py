@@ -44,8 +44,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from coordinator.ports import DrafterPort, DraftStream
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterDraining, DrafterFailed, DrafterSkipped
+from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from coordinator.discovery import Replica
 from coordinator.ports import DraftStream
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterDraining, DrafterFailed
+from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -3,35 +3,37 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from coordinator import deadlines
 from coordinator.ports import VerifierInfo
 from specserve import errors
-from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import DRAINING_METADATA
 from specserve.errors import DrafterDraining, DrafterFailed, ReplicaDraining, ReplicaUnreachable
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
-from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
     cost_from_proto,
     cost_to_proto,
-    features_from_proto,
+    draft_reply_from_proto,
     features_to_proto,
+    feedback_to_proto,
     masks_to_proto,
+    prefill_result_from_proto,
     sampling_to_proto,
     split_features,
-    tree_from_proto,
     tree_to_proto,
+    verify_result_from_proto,
 )
 
 FEATURE_CHUNK_BYTES = 1 << 20
@@ -150,7 +152,8 @@ class GrpcVerifier:
             )
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
-        return PrefillResult(int(response.prefill_ns), self._features(response.features))
+        with self._reading():
+            return prefill_result_from_proto(response)
 
     async def verify(
         self,
@@ -173,24 +176,14 @@ class GrpcVerifier:
             r = await self._stub.Verify(request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata())
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
-        flat = list(r.successor_token_ids)
-        k = num_successors
-        rows = [flat[i : i + k] for i in range(0, len(flat), k)] if k > 0 else []
-        return VerifyResult(
-            list(r.accepted_token_ids),
-            list(r.accepted_node_indices),
-            r.bonus_token_id,
-            r.verify_ns,
-            rows,
-            self._features(r.features),
-            draft_budget_nodes=r.draft_budget_nodes if r.HasField("draft_budget_nodes") else None,
-            batch_sessions=r.batch_sessions,
-            queue_ns=r.queue_ns,
-        )
+        with self._reading():
+            return verify_result_from_proto(r, num_successors)
 
-    def _features(self, message: common_pb2.HiddenFeatures) -> np.ndarray | None:
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Reading a response: the only ValueError its conversion raises is for malformed features."""
         try:
-            return features_from_proto(message)
+            yield
         except ValueError as exc:
             raise errors.Unavailable(
                 "the verifier sent a malformed answer", detail=f"verifier at {self._target}: features: {exc}"
@@ -262,17 +255,7 @@ class GrpcDraftStream:
         await self._write(drafter_pb2.DraftRequest(start=start))
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
-        successors = [
-            drafter_pb2.TokenSuccessors(token_id=token, next_token_ids=following)
-            for token, following in feedback.successors
-        ]
-        propose = drafter_pb2.ProposeTree(
-            new_token_ids=feedback.new_tokens,
-            max_nodes=max_nodes,
-            successors=successors,
-            features=features_to_proto(await self._send_features_ahead(feedback.features)),
-            accepted_node_indices=feedback.accepted_node_indices,
-        )
+        propose = feedback_to_proto(feedback, max_nodes, await self._send_features_ahead(feedback.features))
         await self._write(drafter_pb2.DraftRequest(propose=propose))
         try:
             response = await self._call.read()
@@ -284,12 +267,7 @@ class GrpcDraftStream:
             ) from exc
         if response is grpc.aio.EOF:
             raise DrafterFailed("closed the session stream", detail=f"drafter at {self._target} closed the stream")
-        return DraftReply(
-            tree_from_proto(response.tree),
-            int(response.draft_ns),
-            response.predrafted,
-            int(response.predraft_ns),
-        )
+        return draft_reply_from_proto(response)
 
     async def _send_features_ahead(self, features: np.ndarray | None) -> np.ndarray | None:
         """Write all but the last slice of ``features`` as FeatureChunk requests; the last is the propose's.

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from coordinator import request_log
 from coordinator.admission import AdmissionController
@@ -46,7 +47,6 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api.app import create_app
 from coordinator.openai_api.serve import HttpServer, HttpStartError
 from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
-from coordinator.prompts import eos_token_ids
 from coordinator.rounds import Generation, GenerationRequest
 from coordinator.server import GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
@@ -61,16 +61,14 @@ from specserve.errors import DrafterFailed
 from specserve.health import track_watches
 from specserve.model_loading import (
     default_cache_root,
-    load_generation_config,
-    load_tokenizer,
-    materialize,
+    eos_token_ids,
+    load_tokenizer_without_torch,
     resolve_model,
     vocab_fingerprint,
 )
 from specserve.rpc import add_health, channel_options, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("coordinator")
 SELF_SERVICE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -586,13 +584,12 @@ async def serve(config: CoordinatorConfig) -> None:
         config, frontend, keys, drain, call_limit("coordinator's HTTP API")
     )  # /health: 503 until the workers are connected
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
-    source = materialize(resolve_model(config.model), cache_root)
-    tokenizer: Any = await asyncio.to_thread(load_tokenizer, source)
+    source, tokenizer = await asyncio.to_thread(load_tokenizer_without_torch, resolve_model(config.model), cache_root)
     watches = Watches(metrics)  # k8s:// targets: daemon threads, stopped once the drain is over
     fingerprint = vocab_fingerprint(tokenizer)
     verifier, info = await connect_verifier(config, fingerprint, watches)
     drafter = health_checked(config, await connect_drafter(config, fingerprint, info, watches), metrics)
-    eos = eos_token_ids(tokenizer, load_generation_config(source))
+    eos = eos_token_ids(source, tokenizer)
     policy = round_policy(config, info)
 
     def new_generation(request: GenerationRequest) -> Generation:

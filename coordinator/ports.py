@@ -1,6 +1,6 @@
 """What the round loop needs from a verifier and a drafter.
 
-The gRPC clients (``grpc_clients``) and the in-process adapters (``inproc``)
+The gRPC clients (``grpc_clients``) and the in-process adapters (``bench.inproc``)
 both implement these, so the round loop is the same code in a deployment and
 in a single-process benchmark.
 
@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.draft_feedback import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree

@@ -368,14 +368,3 @@ def build_request(
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from exc
     return GenerationRequest(prompt_ids, max_new_tokens, sampling, tuple(stop), speculation)
-
-
-def eos_token_ids(tokenizer: Any, generation_config: Any | None = None) -> frozenset[int]:
-    """End-of-sequence ids: the tokenizer's, plus any the model's generation config lists."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(configured)
-    return frozenset(ids)

@@ -44,8 +44,6 @@ from coordinator.ports import DrafterMonitor, DrafterPort, DraftStream, Verifier
 from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tree_checks import TreeLimits, tree_problem
-from specserve.acceptance import VerifyResult
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import (
     DeadlineExceeded,
     DrafterFailed,
@@ -56,6 +54,7 @@ from specserve.errors import (
     SessionMoved,
     Unavailable,
 )
+from specserve.results import DraftFeedback, DraftReply, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree

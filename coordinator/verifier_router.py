@@ -34,8 +34,8 @@ from typing import TypeVar
 
 from coordinator.discovery import Replica
 from coordinator.ports import VerifierInfo, VerifierPort
-from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
+from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree

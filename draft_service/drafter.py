@@ -18,6 +18,7 @@ from draft_service.capped_registry import CappedRegistry
 from draft_service.draft_head import DraftHead
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.namespace_state import NamespaceState
+from draft_service.ngram_pool import NgramPool
 from draft_service.proposers import PoolProposer, PromptLookupProposer, Proposer, TokenRecyclingProposer
 from draft_service.session_memory import SESSION, UNBOUNDED, SessionMemory
 from draft_service.tree_builder import (
@@ -30,8 +31,7 @@ from draft_service.tree_builder import (
     learn_from_acceptance,
     likely_outcomes,
 )
-from specserve.draft_feedback import DraftFeedback, DraftReply
-from specserve.ngram_pool import NgramPool
+from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree

@@ -53,9 +53,10 @@ import torch
 from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
-from specserve.draft_feedback import DraftFeedback
 from specserve.keyed_noise import PositionNoise
-from specserve.sampling import GREEDY, SamplingParams, target_probs
+from specserve.probs import target_probs
+from specserve.results import DraftFeedback
+from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import ROOT, TokenTree
 from specserve.tree_masks import additive_mask, ancestor_matrix
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import torch
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 from draft_service.config import POOL_SHARE, DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head, require_weights
@@ -18,6 +19,7 @@ from draft_service.drafter import ALL_SOURCES, Drafter
 from draft_service.head_products import HEAD_MATMUL_CHOICES
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.metrics import DrafterMetrics
+from draft_service.ngram_pool import PoolShape
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
@@ -35,11 +37,9 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.ngram_pool import PoolShape
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("draft_service")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name

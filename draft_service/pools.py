@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import redis
 
 from draft_service.capped_registry import CappedRegistry
-from specserve.ngram_pool import ByteBudget, FallbackPool, InMemoryNgramPool, NgramPool, PoolShape
-from specserve.redis_pool import RedisNgramPool, purge_namespace
+from draft_service.ngram_pool import ByteBudget, FallbackPool, InMemoryNgramPool, NgramPool, PoolShape
+from draft_service.redis_pool import RedisNgramPool, purge_namespace
 from specserve.tenancy import ANONYMOUS
 
 log = logging.getLogger(__name__)

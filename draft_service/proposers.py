@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-from specserve.draft_feedback import DraftFeedback
-from specserve.ngram_pool import NgramPool
+from draft_service.ngram_pool import NgramPool
+from specserve.results import DraftFeedback
 from specserve.token_tree import TokenTree
 
 

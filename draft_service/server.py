@@ -13,17 +13,23 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.pools import PoolRegistry
 from draft_service.tree_builder import VerifyCost
 from draft_service.work_ahead import WorkAhead
 from specserve import errors
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.drain import Drain
+from specserve.results import DraftFeedback, DraftReply
 from specserve.rpc import refused_while_draining
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
-from specserve.wire import cost_from_proto, features_from_proto, sampling_from_proto, tree_to_proto
+from specserve.wire import (
+    cost_from_proto,
+    draft_reply_to_proto,
+    features_from_proto,
+    feedback_from_proto,
+    sampling_from_proto,
+)
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -212,12 +218,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     features = ahead.take(features_from_proto(propose.features))
                 except ValueError as exc:
                     raise errors.InvalidArgument(f"propose.features: {exc}") from exc
-                feedback = DraftFeedback(
-                    tuple(propose.new_token_ids),
-                    tuple((s.token_id, tuple(s.next_token_ids)) for s in propose.successors),
-                    features,
-                    tuple(propose.accepted_node_indices),
-                )
+                feedback = feedback_from_proto(propose, features)
                 if work is not None:  # the report is here: drop the work if queued, else finish its step in hand
                     if await self.work_ahead.stop(work, stop_ahead):
                         self._drafter.predraft_counts.dropped += 1
@@ -225,12 +226,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 # Off the event loop, so a draft model's forward does not stall the other sessions' streams;
                 # one at a time, because sessions share pools, successor tables and statistics.
                 reply = await asyncio.to_thread(self._propose, session, feedback, propose.max_nodes)
-                yield drafter_pb2.DraftResponse(
-                    tree=tree_to_proto(reply.tree),
-                    draft_ns=reply.draft_ns,
-                    predrafted=reply.predrafted,
-                    predraft_ns=reply.predraft_ns,
-                )
+                yield draft_reply_to_proto(reply)
                 stop_ahead = threading.Event()
                 work = self.work_ahead.submit(functools.partial(self._work_ahead, session, stop_ahead))
         finally:

@@ -37,7 +37,6 @@ wrap), never in torch's signed int64, whose right shift is arithmetic.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,11 +63,6 @@ def _splitmix64(x: int) -> int:
 def mix(seed: int, position: int, stream: int) -> int:
     """A 64-bit value that is a fixed function of its arguments and looks independent across them."""
     return _splitmix64(_splitmix64(_splitmix64(seed & _MASK64) ^ position) ^ stream)
-
-
-def fresh_seed() -> int:
-    """A seed for a request that did not give one."""
-    return int.from_bytes(os.urandom(8), "little")
 
 
 def token_uniforms(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:

@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,7 +88,7 @@ def materialize(source: ModelSource, cache_root: Path | None) -> ModelSource:
     if source.gguf_file is None or cache_root is None:
         return source
     target = _gguf_cache_dir(source, cache_root)
-    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+    if _converted(source, cache_root):
         return ModelSource(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +107,36 @@ def materialize(source: ModelSource, cache_root: Path | None) -> ModelSource:
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
     return ModelSource(target)
+
+
+def load_tokenizer_without_torch(source: ModelSource, cache_root: Path | None) -> tuple[ModelSource, Any]:
+    """The materialized source and its tokenizer, for a process that only tokenizes (the coordinator).
+
+    transformers imports torch whenever torch is installed, even for a fast tokenizer: about 300 MB resident
+    for nothing. Here a GGUF model is converted into the cache in a child process (the conversion needs
+    torch), then torch is marked absent (``sys.modules["torch"] = None``, which transformers reads as "not
+    installed") before transformers is first imported, and the same tokenizer loads from the plain directory
+    without it. Where that cannot be arranged (transformers already imported, or no writable cache, so the
+    tokenizer must be read from the GGUF file, which needs torch) the tokenizer loads as usual.
+    """
+    if source.gguf_file is not None and cache_root is not None and not _converted(source, cache_root):
+        script = (
+            "import sys; from pathlib import Path; from specserve.model_loading import ModelSource, materialize; "
+            "materialize(ModelSource(Path(sys.argv[1]), sys.argv[2]), Path(sys.argv[3]))"
+        )
+        args = [str(source.directory), source.gguf_file, str(cache_root)]
+        here = str(Path(__file__).resolve().parents[1])  # the child imports this very package
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+        subprocess.run([sys.executable, "-c", script, *args], check=True, env=env)
+    source = materialize(source, cache_root)  # the converted directory (or the GGUF where none could be written)
+    if source.gguf_file is None and "transformers" not in sys.modules:
+        sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    return source, load_tokenizer(source)
+
+
+def _converted(source: ModelSource, cache_root: Path) -> bool:
+    target = _gguf_cache_dir(source, cache_root)
+    return (target / "config.json").is_file() and (target / "tokenizer.json").is_file()
 
 
 def _load_pretrained(source: ModelSource) -> tuple[Any, Any]:
@@ -158,6 +190,17 @@ def load_generation_config(source: ModelSource) -> Any | None:
         return GenerationConfig.from_pretrained(source.directory)
     except OSError:
         return None
+
+
+def eos_token_ids(source: ModelSource, tokenizer: Any) -> frozenset[int]:
+    """End-of-sequence ids: the tokenizer's, plus any the model's generation config lists."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    configured = getattr(load_generation_config(source), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    return frozenset(ids)
 
 
 def vocab_fingerprint(tokenizer: Any) -> str:

@@ -1,13 +1,10 @@
-"""Sampling parameters and the target distribution p they define."""
+"""Sampling parameters (no torch: the coordinator reads them too; the distribution they define is in ``probs``)."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
-
-import torch
-
-from specserve.keyed_noise import fresh_seed
 
 
 @dataclass(frozen=True)
@@ -80,23 +77,6 @@ def _check_float(name: str, value: float) -> None:
         raise ValueError(f"{name} must not be a subnormal float, got {value:g}: use 0 or a normal number")
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """p: the distribution the target samples from, for each row of logits.
-
-    logits: [n, vocab] -> probs: [n, vocab] (float32). Temperature first, then
-    top-k, then top-p over what is left, as Hugging Face's warpers do.
-    """
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if 0.0 < params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the most
-        # likely token is always kept.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
+def fresh_seed() -> int:
+    """A seed for a request that did not give one."""
+    return int.from_bytes(os.urandom(8), "little")

@@ -6,10 +6,11 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import DraftDistribution, TokenTree
-from specserve.v1 import common_pb2, verifier_pb2
+from specserve.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
 def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
@@ -101,3 +102,83 @@ def masks_from_proto(message: verifier_pb2.TokenMasks) -> TokenMasks | None:
     if message.num_rows == 0 and not message.packed_bits:
         return None
     return TokenMasks.from_packed(message.packed_bits, message.num_rows)
+
+
+def prefill_result_to_proto(result: PrefillResult) -> verifier_pb2.PrefillResponse:
+    return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
+
+
+def prefill_result_from_proto(message: verifier_pb2.PrefillResponse) -> PrefillResult:
+    """ValueError when the features are malformed."""
+    return PrefillResult(int(message.prefill_ns), features_from_proto(message.features))
+
+
+def verify_result_to_proto(result: VerifyResult) -> verifier_pb2.VerifyResponse:
+    return verifier_pb2.VerifyResponse(
+        accepted_token_ids=result.accepted_tokens,
+        accepted_node_indices=result.accepted_nodes,
+        bonus_token_id=result.bonus_token,
+        verify_ns=result.verify_ns,
+        successor_token_ids=[token for row in result.successors for token in row],
+        features=features_to_proto(result.features),
+        draft_budget_nodes=result.draft_budget_nodes,
+        batch_sessions=result.batch_sessions,
+        queue_ns=result.queue_ns,
+    )
+
+
+def verify_result_from_proto(message: verifier_pb2.VerifyResponse, num_successors: int) -> VerifyResult:
+    """The result of a Verify that asked for ``num_successors`` per position; ValueError for malformed features."""
+    flat = list(message.successor_token_ids)
+    k = num_successors
+    rows = [flat[i : i + k] for i in range(0, len(flat), k)] if k > 0 else []
+    return VerifyResult(
+        list(message.accepted_token_ids),
+        list(message.accepted_node_indices),
+        message.bonus_token_id,
+        message.verify_ns,
+        rows,
+        features_from_proto(message.features),
+        draft_budget_nodes=message.draft_budget_nodes if message.HasField("draft_budget_nodes") else None,
+        batch_sessions=message.batch_sessions,
+        queue_ns=message.queue_ns,
+    )
+
+
+def feedback_to_proto(feedback: DraftFeedback, max_nodes: int, features: np.ndarray | None) -> drafter_pb2.ProposeTree:
+    """A propose carrying ``features`` (the last slice of the feedback's: earlier ones travel as FeatureChunks)."""
+    return drafter_pb2.ProposeTree(
+        new_token_ids=feedback.new_tokens,
+        max_nodes=max_nodes,
+        successors=[
+            drafter_pb2.TokenSuccessors(token_id=token, next_token_ids=following)
+            for token, following in feedback.successors
+        ],
+        features=features_to_proto(features),
+        accepted_node_indices=feedback.accepted_node_indices,
+    )
+
+
+def feedback_from_proto(message: drafter_pb2.ProposeTree, features: np.ndarray | None) -> DraftFeedback:
+    """The feedback of a propose, with its features already read (and joined to any chunks sent ahead)."""
+    return DraftFeedback(
+        tuple(message.new_token_ids),
+        tuple((s.token_id, tuple(s.next_token_ids)) for s in message.successors),
+        features,
+        tuple(message.accepted_node_indices),
+    )
+
+
+def draft_reply_to_proto(reply: DraftReply) -> drafter_pb2.DraftResponse:
+    return drafter_pb2.DraftResponse(
+        tree=tree_to_proto(reply.tree),
+        draft_ns=reply.draft_ns,
+        predrafted=reply.predrafted,
+        predraft_ns=reply.predraft_ns,
+    )
+
+
+def draft_reply_from_proto(message: drafter_pb2.DraftResponse) -> DraftReply:
+    return DraftReply(
+        tree_from_proto(message.tree), int(message.draft_ns), message.predrafted, int(message.predraft_ns)
+    )

@@ -6,13 +6,20 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 import grpc
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 from specserve.auth.internal import session_owner
 from specserve.drain import Drain
 from specserve.errors import InvalidArgument, Unavailable
 from specserve.token_masks import InvalidTokenMasksError
-from specserve.v1 import verifier_pb2, verifier_pb2_grpc
-from specserve.wire import cost_to_proto, features_to_proto, masks_from_proto, sampling_from_proto, tree_from_proto
+from specserve.wire import (
+    cost_to_proto,
+    masks_from_proto,
+    prefill_result_to_proto,
+    sampling_from_proto,
+    tree_from_proto,
+    verify_result_to_proto,
+)
 from target_service.metrics import VerifierMetrics
 from target_service.verifier import Verifier
 
@@ -68,7 +75,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 owner=_owner(context),
             )
             result = _wait(submitted, context)
-        return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
+        return prefill_result_to_proto(result)
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
         tree = tree_from_proto(request.tree)
@@ -87,17 +94,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 token_masks=token_masks,
             )
             result = _wait(submitted, context)
-        return verifier_pb2.VerifyResponse(
-            accepted_token_ids=result.accepted_tokens,
-            accepted_node_indices=result.accepted_nodes,
-            bonus_token_id=result.bonus_token,
-            verify_ns=result.verify_ns,
-            successor_token_ids=[token for row in result.successors for token in row],
-            features=features_to_proto(result.features),
-            draft_budget_nodes=result.draft_budget_nodes,
-            batch_sessions=result.batch_sessions,
-            queue_ns=result.queue_ns,
-        )
+        return verify_result_to_proto(result)
 
     def Release(
         self, request: verifier_pb2.ReleaseRequest, context: grpc.ServicerContext

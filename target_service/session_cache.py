@@ -18,8 +18,7 @@ import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from specserve.keyed_noise import fresh_seed
-from specserve.sampling import SamplingParams
+from specserve.sampling import SamplingParams, fresh_seed
 from target_service.draft_budget import SessionAcceptance
 from target_service.kv_arena import KVArena, Region
 from target_service.session_store import SessionStore

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from specserve.acceptance import Acceptance, accept_greedy, accept_sampled
 from specserve.keyed_noise import PositionNoise
-from specserve.sampling import target_probs
+from specserve.probs import target_probs
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
+from target_service.acceptance import Acceptance, accept_greedy, accept_sampled
 from target_service.kv_arena import KVArena
 from target_service.session_cache import Session
 

@@ -43,7 +43,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -53,6 +52,7 @@ from specserve.errors import (
     SpecserveError,
     Unavailable,
 )
+from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import InvalidTokenMasksError, TokenMasks
 from specserve.token_tree import InvalidTreeError, TokenTree

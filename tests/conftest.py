@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from coordinator.rounds import Generation, GenerationStats, TextChunk
 from specserve.keyed_noise import PositionNoise
-from specserve.sampling import SamplingParams, target_probs
+from specserve.probs import target_probs
+from specserve.sampling import SamplingParams
 
 
 def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, context: int = 512) -> LlamaForCausalLM:

@@ -27,7 +27,6 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache
 
-from coordinator.prompts import eos_token_ids
 from draft_service.config import DEFAULT_DRAFT_HEAD
 from draft_service.draft_head import (
     DraftHeadConfig,
@@ -54,7 +53,7 @@ from draft_service.training.train import TrainSettings, train
 from specserve.hardware import choose_dtype
 from specserve.model_loading import (
     default_cache_root,
-    load_generation_config,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     materialize,
@@ -332,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     source = materialize(resolve_model(args.model), default_cache_root())
     tokenizer = load_tokenizer(source)
     model = load_model(source, device=device, dtype=dtype.dtype)
-    eos = eos_token_ids(tokenizer, load_generation_config(source))
+    eos = eos_token_ids(source, tokenizer)
     pad = pad_id(tokenizer, eos)
     fingerprint = vocab_fingerprint(tokenizer)
     if args.init_from is not None:

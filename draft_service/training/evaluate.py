@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
 from draft_service.head_proposer import HeadProposer, TreeShape
-from specserve.draft_feedback import DraftFeedback
+from specserve.results import DraftFeedback
 from specserve.token_tree import ROOT, TokenTree
 
 

@@ -22,8 +22,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from specserve.local_cluster import LocalCluster, free_port
 from specserve.v1 import (
     drafter_pb2,
     drafter_pb2_grpc,
@@ -31,6 +29,8 @@ from specserve.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+
+from specserve.local_cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specserve.acceptance import accept_greedy, accept_sampled
 from specserve.keyed_noise import PositionNoise
 from specserve.token_tree import DraftDistribution, TokenTree
+from target_service.acceptance import accept_greedy, accept_sampled
 
 #        root
 #       /    \

@@ -13,7 +13,9 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from specserve.v1 import generation_pb2, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
+from draft_service.ngram_pool import PoolShape
 from draft_service.pools import PoolRegistry
 from specserve.auth.interceptors import (
     KEYS_REVOKED,
@@ -26,12 +28,10 @@ from specserve.auth.internal import InternalCredentials, session_owner
 from specserve.auth.keys import ApiKeys, KeyFileError, digest, key_entry, new_key, parse_key_file
 from specserve.auth.tls import ExposureError, check_exposure, is_loopback
 from specserve.errors import PermissionDenied
-from specserve.ngram_pool import PoolShape
 from specserve.rpc import add_health, mark_serving
 from specserve.sampling import SamplingParams
 from specserve.tenancy import TENANT_METADATA_KEY, Tenant, current_tenant, tenant_scope
 from specserve.token_tree import TokenTree
-from specserve.v1 import generation_pb2, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from target_service.verifier import Verifier
 from tests.conftest import tiny_llama
 from tests.redis_server import RedisServer

@@ -11,9 +11,9 @@ import pytest
 
 from coordinator.grpc_clients import GrpcDrafter, GrpcDraftStream, GrpcVerifier
 from coordinator.verifier_router import StickyVerifierRouter
-from specserve.draft_feedback import DraftFeedback
 from specserve.drain import DRAINING_METADATA
 from specserve.errors import DrafterFailed, ReplicaUnreachable, SpecserveError, Unavailable
+from specserve.results import DraftFeedback
 from specserve.sampling import SamplingParams
 
 ADDRESS = "10.1.2.3:50051"

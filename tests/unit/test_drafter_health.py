@@ -6,8 +6,8 @@ from collections.abc import Sequence
 import pytest
 
 from coordinator.drafter_health import DRAINING_RETRIES, DraftLatency, HealthCheckedDrafter
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterDraining, DrafterFailed, DrafterSkipped
+from specserve.results import DraftFeedback, DraftReply
 from specserve.token_tree import TokenTree
 from tests.virtual_clock import clock, run_virtual
 

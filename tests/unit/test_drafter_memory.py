@@ -11,20 +11,20 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from specserve.v1 import drafter_pb2_grpc
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig
 from draft_service.drafter import BYTES_PER_TOKEN, Drafter, DraftSession
 from draft_service.head_proposer import HeadProposer
 from draft_service.namespace_state import NAMESPACE, NAMESPACE_BYTES
+from draft_service.ngram_pool import ByteBudget, InMemoryNgramPool, PoolShape
 from draft_service.pools import PoolRegistry
 from draft_service.server import idle_limited
 from draft_service.session_memory import SESSION, SessionMemory
 from draft_service.tree_builder import VerifyCost
-from specserve.draft_feedback import DraftFeedback
 from specserve.drain import Drain
 from specserve.errors import DeadlineExceeded
-from specserve.ngram_pool import ByteBudget, InMemoryNgramPool, PoolShape
-from specserve.v1 import drafter_pb2_grpc
+from specserve.results import DraftFeedback
 from tests.conftest import tiny_llama
 from tests.unit.test_drain import Stream, drafter_server, propose, start
 

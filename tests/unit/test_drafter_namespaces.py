@@ -7,11 +7,11 @@ import tracemalloc
 
 from draft_service.drafter import Drafter
 from draft_service.namespace_state import NAMESPACE, NAMESPACE_BYTES
+from draft_service.ngram_pool import InMemoryNgramPool, PoolShape
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import SuccessorTable
 from draft_service.session_memory import SESSION, SessionMemory
-from specserve.draft_feedback import DraftFeedback
-from specserve.ngram_pool import InMemoryNgramPool, PoolShape
+from specserve.results import DraftFeedback
 
 RECYCLING = ("token_recycling",)
 

@@ -10,10 +10,10 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from coordinator.inproc import InProcessVerifier
+from bench.inproc import InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest
-from specserve.acceptance import VerifyResult
 from specserve.errors import FailedPrecondition, NotFound, ResourceExhausted
+from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.draft_budget import CostCurve, SessionAcceptance

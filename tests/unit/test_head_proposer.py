@@ -8,22 +8,23 @@ import copy
 import numpy as np
 import pytest
 import torch
+from specserve.v1 import common_pb2
 from transformers import DynamicCache
 
-from coordinator.inproc import InProcessDrafter, InProcessVerifier
+from bench.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from draft_service.draft_head import DraftHead, in_serving_dtype
 from draft_service.drafter import Drafter, PredraftCounts
 from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
+from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.training.distill_data import distil_batch
 from draft_service.training.train import TrainSettings, train
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
-from specserve.draft_feedback import DraftFeedback
 from specserve.keyed_noise import PositionNoise
-from specserve.ngram_pool import InMemoryNgramPool
-from specserve.sampling import SamplingParams, target_probs
+from specserve.probs import target_probs
+from specserve.results import DraftFeedback
+from specserve.sampling import SamplingParams
 from specserve.token_tree import ROOT, TokenTree
-from specserve.v1 import common_pb2
 from specserve.wire import features_from_proto, features_to_proto
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_decode, run_generation, tiny_llama

@@ -28,8 +28,8 @@ from coordinator.discovery import (
 from coordinator.drafter_pool import DrafterPool
 from coordinator.k8s_watch import EndpointSliceWatch, WatchExpired
 from coordinator.verifier_router import StickyVerifierRouter
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterFailed
+from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import TokenTree
 from tests.k8s_api import FakeApiServer, Pod, endpoint_slice, gone_status

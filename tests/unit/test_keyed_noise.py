@@ -16,7 +16,8 @@ from specserve.keyed_noise import (
     mix,
     token_uniforms,
 )
-from specserve.sampling import SamplingParams, target_probs
+from specserve.probs import target_probs
+from specserve.sampling import SamplingParams
 
 VOCAB = np.arange(64)
 

@@ -5,8 +5,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from specserve.ngram_pool import InMemoryNgramPool, NgramPool, PoolShape
-from specserve.redis_pool import RedisNgramPool
+from draft_service.ngram_pool import InMemoryNgramPool, NgramPool, PoolShape
+from draft_service.redis_pool import RedisNgramPool
 from tests.redis_server import RedisServer
 
 SHAPE = PoolShape(key_len=2, continuation_len=2, max_continuations=2)

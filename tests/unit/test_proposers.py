@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from draft_service.drafter import Drafter
+from draft_service.ngram_pool import InMemoryNgramPool, PoolShape
 from draft_service.proposers import PoolProposer, PromptLookupProposer, suffix_matches
 from draft_service.tree_builder import AcceptanceStats, VerifyCost
-from specserve.draft_feedback import DraftFeedback
-from specserve.ngram_pool import InMemoryNgramPool, PoolShape
+from specserve.results import DraftFeedback
 from specserve.sampling import SamplingParams
 
 

@@ -8,17 +8,16 @@ from typing import Any
 
 import pytest
 
+from bench.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.deadlines import deadline_scope
-from coordinator.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.ports import DraftStream
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
 from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.verifier_router import StickyVerifierRouter
 from draft_service.drafter import Drafter
-from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.draft_feedback import DraftFeedback, DraftReply
+from draft_service.ngram_pool import InMemoryNgramPool
 from specserve.errors import DeadlineExceeded, DrafterFailed, ReplicaUnreachable
-from specserve.ngram_pool import InMemoryNgramPool
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier

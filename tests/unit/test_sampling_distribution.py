@@ -22,10 +22,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specserve.acceptance import accept_sampled
 from specserve.keyed_noise import PositionNoise
-from specserve.sampling import SamplingParams, target_probs
+from specserve.probs import target_probs
+from specserve.sampling import SamplingParams
 from specserve.token_tree import DraftDistribution, TokenTree
+from target_service.acceptance import accept_sampled
 from target_service.verifier import Verifier
 from tests.conftest import tiny_llama
 

@@ -23,6 +23,7 @@ import torch
 from scipy.stats import chisquare
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from bench.inproc import InProcessVerifier
 from coordinator import request_log
 from coordinator.admission import AdmissionController
 from coordinator.constraints import compiler
@@ -31,17 +32,17 @@ from coordinator.constraints.grammar_state import FittedTree, GrammarState, allo
 from coordinator.constraints.refusals import ConstraintRefused
 from coordinator.constraints.spec import Constraint, ConstraintKind, ConstraintLimits
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend
-from coordinator.inproc import InProcessVerifier
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import Generation, GenerationRequest, RoundPolicy
-from specserve.acceptance import accept_sampled
 from specserve.errors import InvalidArgument
 from specserve.keyed_noise import PositionNoise
-from specserve.sampling import SamplingParams, target_probs
+from specserve.probs import target_probs
+from specserve.sampling import SamplingParams
 from specserve.tenancy import Tenant
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import ROOT, DraftDistribution, TokenTree
+from target_service.acceptance import accept_sampled
 from target_service.tree_acceptance import masked_logits
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, run_generation, tiny_llama

@@ -2,12 +2,12 @@
 
 import pytest
 
-from coordinator.inproc import InProcessVerifier
+from bench.inproc import InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from coordinator.tree_checks import TreeLimits, tree_problem
-from specserve.draft_feedback import DraftFeedback, DraftReply
+from draft_service.ngram_pool import InMemoryNgramPool, PoolShape
 from specserve.errors import InvalidArgument
-from specserve.ngram_pool import InMemoryNgramPool, PoolShape
+from specserve.results import DraftFeedback, DraftReply
 from specserve.token_tree import DraftDistribution, TokenTree
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama

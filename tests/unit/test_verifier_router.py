@@ -7,7 +7,6 @@ import pytest
 
 from coordinator.ports import VerifierInfo
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
-from specserve.acceptance import PrefillResult, VerifyResult
 from specserve.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -16,6 +15,7 @@ from specserve.errors import (
     SessionMoved,
     Unavailable,
 )
+from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 from coordinator.ports import VerifierInfo
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.tree_builder import VerifyCost
-from specserve.acceptance import PrefillResult, VerifyResult
-from specserve.draft_feedback import DraftFeedback, DraftReply
 from specserve.errors import DrafterFailed
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_masks import TokenMasks

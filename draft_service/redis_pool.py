@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from specserve.ngram_pool import PoolShape, decode_tokens, encode_tokens, in_vocab
+from draft_service.ngram_pool import PoolShape, decode_tokens, encode_tokens, in_vocab
 
 log = logging.getLogger(__name__)
 

@@ -33,44 +33,12 @@ Both rules are lossless:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specserve.keyed_noise import PositionNoise
 from specserve.token_tree import ROOT, TokenTree
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    """What one Verify commits: the accepted path and the bonus token."""
-
-    accepted_tokens: list[int]
-    accepted_nodes: list[int]  # tree indices of the accepted path, root first
-    bonus_token: int
-    verify_ns: int
-    # The target's likeliest next tokens at each scored position (pending token, then nodes), best first, when
-    # successors were asked for (Token Recycling); else empty.
-    successors: list[list[int]] = field(default_factory=list)
-    # With features asked for: the target's last hidden state (float16 [len(committed), hidden]) at each
-    # committed position whose token it had as input: the pending token, then the accepted nodes.
-    features: np.ndarray | None = None
-    # Most draft nodes worth sending next round at the verifier's load (None: the verifier did not say).
-    draft_budget_nodes: int | None = None
-    batch_sessions: int = 1  # sessions that shared the forward
-    queue_ns: int = 0  # time waiting for the engine
-
-    @property
-    def committed(self) -> list[int]:
-        return [*self.accepted_tokens, self.bonus_token]
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    prefill_ns: int
-    # With features asked for: float16 [len(tokens) - 1, hidden], the last hidden state at each cached position.
-    features: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ with a count, keeping the most frequent few per key. Every drafter records
 the committed output of its sessions and looks up continuations to draft.
 
 ``InMemoryNgramPool`` is the embedded default; ``RedisNgramPool`` (in
-``specserve.redis_pool``) shares one pool between all drafter pods with the
+``draft_service.redis_pool``) shares one pool between all drafter pods with the
 same semantics.
 """
 

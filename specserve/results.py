@@ -1,0 +1,69 @@
+"""What the tiers hand each other: the verifier's results, the coordinator's feedback to a drafter, the drafter's reply.
+
+Plain dataclasses over numpy: no torch here, so the coordinator loads none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specserve.token_tree import TokenTree
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What one Verify commits: the accepted path and the bonus token."""
+
+    accepted_tokens: list[int]
+    accepted_nodes: list[int]  # tree indices of the accepted path, root first
+    bonus_token: int
+    verify_ns: int
+    # The target's likeliest next tokens at each scored position (pending token, then nodes), best first, when
+    # successors were asked for (Token Recycling); else empty.
+    successors: list[list[int]] = field(default_factory=list)
+    # With features asked for: the target's last hidden state (float16 [len(committed), hidden]) at each
+    # committed position whose token it had as input: the pending token, then the accepted nodes.
+    features: np.ndarray | None = None
+    # Most draft nodes worth sending next round at the verifier's load (None: the verifier did not say).
+    draft_budget_nodes: int | None = None
+    batch_sessions: int = 1  # sessions that shared the forward
+    queue_ns: int = 0  # time waiting for the engine
+
+    @property
+    def committed(self) -> list[int]:
+        return [*self.accepted_tokens, self.bonus_token]
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    prefill_ns: int
+    # With features asked for: float16 [len(tokens) - 1, hidden], the last hidden state at each cached position.
+    features: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class DraftFeedback:
+    """What the coordinator tells a drafter about the last round before asking for the next tree."""
+
+    new_tokens: tuple[int, ...] = ()  # committed since the last request
+    # The target's top next tokens at each position it scored last round, keyed by
+    # that position's token (Token Recycling's raw material).
+    successors: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The target's hidden features (float16 [m, hidden]) at the positions that became known since the last
+    # request, for feature-level draft models; None when the coordinator does not forward them.
+    features: np.ndarray | None = None
+    # Indices into the previous tree of the nodes the verifier accepted, root to leaf (empty: none, or no tree).
+    accepted_node_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    """A drafter's answer to one proposal request."""
+
+    tree: TokenTree
+    draft_ns: int = 0  # time the drafter spent on this request
+    # The tree was drafted ahead, while the verifier checked the last round, for the outcome that happened.
+    predrafted: bool = False
+    predraft_ns: int = 0  # drafting time of a predrafted tree: time hidden behind verification

@@ -1,0 +1,105 @@
+"""The house's layering, read from the imports (bench/ and tests/ may import anything).
+
+The three tiers (coordinator, draft_service, target_service) are siblings over specserve/: each imports
+specserve/ and none imports another; specserve/ imports no tier; the client SDK imports specserve/ alone.
+The coordinator runs without torch: importing any of its modules loads none.
+"""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIERS = ("coordinator", "draft_service", "target_service")
+PACKAGES = (*TIERS, "specserve", "client")
+# What each package may import among the repository's own packages.
+ALLOWED = {
+    "coordinator": {"coordinator", "specserve"},
+    "draft_service": {"draft_service", "specserve"},
+    "target_service": {"target_service", "specserve"},
+    "specserve": {"specserve"},
+    "client": {"client", "specserve"},
+}
+OWN = {*PACKAGES, "bench", "tests"}
+
+
+def sources(package: str) -> Iterator[Path]:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if path.relative_to(ROOT).parts[:2] != ("specserve", "v1"):  # generated stubs
+            yield path
+
+
+def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file, function-level and TYPE_CHECKING ones included."""
+    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return imports_in(path.read_text(), module, is_package=path.name == "__init__.py")
+
+
+def imports_in(text: str, module: str, is_package: bool = False) -> Iterator[tuple[int, str]]:
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                yield node.lineno, ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module:
+                yield node.lineno, node.module
+
+
+def test_the_sources_are_found() -> None:
+    for package in PACKAGES:
+        assert len(list(sources(package))) >= 2, package
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_package_imports_only_what_its_layer_allows(package: str) -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in sources(package)
+        for line, name in imported_modules(path)
+        if name.split(".")[0] in OWN and name.split(".")[0] not in ALLOWED[package]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_reads_absolute_relative_and_nested_imports() -> None:
+    text = "import grpc\nfrom . import rounds\nfrom ..specserve import errors\n\n"
+    text += "def f():\n    import draft_service.drafter\n"
+    names = [name for _, name in imports_in(text, "coordinator.probe")]
+    assert sorted(names) == ["coordinator", "draft_service.drafter", "grpc", "specserve"]  # a tier is the first part
+
+
+def coordinator_modules() -> list[str]:
+    import coordinator
+
+    return [
+        info.name
+        for info in pkgutil.walk_packages(coordinator.__path__, "coordinator.")
+        if not info.name.endswith("__main__")  # runs the service
+    ]
+
+
+def test_the_coordinator_imports_no_torch() -> None:
+    modules = coordinator_modules()
+    assert "coordinator.main" in modules and "coordinator.openai_api.app" in modules
+    script = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"the coordinator's modules load {done.stdout.strip()[:300]}"
