@@ -5,7 +5,7 @@ rows (4 by default) at each level. This times both row counts on a cached contex
 ``F.linear`` everywhere with the chosen forms of the logits and of the head's linears (``--head-matmul``)
 round by round, in the serving dtype, and reports medians and their ratio.
 
-    python -m bench.draft_step [--context 300] [--rounds 3] [--reps 30] [--out-dir bench/results/draft-step]
+    python -m bench.draft_step [--context 300] [--rounds 3] [--reps 30] [--out-dir bench/out/draft-step]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=300, help="tokens in the head's cache before each step")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the two forms")
     parser.add_argument("--reps", type=int, default=30, help="timed steps per form, row count and round")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/draft-step"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/draft-step"))
     args = parser.parse_args(argv)
     if min(args.context, args.rounds, args.reps) < 1:
         parser.error("--context, --rounds and --reps must be at least 1")
