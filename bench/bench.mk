@@ -1,25 +1,25 @@
 # Benchmarks; the top-level Makefile includes this fragment.
 #   make bench                the Spec-Bench run: the default modes in the dtype --dtype auto picks, 7 prompts per category, 128 new tokens
-#   make bench-gpu            on a CUDA machine: tests/gpu, batch invariance, c(n) eager vs CUDA graphs (bench/results/gpu/)
+#   make bench-gpu            on a CUDA machine: tests/gpu, batch invariance, c(n) eager vs CUDA graphs (bench/out/gpu/)
 #   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context, and B = 1..16 sessions
 #                             in one step, in float32 and bfloat16
-#   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/results/load/)
+#   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/out/load/)
 #   make bench-head           the draft head's offline figures (top-1, chains, trees) on Spec-Bench's own answers, per task,
-#                             beside a Spec-Bench run's served head-alone tau (bench/results/head_offline/)
+#                             beside a Spec-Bench run's served head-alone tau (bench/out/head_offline/)
 #   make bench-sampling       seeded chat prompts at T = 0, 0.7, 1.0 with speculation on and off through the three
-#                             processes, the drafter with coupled drafts and without (bench/results/sampling/)
-#   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/results/numerics/)
+#                             processes, the drafter with coupled drafts and without (bench/out/sampling/)
+#   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/out/numerics/)
 #   make bench-structured     structured output: JSON-schema prompts constrained with speculation, without, and unconstrained
-#   make bench-peers          specserve against llama.cpp on the same prompts (bench/results/peers/); opt-in: it first
+#   make bench-peers          specserve against llama.cpp on the same prompts (bench/out/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
-# All write to bench/results/. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
+# All write to bench/out/ (git-ignored); a run is copied under bench/results/ only where a README cites it. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
 # BENCH_HEAD_ARGS / BENCH_PEERS_ARGS / BENCH_SAMPLING_ARGS, e.g.
-#   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/results/tmp"
+#   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/out/tmp"
 #   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtypes bfloat16 --device cuda"
 #   make bench-load BENCH_LOAD_ARGS="--levels 1,2 --max-new-tokens 8 --verifier-arg='--dtype bfloat16'"
 #   make bench-head BENCH_HEAD_ARGS="--serving bench/results/head-v2-no-guard/spec_bench.json"
-#   make bench-numerics BENCH_NUMERICS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/results/numerics/tmp"
-#   make bench-peers BENCH_PEERS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/results/peers/tmp"
+#   make bench-numerics BENCH_NUMERICS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/out/numerics-tmp"
+#   make bench-peers BENCH_PEERS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/out/peers-tmp"
 
 PY ?= .venv/bin/python
 BENCH_ARGS ?=
@@ -39,7 +39,7 @@ bench: proto
 bench-verify-cost: proto
 	$(PY) -m bench.verify_cost $(VERIFY_COST_ARGS)
 
-# On a machine with a CUDA GPU: its tests, batch invariance and c(n) eager vs CUDA graphs (bench/results/gpu/).
+# On a machine with a CUDA GPU: its tests, batch invariance and c(n) eager vs CUDA graphs (bench/out/gpu/).
 bench-gpu: proto
 	PY=$(PY) bash bench/gpu.sh
 
@@ -53,7 +53,7 @@ bench-sampling: proto
 	$(PY) -m bench.sampling $(BENCH_SAMPLING_ARGS)
 
 # Structured output (issue #33): 30 JSON-schema prompts, constrained speculative vs constrained plain vs
-# unconstrained speculative, greedy, three processes (bench/results/structured/).
+# unconstrained speculative, greedy, three processes (bench/out/structured/; the cited run in bench/results/structured/).
 bench-structured: proto
 	$(PY) -m bench.structured $(BENCH_STRUCTURED_ARGS)
 

@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0, help="a request's seed is this + question id")
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/coupling"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/coupling"))
     args = parser.parse_args(argv)
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     unknown = set(args.categories.split(",")) - set(CATEGORIES)

@@ -7,7 +7,7 @@ logits on weights prepacked for the CPU's GEMM kernel) step by step, in each dty
 medians per round, each round's ratio and the median ratio.
 
     python -m bench.draft_step [--dtypes float32,bfloat16] [--context 300] [--rounds 3] [--reps 30]
-        [--out-dir bench/results/tmp/draft-step]
+        [--out-dir bench/out/draft-step]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="alternations of the two arms")
     parser.add_argument("--reps", type=int, default=30, help="timed steps per arm, row count and round")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: every CPU this process may use)")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/tmp/draft-step"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/draft-step"))
     args = parser.parse_args(argv)
     if min(args.context, args.rounds, args.reps) < 1:
         parser.error("--context, --rounds and --reps must be at least 1")

@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/gemm-kernels"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/gemm-kernels"))
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     machine = describe()

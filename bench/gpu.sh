@@ -5,10 +5,10 @@
 #   2. batch invariance of the step (bench.step_invariance), eager and graphs, fp32 and bf16;
 #   3. c(n) for n = 1..64 and batched steps, eager (--compile off) against CUDA graphs (auto):
 #      SmolLM2-135M's shape (bf16, fp32) and Llama-3.1-8B's (bf16), random weights.
-# Results go to RESULTS (default bench/results/gpu); with OUT set (a lent device machine) they are also packed
+# Results go to RESULTS (default bench/out/gpu); with OUT set (a lent device machine) they are also packed
 # into $OUT/gpu-results.tgz after each part, so a run cut short still returns what it measured.
 set -u
-RESULTS=${RESULTS:-bench/results/gpu}
+RESULTS=${RESULTS:-bench/out/gpu}
 PY=${PY:-python3}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -189,7 +189,7 @@ def measure_xgrammar(hf_tokenizer: Any, tokens: list[int], repeats: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/structured"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/structured"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--xgrammar-path", default="", help="a folder holding xgrammar (it is no dependency)")
     args = parser.parse_args()

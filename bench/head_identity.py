@@ -15,6 +15,8 @@ from typing import Any
 
 from draft_service.main import parse_config
 
+from .machine import portable_path
+
 
 def draft_head_path(drafter_args: Sequence[str] = ()) -> Path:
     """The head a drafter started with ``drafter_args`` (and this process's environment) loads.
@@ -28,12 +30,12 @@ def draft_head_path(drafter_args: Sequence[str] = ()) -> Path:
 def describe_draft_head(path: Path) -> dict[str, Any]:
     """Path, SHA-256 prefix and held-out figures of the head at ``path``; ``missing`` when there is no file."""
     if not path.is_file():
-        return {"path": str(path), "missing": True}
+        return {"path": portable_path(path), "missing": True}
     digest = hashlib.sha256()
     with path.open("rb") as weights:
         for block in iter(lambda: weights.read(1 << 20), b""):
             digest.update(block)
-    description: dict[str, Any] = {"path": str(path), "sha256": digest.hexdigest()[:16]}
+    description: dict[str, Any] = {"path": portable_path(path), "sha256": digest.hexdigest()[:16]}
     try:
         held_out = json.loads(path.with_suffix(".json").read_text()).get("held_out") or {}
     except (OSError, ValueError, AttributeError):

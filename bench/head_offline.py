@@ -44,7 +44,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--serving", type=Path, help="a bench.run spec_bench.json with an inproc:draft_model run, to compare with"
     )
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/head_offline"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/head_offline"))
     args = parser.parse_args(argv)
     for flag in ("prompts_per_category", "max_new_tokens", "batch_size", "positions"):
         if getattr(args, flag) < 1:

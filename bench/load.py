@@ -29,7 +29,6 @@ from typing import Any
 
 import grpc
 import torch
-from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 from client.sdk import AsyncSpecserveClient, GenerationParams, Stats
 from coordinator.prompts import ChatTurn, encode_prompt
@@ -45,6 +44,7 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.verifier import Verifier
 
 from . import machine
@@ -108,7 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stream-timeout-s", type=float, default=900.0, help="deadline of every stream")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/load"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/load"))
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target: 'smollm2' or a model path")
     parser.add_argument(
         "--torch-threads",
@@ -449,7 +449,7 @@ def initial_meta(args: argparse.Namespace, target: TargetText, pool: PoolBackend
         "started_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": {
             "model": target.name,
-            "model_source": target.source.name,
+            "model_source": machine.portable_path(target.source.name),
             "levels": args.levels,
             "prompts": sum(args.levels),
             "max_new_tokens": args.max_new_tokens,

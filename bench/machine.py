@@ -14,6 +14,21 @@ import transformers
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def portable_path(path: str | Path) -> str:
+    """A path as a committed result records it: relative to the repository, ``~/...`` under the home directory,
+    else the file name alone; never this machine's absolute path."""
+    resolved = Path(path).expanduser().resolve()
+    if resolved.is_relative_to(REPO):
+        return str(resolved.relative_to(REPO))
+    home = Path.home().resolve()
+    if resolved.is_relative_to(home):
+        return str(Path("~") / resolved.relative_to(home))
+    return resolved.name
+
+
 def _cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     fields: dict[str, str] = {}

@@ -568,7 +568,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(DrafterConfig().sources),
         help=f"D's draft sources, comma-separated from {', '.join(ALL_SOURCES)} (default: the drafter's)",
     )
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/numerics"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/numerics"))
     parser.add_argument("--torch-threads", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args(argv)
     args.sources = tuple(s.strip() for s in args.sources.split(",") if s.strip())

@@ -354,7 +354,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"speculative draft sources, comma-separated from {', '.join(ALL_SOURCES)} (default: the drafter's)",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (the packaged GGUF) or a .gguf path")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/peers"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/peers"))
     args = parser.parse_args(argv)
     try:
         args.categories = expand_categories(
@@ -437,7 +437,7 @@ def settings(args: argparse.Namespace, target: Target, cases: Sequence[Case], to
     choice = choose_dtype(args.dtype, "cpu")
     return {
         "model": args.model,
-        "model_source": str(target.gguf),
+        "model_source": machine.portable_path(target.gguf),
         "category": args.category,
         "categories": args.categories,
         "prompts_requested": args.prompts,

@@ -138,7 +138,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="all",
         help=f"comma-separated categories or 'mt_bench'; 'all' (default): {', '.join(CATEGORIES)}",
     )
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out"))
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target: 'smollm2' or a model path")
     parser.add_argument(
         "--torch-threads",
@@ -480,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started_at": started_at,
         "settings": {
             "model": target.name,
-            "model_source": target.source.name,
+            "model_source": machine.portable_path(target.source.name),
             "dtype": target.dtype,
             "dtype_requested": args.dtype,
             "dtype_reason": choice.reason,

@@ -74,7 +74,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--torch-threads", type=int, default=0, help="the verifier's (0: the CPUs available)")
     parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/sampling"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/sampling"))
     args = parser.parse_args(argv)
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.drafters = [d for d in args.drafters.split(",") if d]

@@ -97,7 +97,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", default="auto,off")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/step-invariance"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/step-invariance"))
     args = parser.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.compile = [c for c in args.compile.split(",") if c]

@@ -245,7 +245,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=30)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results/structured"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/structured"))
     parser.add_argument("--verifier-arg", action="append", default=[], help="extra verifier flag (repeatable)")
     args = parser.parse_args()
     items = prompts(args.prompts)

@@ -133,7 +133,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated engine steps to measure, as the verifier's flag: auto (prepacked products at row "
         "buckets) and off (eager F.linear); each gets its own files (names end in _compile-auto / _compile-off)",
     )
-    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out"))
     args = parser.parse_args(argv)
     args.sizes = _ints(args.sizes)
     if not args.sizes or args.sizes[0] < 1:

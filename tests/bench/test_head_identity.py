@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.head_identity import describe_draft_head, draft_head_path, head_line
+from bench.machine import portable_path
 from bench.run import uses_head
 from draft_service.config import DrafterConfig
 
@@ -29,12 +30,15 @@ def test_a_head_is_named_by_its_hash_and_held_out_figures(tmp_path: Path) -> Non
         json.dumps({"held_out": {"top1_agreement": 0.625, "tree": {"acceptance_length": 3.09}}})
     )
     description = describe_draft_head(weights)
-    assert description == {
-        "path": str(weights),
-        "sha256": hashlib.sha256(b"weights v1").hexdigest()[:16],
-        "held_out_top1": 0.625,
-        "held_out_tree_acceptance": 3.09,
-    }
+    assert (
+        description
+        == {
+            "path": "head.pt",  # outside the repository and the home directory: the name alone
+            "sha256": hashlib.sha256(b"weights v1").hexdigest()[:16],
+            "held_out_top1": 0.625,
+            "held_out_tree_acceptance": 3.09,
+        }
+    )
     assert "held-out top-1 0.625, tree acceptance 3.09" in head_line(description)
     weights.write_bytes(b"weights v2")
     assert describe_draft_head(weights)["sha256"] != description["sha256"]
@@ -54,3 +58,12 @@ def test_only_modes_that_draft_with_the_head_record_it() -> None:
     assert not uses_head(["baseline", "inproc:prompt_lookup+ngram_pool"])
     assert uses_head(["baseline", "inproc:draft_model"])
     assert uses_head(["inproc"]) and uses_head(["distributed"])
+
+
+def test_a_result_records_no_absolute_machine_path() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    assert portable_path(repo / "draft_service" / "weights" / "smollm2-draft-head.pt") == (
+        "draft_service/weights/smollm2-draft-head.pt"
+    )
+    assert portable_path(Path.home() / ".cache" / "specserve" / "model") == "~/.cache/specserve/model"
+    assert portable_path("/elsewhere/head.pt") == "head.pt"
