@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from bench.machine import describe
 from specserve.auth.keys import key_entry, new_key
 from specserve.local_cluster import LocalCluster, free_port
+from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 FILLER = "the quick brown fox jumps over the lazy dog while speculative decoding drafts ahead. "
 

@@ -7,10 +7,10 @@ import os
 import sys
 
 import grpc
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 from client.sdk import GenerationParams, SpecserveClient, Stats
 from specserve.tenancy import Tenant
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 
 def build_parser() -> argparse.ArgumentParser:

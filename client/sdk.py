@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 

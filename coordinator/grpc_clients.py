@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from coordinator import deadlines
 from coordinator.ports import VerifierInfo
@@ -22,6 +21,7 @@ from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
     cost_from_proto,
     cost_to_proto,

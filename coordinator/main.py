@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from coordinator import request_log
 from coordinator.admission import AdmissionController
@@ -69,6 +68,7 @@ from specserve.model_loading import (
 from specserve.rpc import add_health, channel_options, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("coordinator")
 SELF_SERVICE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z]([-a-z0-9]*[a-z0-9])?$")

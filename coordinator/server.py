@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from coordinator.constraints.spec import Constraint, ConstraintKind
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationFrontend, request_id
@@ -16,6 +15,7 @@ from coordinator.speculation import Speculation, SpeculationMode
 from specserve.errors import InvalidArgument
 from specserve.sampling import SamplingParams
 from specserve.tenancy import current_tenant
+from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 REQUEST_ID_KEY = "x-request-id"
 """Metadata naming the request: the client may set it, and the coordinator returns it (initial metadata)."""

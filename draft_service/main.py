@@ -11,7 +11,6 @@ from typing import Any
 
 import grpc
 import torch
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 from draft_service.config import POOL_SHARE, DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head, require_weights
@@ -40,6 +39,7 @@ from specserve.model_loading import (
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, server_options
 from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("draft_service")
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name

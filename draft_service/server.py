@@ -13,7 +13,6 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.pools import PoolRegistry
@@ -23,6 +22,7 @@ from specserve import errors
 from specserve.drain import Drain
 from specserve.results import DraftFeedback, DraftReply
 from specserve.rpc import refused_while_draining
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 from specserve.wire import (
     cost_from_proto,
     draft_reply_to_proto,

@@ -10,7 +10,6 @@ from dataclasses import fields
 from pathlib import Path
 
 import grpc
-from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import InternalTokenInterceptor
@@ -29,6 +28,7 @@ from specserve.model_loading import (
 from specserve.rpc import add_health, drain_on_signals, mark_draining, mark_serving, server_options, stop_when_drained
 from specserve.rpc_errors import ErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
 from target_service.draft_budget import CostCurve
 from target_service.metrics import VerifierMetrics

@@ -6,12 +6,12 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 import grpc
-from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 from specserve.auth.internal import session_owner
 from specserve.drain import Drain
 from specserve.errors import InvalidArgument, Unavailable
 from specserve.token_masks import InvalidTokenMasksError
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
     cost_to_proto,
     masks_from_proto,

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from specserve.local_cluster import LocalCluster, free_port
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.integration.conftest import FP32_VERIFIER, Target
 
 pytestmark = pytest.mark.integration

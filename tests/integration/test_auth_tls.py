@@ -19,12 +19,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from client import GenerationParams, SpecserveClient, Stats, TextChunk, cli
 from specserve.auth.keys import key_entry, new_key
 from specserve.local_cluster import LocalCluster, free_port
 from specserve.tenancy import TENANT_METADATA_KEY
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration

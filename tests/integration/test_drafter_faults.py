@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import redis
-from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from draft_service.pools import redis_namespace
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.model_loading import vocab_fingerprint
 from specserve.tenancy import ANONYMOUS
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.integration.conftest import FP32_VERIFIER, Target
 from tests.redis_server import RedisServer
 

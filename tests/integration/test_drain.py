@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from specserve.local_cluster import LocalCluster, free_port
+from specserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.integration.conftest import FP32_VERIFIER, Target
 
 pytestmark = pytest.mark.integration

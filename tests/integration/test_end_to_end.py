@@ -15,6 +15,10 @@ from typing import Any
 
 import grpc
 import pytest
+
+from client import GenerationParams, SpecserveClient, Stats, TextChunk
+from specserve.local_cluster import LocalCluster
+from specserve.sampling import SamplingParams
 from specserve.v1 import (
     common_pb2,
     drafter_pb2,
@@ -24,10 +28,6 @@ from specserve.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-
-from client import GenerationParams, SpecserveClient, Stats, TextChunk
-from specserve.local_cluster import LocalCluster
-from specserve.sampling import SamplingParams
 from tests.integration.conftest import Target, spec_bench_prompts
 
 pytestmark = pytest.mark.integration
@@ -94,9 +94,8 @@ def test_cli_streams_text_and_ends_with_stats(cluster: LocalCluster) -> None:
 def test_bad_requests_are_invalid_argument_and_the_service_stays_up(
     cluster: LocalCluster, request_kwargs: dict[str, object], message: str
 ) -> None:
-    from specserve.v1 import generation_pb2_grpc
-
     from client.sdk import build_request
+    from specserve.v1 import generation_pb2_grpc
 
     params = GenerationParams(
         max_new_tokens=int(request_kwargs.get("max_new_tokens", 8)),  # type: ignore[call-overload]

@@ -22,6 +22,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from specserve.local_cluster import LocalCluster, free_port
 from specserve.v1 import (
     drafter_pb2,
     drafter_pb2_grpc,
@@ -29,8 +31,6 @@ from specserve.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-
-from specserve.local_cluster import LocalCluster, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
+from specserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.integration.conftest import FP32_VERIFIER, Target
 from tests.k8s_api import FakeApiServer, Pod
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.integration.conftest import EVERY_ROUND_DRAFTS, Target, spec_bench_prompts
 from tests.integration.test_end_to_end import generate
 

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import redis
-from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
+from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from tests.integration.conftest import EVERY_ROUND_DRAFTS, FP32_VERIFIER, Target
 from tests.redis_server import RedisServer
 

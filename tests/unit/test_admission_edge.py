@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from specserve.v1 import generation_pb2
 
 from coordinator.admission import AdmissionController, AdmissionLimits
 from coordinator.frontend import GenerationBackend, GenerationFrontend
@@ -15,6 +14,7 @@ from coordinator.prompts import PromptLimits
 from coordinator.rounds import GenerationRequest, GenerationStats, TextChunk
 from coordinator.server import GenerationServicer
 from specserve.errors import ResourceExhausted
+from specserve.v1 import generation_pb2
 
 
 class HeldGeneration:

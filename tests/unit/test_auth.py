@@ -13,7 +13,6 @@ import grpc
 import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from specserve.v1 import generation_pb2, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 from draft_service.ngram_pool import PoolShape
 from draft_service.pools import PoolRegistry
@@ -32,6 +31,7 @@ from specserve.rpc import add_health, mark_serving
 from specserve.sampling import SamplingParams
 from specserve.tenancy import TENANT_METADATA_KEY, Tenant, current_tenant, tenant_scope
 from specserve.token_tree import TokenTree
+from specserve.v1 import generation_pb2, generation_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from target_service.verifier import Verifier
 from tests.conftest import tiny_llama
 from tests.redis_server import RedisServer

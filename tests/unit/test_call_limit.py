@@ -10,7 +10,6 @@ import grpc
 import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 from coordinator import main as coordinator_main
 from coordinator.config import (
@@ -26,6 +25,7 @@ from specserve.call_limit import CALL_LIMIT_MESSAGE, AioCallLimitInterceptor, Ca
 from specserve.errors import ResourceExhausted
 from specserve.rpc import add_health, mark_serving
 from specserve.rpc_errors import AioErrorInterceptor
+from specserve.v1 import generation_pb2, generation_pb2_grpc
 from tests.unit.test_openai_api import FakeFrontend
 
 

@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 from draft_service.config import DrafterConfig
 from draft_service.main import drafter_server_options, parse_config
 from specserve.rpc import channel_options
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 
 class PeerEcho(drafter_pb2_grpc.DrafterServiceServicer):

@@ -11,7 +11,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from specserve.v1 import drafter_pb2_grpc
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig
 from draft_service.drafter import BYTES_PER_TOKEN, Drafter, DraftSession
@@ -25,6 +24,7 @@ from draft_service.tree_builder import VerifyCost
 from specserve.drain import Drain
 from specserve.errors import DeadlineExceeded
 from specserve.results import DraftFeedback
+from specserve.v1 import drafter_pb2_grpc
 from tests.conftest import tiny_llama
 from tests.unit.test_drain import Stream, drafter_server, propose, start
 

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 from coordinator.grpc_clients import GrpcDrafter
 from draft_service.drafter import Drafter
@@ -25,6 +24,7 @@ from specserve.local_cluster import free_port
 from specserve.results import DraftFeedback
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, stop_when_drained
 from specserve.rpc_errors import AioErrorInterceptor
+from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 
 class FakeClock:

@@ -4,12 +4,12 @@ import asyncio
 
 import numpy as np
 import pytest
-from specserve.v1 import common_pb2, drafter_pb2
 
 from coordinator.grpc_clients import FEATURE_CHUNK_BYTES, GrpcDraftStream
 from draft_service.server import FeaturesAhead
 from specserve import errors
 from specserve.results import DraftFeedback
+from specserve.v1 import common_pb2, drafter_pb2
 from specserve.wire import features_from_proto, features_to_proto, split_features
 
 GRPC_DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # what the drafter's server accepts

@@ -8,7 +8,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from specserve.v1 import common_pb2
 from transformers import DynamicCache
 
 from bench.inproc import InProcessDrafter, InProcessVerifier
@@ -25,6 +24,7 @@ from specserve.probs import target_probs
 from specserve.results import DraftFeedback
 from specserve.sampling import SamplingParams
 from specserve.token_tree import ROOT, TokenTree
+from specserve.v1 import common_pb2
 from specserve.wire import features_from_proto, features_to_proto
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_decode, run_generation, tiny_llama

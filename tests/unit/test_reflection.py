@@ -9,12 +9,12 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from specserve.v1 import generation_pb2_grpc
 
 from coordinator.main import add_reflection
 from specserve.auth.interceptors import ApiKeyInterceptor
 from specserve.auth.keys import ApiKeys, key_entry, new_key
 from specserve.rpc import add_health
+from specserve.v1 import generation_pb2_grpc
 
 KEY = new_key()
 SERVICES = {"specserve.v1.GenerationService", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}

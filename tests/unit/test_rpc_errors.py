@@ -10,11 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
-from specserve.v1 import generation_pb2
 
 from specserve.errors import InvalidArgument, ResourceExhausted
 from specserve.local_cluster import free_port
 from specserve.rpc_errors import AioErrorInterceptor, ErrorInterceptor
+from specserve.v1 import generation_pb2
 
 Request = generation_pb2.GenerateRequest
 Response = generation_pb2.GenerateResponse

@@ -6,11 +6,11 @@ import asyncio
 from concurrent import futures
 
 import grpc
-from specserve.v1 import verifier_pb2_grpc
 
 from coordinator.grpc_clients import GrpcVerifier
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
+from specserve.v1 import verifier_pb2_grpc
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier

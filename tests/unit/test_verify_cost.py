@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 import pytest
-from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 
 from bench.inproc import InProcessDrafter, verifier_info
 from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
@@ -17,6 +16,7 @@ from draft_service.drafter import Drafter, DraftSession
 from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.tree_builder import CPU_VERIFY_COST, VerifyCost
 from specserve.drain import Drain
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
 from target_service.draft_budget import CostCurve, DraftBudget, flat_curve, flattened
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer

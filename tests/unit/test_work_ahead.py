@@ -9,12 +9,12 @@ import asyncio
 import threading
 
 import grpc
-from specserve.v1 import drafter_pb2_grpc
 
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.work_ahead import WorkAhead
 from specserve.drain import Drain
+from specserve.v1 import drafter_pb2_grpc
 from tests.unit.test_drain import Stream, drafter_server, propose, start
 
 GUARD_S = 30  # a guard only: each wait ends on an event long before
