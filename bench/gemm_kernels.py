@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.packed_linear import ONEDNN_HINT, ONEDNN_ROWS, row_invariant_rows
+from specserve.packed_linear import ONEDNN_HINT, candidate_rows, row_invariant_rows
 
 from .machine import describe
 from .verify_cost import SHAPES
@@ -89,7 +89,7 @@ def measure(shape: dict[str, Any], dtype: torch.dtype, reps: int, head: bool) ->
         for packing in ("onednn", "mkl") if kind == torch.float32 else ("onednn",):
             if packing == "mkl" and not torch.backends.mkl.is_available():
                 continue
-            candidates = ONEDNN_ROWS if packing == "onednn" else (2, 4, 8, 16, 32)
+            candidates = candidate_rows(packing)
             kept = row_invariant_rows(packing, kind, out_features, in_features, candidates)
             dropped = sorted(set(candidates) - set(kept))
             results.append({"product": name, "dtype": str(kind)[6:], "kernel": packing, "not_row_invariant": dropped})

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.packed_linear import PackedLinear, Packing, available_packing, candidate_rows, row_invariant_rows
+from specserve.packed_linear import PackedLinear, Packing, available_packing, invariant_rows
 
 HEAD_MATMUL_CHOICES = ("auto", "linear")
 """``--head-matmul``: packed where this dtype and device have a packed kernel, else F.linear; or F.linear."""
@@ -39,8 +39,7 @@ class WeightPack:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packing: Packing) -> None:
         out_features, in_features = weight.shape
-        candidates = candidate_rows(packing)
-        rows = row_invariant_rows(packing, weight.dtype, out_features, in_features, candidates) or candidates[-1:]
+        rows = invariant_rows(packing, weight.dtype, {(out_features, in_features)})
         self.product = PackedLinear(weight, bias, packing, rows)
         self._made_from = _identity(weight, bias)
 

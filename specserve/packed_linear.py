@@ -145,6 +145,20 @@ def row_invariant_rows(
         return tuple(rows for rows in sorted(candidates) if torch.equal(product(rows), reference[:rows]))
 
 
+def invariant_rows(packing: Packing, dtype: torch.dtype, products: set[tuple[int, int]]) -> tuple[int, ...]:
+    """The row counts at which every product of these weight shapes (out, in) computes each row alike here.
+
+    Empty for an unpacked product (it runs at its own size); the largest candidate where none is kept.
+    """
+    candidates = candidate_rows(packing)
+    if not candidates:
+        return ()
+    kept = set(candidates)
+    for out_features, in_features in sorted(products):
+        kept &= set(row_invariant_rows(packing, dtype, out_features, in_features, candidates))
+    return tuple(sorted(kept)) or candidates[-1:]
+
+
 class PackedLinear:
     """``y = x @ W.T + b`` with ``W`` prepacked for ``packing``; ``x`` is [rows, in]."""
 

@@ -36,8 +36,7 @@ from specserve.packed_linear import (
     Packing,
     available_packing,
     bucket_for,
-    candidate_rows,
-    row_invariant_rows,
+    invariant_rows,
 )
 from target_service.kv_arena import BLOCK_TOKENS, KVArena, bytes_per_token
 from target_service.llama_forward import (
@@ -59,17 +58,6 @@ __all__ = ["COMPILE_CHOICES", "SUPPORTED_MODEL_TYPES", "ModelRunner", "StepOutpu
 class StepOutput:
     logits: torch.Tensor  # [len(score_rows), vocab] float32
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
-
-
-def _invariant_rows(packing: Packing, dtype: torch.dtype, products: set[tuple[int, int]]) -> tuple[int, ...]:
-    """The row counts at which every product of these shapes (out, in) computes each row alike here."""
-    candidates = candidate_rows(packing)
-    if not candidates:  # unpacked: a step runs at its own size
-        return ()
-    kept = set(candidates)
-    for out_features, in_features in sorted(products):
-        kept &= set(row_invariant_rows(packing, dtype, out_features, in_features, candidates))
-    return tuple(sorted(kept)) or candidates[-1:]
 
 
 def _row_counts(rows: tuple[int, ...]) -> str:
@@ -108,8 +96,8 @@ class ModelRunner:
             (shape.hidden_size, shape.intermediate_size),
         }
         # The row counts a step and the head may run at: those whose rows come out alike in every product.
-        self.buckets: tuple[int, ...] = _invariant_rows(packing, self.dtype, layer_products)
-        head_buckets = _invariant_rows(head_packing, torch.float32, {(shape.vocab_size, shape.hidden_size)})
+        self.buckets: tuple[int, ...] = invariant_rows(packing, self.dtype, layer_products)
+        head_buckets = invariant_rows(head_packing, torch.float32, {(shape.vocab_size, shape.hidden_size)})
         self._forward = LlamaForward(model, packing, self.buckets)
         self._head = PackedLinear(weight.float(), None, head_packing, head_buckets)
         self.head_packing = head_packing
