@@ -4,9 +4,9 @@ A request whose ``max_new_tokens`` is below that bound can only end cut by the t
 not match, so it is refused up front (``refusals.too_few_tokens``) instead of spending the verifier's time.
 
 The bound is the constraint's forced opening: the bytes llguidance says every output starts with (a schema's
-``{"name": "``, a one-string choice's whole string), written in as few tokens as the vocabulary allows (any
-tokenization of them, not only the tokenizer's own, since the masks allow every one), plus one token when the
-constraint is not yet complete after them. It stops at the first real choice, so it is exact for fixed strings
+``{"name": "``, a one-string choice's whole string), written in as few tokens as any tokenization of them takes
+(llguidance's masks allow the tokenizer's own there, which is never shorter), plus one token when the constraint
+is not yet complete after them. It stops at the first real choice, so it is exact for fixed strings
 and a floor for everything else: a request it passes may still be cut (``GenerationStats.constraint_complete``
 then says so), but one it refuses could never have completed.
 """
