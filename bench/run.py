@@ -30,6 +30,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.prompts import ChatTurn, encode_prompt
 from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head
+from draft_service.head_products import HEAD_MATMUL_CHOICES
 from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import (
@@ -44,6 +45,7 @@ from specserve.model_loading import (
     vocab_fingerprint,
 )
 from specserve.sampling import SamplingParams
+from target_service.model_runner import WEIGHTS_CHOICES
 
 from . import machine
 from .aggregate import summarize_all
@@ -158,6 +160,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_false",
         help="verifiers (inproc, distributed) size trees by their cost model alone, never switching drafting off "
         "on measured throughput: compares the drafting itself",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default="dtype",
+        help="the verifier's --weights in baseline, inproc and distributed (int8: int8 copies of the layers' "
+        "weights); baseline-eager and the transformers modes keep the float weights",
+    )
+    parser.add_argument(
+        "--head-matmul",
+        choices=HEAD_MATMUL_CHOICES,
+        default=DrafterConfig().head_logits_matmul,
+        help="the draft head's products in inproc and distributed (the drafter's --head-matmul)",
     )
     parser.add_argument(
         "--flat-verify-cost",
@@ -283,14 +298,15 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
         if name in (BASELINE, EAGER_BASELINE, FP32_BASELINE):
             model = fp32 if name == FP32_BASELINE else target.model
             compile = "off" if name == EAGER_BASELINE else "auto"
-            mode = EnginePlainMode(model, target.fingerprint, target.eos_ids, name, compile)
+            weights = args.weights if name == BASELINE else "dtype"
+            mode = EnginePlainMode(model, target.fingerprint, target.eos_ids, name, compile, weights)
         elif name == HF_PLAIN:
             mode = HfPlainMode(target.model, target.eos_ids)
         elif name == "hf-pld":
             mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens)
         elif name == "inproc" or name.startswith("inproc:"):
             sources = mode_sources(name) or DrafterConfig().sources
-            head = draft_head(target, fp32) if HeadProposer.name in sources else None
+            head = draft_head(target, fp32, args.head_matmul) if HeadProposer.name in sources else None
             mode = InProcessMode(
                 target.model,
                 target.tokenizer,
@@ -300,13 +316,16 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 head,
                 args.throughput_guard,
                 args.flat_verify_cost,
+                args.weights,
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
-            dtype_args = ["--dtype", target.dtype, *([] if args.throughput_guard else ["--no-throughput-guard"])]
+            dtype_args = ["--dtype", target.dtype, "--weights", args.weights]
+            dtype_args += [] if args.throughput_guard else ["--no-throughput-guard"]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
-            drafter_args: list[str] = ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
+            drafter_args: list[str] = ["--head-matmul", args.head_matmul]
+            drafter_args += ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
             if pinning is not None:
                 cpus = {"verifier": pinning.verifier, "drafter": pinning.others, "coordinator": pinning.others}
                 drafter_args += ["--torch-threads", str(len(pinning.others))]
@@ -343,7 +362,7 @@ def uses_head(modes: Sequence[str]) -> bool:
     return False
 
 
-def draft_head(target: Target, fp32: Any) -> DraftHead:
+def draft_head(target: Target, fp32: Any, head_matmul: str = "auto") -> DraftHead:
     """The drafter's default draft head over the target's embedding and LM head.
 
     Loaded over the float32 target (``fp32``) and computing in the dtype the drafter service picks on this CPU
@@ -359,7 +378,7 @@ def draft_head(target: Target, fp32: Any) -> DraftHead:
         )
     except DraftHeadError as exc:
         raise SystemExit(f"error: the draft_model source needs its head: {exc}") from exc
-    return in_serving_dtype(head)[0]
+    return in_serving_dtype(head, head_matmul=head_matmul)[0]
 
 
 def _pool_reset(pool: PoolBackend, target: Target, keep: bool) -> Callable[[], None] | None:
@@ -503,6 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pinning": None if args.pinning is None else args.pinning.describe(),
             "throughput_guard": args.throughput_guard,
             "flat_verify_cost": args.flat_verify_cost,
+            "weights": args.weights,
+            "head_matmul": args.head_matmul,
             "draft_head": describe_draft_head(draft_head_path()) if uses_head(args.modes) else None,
         },
         "machine": machine.describe(),
