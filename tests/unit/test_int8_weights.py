@@ -1,7 +1,9 @@
 """``--weights int8``: the layers' products on int8 copies of the weights, still lossless against plain decoding.
 
 int8 weights are other weights, so the reference is plain greedy decoding through the same int8 engine (a
-tree of size zero each round), not transformers: speculation must never change what that produces.
+tree of size zero each round), not transformers. The products are row-invariant, so a tree scores a token as a
+plain step does; on a real model the bf16-rounded inputs of the products can turn CPU attention's last-bit
+differences into bf16-sized ones, as in bf16 (design.md, "Numerics"): there the test is bench.numerics' floor.
 """
 
 from __future__ import annotations
