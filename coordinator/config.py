@@ -65,7 +65,10 @@ class CoordinatorConfig:
     # Per tenant, unless its own setting says otherwise; 0: no limit. None: half the slots with API keys on (one
     # tenant cannot take every slot and queue place), no limit with them off (every caller is one tenant).
     tenant_max_concurrent_streams: int | None = None
-    max_tokenize_queue: int = 16  # prompts waiting for one of the 2 tokenizer threads; more: RESOURCE_EXHAUSTED
+    # Prompts waiting for one of the 2 tokenizer threads; more: RESOURCE_EXHAUSTED. 0: max_concurrent_streams, which
+    # bounds it already (a prompt is tokenized only once its request holds a slot): a smaller queue refused a burst of
+    # 64 streams that the slots admit (bench.load N=64: 46 of 64 refused at 16).
+    max_tokenize_queue: int = 0
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, running streams get this long to finish
     max_health_watches: int = DEFAULT_MAX_HEALTH_WATCHES  # open Health/Watch streams; more: RESOURCE_EXHAUSTED
 
@@ -152,3 +155,8 @@ def http_connection_backstop(config: CoordinatorConfig) -> int:
     """uvicorn's ``limit_concurrency``, the HTTP API's backstop above ``max_concurrent_calls``: uvicorn counts open
     connections, idle keep-alive ones included, so it gets twice the calls; past it uvicorn answers a plain 503."""
     return 2 * max_concurrent_calls(config)
+
+
+def tokenize_queue(config: CoordinatorConfig) -> int:
+    """Prompts that may wait for a tokenizer thread: ``max_tokenize_queue``, or (0) every admitted stream."""
+    return config.max_tokenize_queue or config.max_concurrent_streams

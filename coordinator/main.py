@@ -29,6 +29,7 @@ from coordinator.config import (
     max_receive_message_bytes,
     prompt_limits,
     round_policy,
+    tokenize_queue,
 )
 from coordinator.constraints.compiler import GrammarCompiler
 from coordinator.discovery import (
@@ -254,7 +255,8 @@ def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorCo
         "--max-tokenize-queue",
         type=int,
         default=int(env("SPECSERVE_MAX_TOKENIZE_QUEUE", str(defaults.max_tokenize_queue))),
-        help="admitted prompts waiting for a tokenizer thread (each holds its text); more: RESOURCE_EXHAUSTED",
+        help="admitted prompts waiting for a tokenizer thread (each holds its text); more: RESOURCE_EXHAUSTED; "
+        "0 (default): --max-concurrent-streams, the most that can wait",
     )
 
 
@@ -597,7 +599,7 @@ async def serve(config: CoordinatorConfig) -> None:
 
     limits = prompt_limits(config, info)
     constraints = GrammarCompiler(tokenizer, info.vocab_size, eos, fingerprint, observer=metrics)
-    frontend.attach(GenerationBackend(tokenizer, limits, new_generation, config.max_tokenize_queue, constraints))
+    frontend.attach(GenerationBackend(tokenizer, limits, new_generation, tokenize_queue(config), constraints))
     mark_serving(health, [SERVICE_NAME])
     auth = "API keys" if keys is not None else "auth off"
     tls = "TLS" if config.security.tls.enabled else "plaintext"

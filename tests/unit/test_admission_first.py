@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from coordinator.admission import AdmissionController, AdmissionLimits, estimate_retry_after_s
+from coordinator.config import CoordinatorConfig, tokenize_queue
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend
 from coordinator.prompts import PromptEncoder, PromptLimits
 from coordinator.rounds import GenerationRequest, GenerationStats, TextChunk
@@ -147,3 +148,11 @@ def test_the_encoder_measures_each_prompt_in_its_worker() -> None:
     encoder = PromptEncoder(CountingTokenizer(), max_workers=2, max_waiting=4, clock=lambda: next(ticks))
     assert asyncio.run(encoder.encode("x", None, 64)) == [0]
     assert next(ticks, None) is None  # read once as it started and once as it ended
+
+
+def test_by_default_every_admitted_stream_may_wait_for_the_tokenizer() -> None:
+    """A burst as large as the slots is admitted whole: 64 streams at once were refused past 16 waiting."""
+    config = CoordinatorConfig()
+    assert tokenize_queue(config) == config.max_concurrent_streams
+    assert tokenize_queue(CoordinatorConfig(max_concurrent_streams=8)) == 8
+    assert tokenize_queue(CoordinatorConfig(max_tokenize_queue=3)) == 3  # an operator's cap stands
