@@ -3,7 +3,10 @@
 Times every product of a model shape (the fused QKV, O, gate-up and down
 projections of each layer, and the fp32 LM head) at 1-16 rows on each CPU
 kernel the engine can use: ``F.linear`` (eager), MKL's packed fp32 product
-(a pack per row count) and oneDNN's packed product (one pack, hint 8). A
+(a pack per row count) and oneDNN's packed product (one pack, hint 8), and,
+for the layer products, torch's int8 weight-only product
+(``torch._weight_int8pack_mm``: per-channel int8 weights, activations rounded
+to bf16, its fast path; the candidate for issue #30's ``--weights int8``). A
 layer product is timed over one copy of the weight per layer, as in a real
 step, so the weights come from memory and not from the cache. It also lists
 the row counts at which each packed kernel computes a row alike whatever the
@@ -54,8 +57,10 @@ def median_ms(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, reps
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def kernels(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Per kernel, a product over each of ``weights`` in turn, at ``rows`` rows."""
+def kernels(
+    weights: list[torch.Tensor], rows: int, int8: bool = False
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Per kernel, a product over each of ``weights`` in turn, at ``rows`` rows (with ``int8``: also int8 weights)."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     out["F.linear"] = lambda x: [F.linear(x, w) for w in weights][-1]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_HINT) for w in weights]
@@ -67,7 +72,19 @@ def kernels(weights: list[torch.Tensor], rows: int) -> dict[str, Callable[[torch
         out["MKL packed"] = lambda x: [
             torch.ops.mkl._mkl_linear(x, p, w, None, rows) for p, w in zip(mkl, weights, strict=True)
         ][-1]
+    if int8:
+        quantized = [int8_weight(w) for w in weights]
+        out["int8 weight-only"] = lambda x: [
+            torch._weight_int8pack_mm(x.to(torch.bfloat16), q, s) for q, s in quantized
+        ][-1].to(x.dtype)
     return out
+
+
+def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 weights and their bf16 scales."""
+    scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
+    quantized = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return quantized, scales.to(torch.bfloat16)
 
 
 def measure(shape: dict[str, Any], dtype: torch.dtype, reps: int, head: bool) -> list[dict[str, Any]]:
@@ -83,7 +100,7 @@ def measure(shape: dict[str, Any], dtype: torch.dtype, reps: int, head: bool) ->
         weights = [torch.randn(out_features, in_features).to(kind) for _ in range(copies)]
         for rows in ROWS:
             x = torch.randn(rows, in_features).to(kind)
-            for kernel, run in kernels(weights, rows).items():
+            for kernel, run in kernels(weights, rows, int8=not is_head).items():
                 ms = median_ms(run, x, reps) / copies
                 results.append({"product": name, "dtype": str(kind)[6:], "rows": rows, "kernel": kernel, "ms": ms})
         for packing in ("onednn", "mkl") if kind == torch.float32 else ("onednn",):

@@ -125,11 +125,13 @@ class EnginePlainMode:
 
     learns = False
 
-    def __init__(self, model: Any, fingerprint: str, eos_ids: frozenset[int], name: str, compile: str) -> None:
+    def __init__(
+        self, model: Any, fingerprint: str, eos_ids: frozenset[int], name: str, compile: str, weights: str = "dtype"
+    ) -> None:
         self.name = name
         self.dtype = model_dtype(model)
         self._eos_ids = eos_ids
-        config = VerifierConfig(compile=compile, profile_cost=False, throughput_guard=False)
+        config = VerifierConfig(compile=compile, weights=weights, profile_cost=False, throughput_guard=False)
         self._verifier = Verifier.from_config(model, fingerprint, config, profile=False)
 
     def run(self, prompt: Prompt) -> Outcome:
@@ -257,14 +259,15 @@ class InProcessMode:
         head: DraftHead | None = None,
         throughput_guard: bool = VerifierConfig().throughput_guard,
         flat_verify_cost: bool = False,
+        weights: str = "dtype",
     ) -> None:
         """``flat_verify_cost``: size trees as if extra draft nodes cost nothing (``flattened``), not at the
-        curve the verifier measures here."""
+        curve the verifier measures here; ``weights``: the verifier's --weights."""
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
         self._head = head
-        config = VerifierConfig(throughput_guard=throughput_guard)
+        config = VerifierConfig(throughput_guard=throughput_guard, weights=weights)
         self._verifier = Verifier.from_config(model, fingerprint, config)
         if flat_verify_cost:
             self._verifier.use_cost_curve(flattened(self._verifier.cost_curve))

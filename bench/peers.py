@@ -247,7 +247,7 @@ def llama_cpp_info(llama_cpp: Any) -> dict[str, Any]:
     return {
         "version": getattr(llama_cpp, "__version__", "unknown"),
         "build_flags": build_file.read_text().strip() if build_file.is_file() else "",
-        "build_file": str(build_file) if build_file.is_file() else "",
+        "build_file": f"<venv>/{BUILD_FILE}" if build_file.is_file() else "",  # no machine path in a report
         "system_info": system_info.strip(),
     }
 

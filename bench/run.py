@@ -28,10 +28,12 @@ from tqdm import tqdm
 
 from coordinator.config import CoordinatorConfig
 from draft_service.config import DrafterConfig
+from draft_service.head_products import HEAD_MATMUL_CHOICES
 from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
+from target_service.model_runner import WEIGHTS_CHOICES
 
 from . import machine
 from .aggregate import summarize_all
@@ -137,6 +139,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "on measured throughput: compares the drafting itself",
     )
     parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default="dtype",
+        help="the verifier's --weights in baseline, inproc and distributed (int8: int8 copies of the layers' "
+        "weights); baseline-eager and the transformers modes keep the float weights",
+    )
+    parser.add_argument(
+        "--head-matmul",
+        choices=HEAD_MATMUL_CHOICES,
+        default=DrafterConfig().head_logits_matmul,
+        help="the draft head's products in inproc and distributed (the drafter's --head-matmul)",
+    )
+    parser.add_argument(
         "--flat-verify-cost",
         action="store_true",
         help="in-process verifiers and drafters size trees as if extra draft nodes cost nothing to verify (a GPU's "
@@ -227,14 +242,15 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
         if name in (BASELINE, EAGER_BASELINE, FP32_BASELINE):
             model = fp32 if name == FP32_BASELINE else target.model
             compile = "off" if name == EAGER_BASELINE else "auto"
-            mode = EnginePlainMode(model, target.fingerprint, target.eos_ids, name, compile)
+            weights = args.weights if name == BASELINE else "dtype"
+            mode = EnginePlainMode(model, target.fingerprint, target.eos_ids, name, compile, weights)
         elif name == HF_PLAIN:
             mode = HfPlainMode(target.model, target.eos_ids)
         elif name == "hf-pld":
             mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens)
         elif name == "inproc" or name.startswith("inproc:"):
             sources = mode_sources(name) or DrafterConfig().sources
-            head = draft_head(target, fp32) if HeadProposer.name in sources else None
+            head = draft_head(target, fp32, args.head_matmul) if HeadProposer.name in sources else None
             mode = InProcessMode(
                 target.model,
                 target.tokenizer,
@@ -244,13 +260,16 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 head,
                 args.throughput_guard,
                 args.flat_verify_cost,
+                args.weights,
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
-            dtype_args = ["--dtype", target.dtype, *([] if args.throughput_guard else ["--no-throughput-guard"])]
+            dtype_args = ["--dtype", target.dtype, "--weights", args.weights]
+            dtype_args += [] if args.throughput_guard else ["--no-throughput-guard"]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
-            drafter_args: list[str] = ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
+            drafter_args: list[str] = ["--head-matmul", args.head_matmul]
+            drafter_args += ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
             if pinning is not None:
                 cpus = {"verifier": pinning.verifier, "drafter": pinning.others, "coordinator": pinning.others}
                 drafter_args += ["--torch-threads", str(len(pinning.others))]
@@ -428,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pinning": None if args.pinning is None else args.pinning.describe(),
             "throughput_guard": args.throughput_guard,
             "flat_verify_cost": args.flat_verify_cost,
+            "weights": args.weights,
+            "head_matmul": args.head_matmul,
             "draft_head": describe_draft_head(draft_head_path()) if uses_head(args.modes) else None,
         },
         "machine": machine.describe(),

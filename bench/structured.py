@@ -6,14 +6,20 @@ off: the baseline), unconstrained speculative (the same prompts, no schema). For
 ``jsonschema`` (those cut by max tokens counted apart), tokens/s, tau, the share of tokens the grammar forced, and
 the mask time per round.
 
-    make bench-structured BENCH_STRUCTURED_ARGS="--prompts 3 --max-new-tokens 96"
+Two rates: tok/s over each request's whole time, and decode tok/s from its first chunk on. The prefill is a fixed
+cost per request, and a constrained answer (a short JSON object) is a few times shorter than the free text the
+same prompt gets unconstrained, so the whole-time rate charges the constrained modes several times more prefill
+per token; decode tok/s compares the modes' rounds alone. The JSON also keeps each mode's drafting and verifying
+time and its pre-draft hits (trees the drafter had ready when the round began).
+
+    make bench-structured                                            # the full run: 30 prompts
+    make bench-structured BENCH_STRUCTURED_ARGS="--prompts 2 --max-new-tokens 64 --out-dir /tmp/structured"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,9 +28,11 @@ from typing import Any
 
 import jsonschema
 
+from bench import machine
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from specserve.local_cluster import LocalCluster, free_port
 
+MODES = ("constrained speculative", "constrained plain", "unconstrained speculative")
 _STR = {"type": "string", "maxLength": 40}
 _SCHEMAS: list[tuple[str, dict[str, Any]]] = [
     (
@@ -154,6 +162,15 @@ def prompts(count: int) -> list[tuple[str, dict[str, Any]]]:
     return out[:count]
 
 
+@dataclass(frozen=True)
+class Timing:
+    """One request's client-side times: to its first chunk (the prefill and first round), and from there on."""
+
+    first_chunk_s: float
+    after_first_s: float
+    first_chunk_tokens: int
+
+
 @dataclass
 class ModeResult:
     mode: str
@@ -166,19 +183,43 @@ class ModeResult:
     rounds: int = 0
     forced: int = 0
     mask_ns: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    drafter_trees: int = 0
+    predraft_hits: int = 0
+    first_chunk_s: float = 0.0  # client side, summed: prefill and the first round of each request
+    after_first_s: float = 0.0  # client side, summed: from each request's first chunk to its stats
+    after_first_tokens: int = 0
     tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0  # after the first chunk: the prefill's fixed cost left out
     tau: float = 0.0
     forced_share: float = 0.0
+    ms_per_round: float = 0.0
     mask_ms_per_round: float = 0.0
+    mask_share: float = 0.0  # of the requests' time, computing masks
     texts: list[str] = field(default_factory=list)
 
-    def add(self, text: str, stats: Stats, schema: dict[str, Any] | None, mask_ns: int) -> None:
+    def add(
+        self, text: str, stats: Stats, schema: dict[str, Any] | None, mask_ns: int, timing: Timing | None = None
+    ) -> None:
         self.outputs += 1
         self.tokens += stats.num_generated_tokens
         self.seconds += stats.total_s
         self.rounds += stats.num_rounds
         self.forced += stats.num_forced_tokens
         self.mask_ns += mask_ns
+        self.draft_tokens += stats.num_draft_tokens
+        self.accepted += stats.num_accepted_tokens
+        self.draft_s += stats.draft_s
+        self.verify_s += stats.verify_s
+        self.drafter_trees += stats.num_drafter_trees
+        self.predraft_hits += stats.num_predraft_hits
+        if timing is not None:
+            self.first_chunk_s += timing.first_chunk_s
+            self.after_first_s += timing.after_first_s
+            self.after_first_tokens += stats.num_generated_tokens - timing.first_chunk_tokens
         self.texts.append(text)
         if schema is None:
             return
@@ -193,9 +234,12 @@ class ModeResult:
 
     def finish(self) -> None:
         self.tokens_per_s = self.tokens / self.seconds if self.seconds else 0.0
+        self.decode_tokens_per_s = self.after_first_tokens / self.after_first_s if self.after_first_s else 0.0
         self.tau = self.tokens / self.rounds if self.rounds else 0.0
         self.forced_share = self.forced / self.tokens if self.tokens else 0.0
+        self.ms_per_round = self.seconds / self.rounds * 1e3 if self.rounds else 0.0
         self.mask_ms_per_round = self.mask_ns / self.rounds / 1e6 if self.rounds else 0.0
+        self.mask_share = self.mask_ns / 1e9 / self.seconds if self.seconds else 0.0
 
 
 def run_mode(address: str, mode: str, items: list[tuple[str, dict[str, Any]]], max_new_tokens: int) -> ModeResult:
@@ -208,11 +252,20 @@ def run_mode(address: str, mode: str, items: list[tuple[str, dict[str, Any]]], m
                 json_schema=json.dumps(schema) if constrained else None,
                 speculation="off" if mode == "constrained plain" else "auto",
             )
-            events = list(client.generate_chat([("user", prompt)], params))
+            started = time.perf_counter()
+            first: tuple[float, int] | None = None
+            events: list[TextChunk | Stats] = []
+            for event in client.generate_chat([("user", prompt)], params):
+                if first is None and isinstance(event, TextChunk):
+                    first = (time.perf_counter(), len(event.token_ids))
+                events.append(event)
+            ended = time.perf_counter()
             stats = events[-1]
             assert isinstance(stats, Stats)
             text = "".join(e.text for e in events if isinstance(e, TextChunk))
-            result.add(text, stats, schema if constrained else None, round(stats.mask_s * 1e9))
+            at, first_tokens = first if first is not None else (ended, 0)
+            timing = Timing(at - started, ended - at, first_tokens)
+            result.add(text, stats, schema if constrained else None, round(stats.mask_s * 1e9), timing)
     result.finish()
     return result
 
@@ -224,21 +277,42 @@ def write_report(results: list[ModeResult], out_dir: Path, meta: dict[str, Any])
     lines = [
         "# Structured output: constrained speculative vs constrained plain vs unconstrained speculative",
         "",
-        f"{meta['machine']}; {meta['prompts']} prompts, greedy, max {meta['max_new_tokens']} new tokens; "
+        f"{meta['machine_line']}; {meta['prompts']} prompts, greedy, max {meta['max_new_tokens']} new tokens; "
         f"{meta['date']}. Made by `bench/structured.py`.",
         "",
-        "| mode | valid | cut by length | invalid | tokens | tok/s | x plain | tau | forced share | mask ms/round |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | valid | cut by length | invalid | tokens | tok/s | x plain | decode tok/s | x plain | tau "
+        "| forced share | ms/round | mask ms/round | mask share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         speedup = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        decode_speedup = r.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0
         valid = f"{r.valid}/{r.outputs}" if r.mode != "unconstrained speculative" else "-"
         lines.append(
             f"| {r.mode} | {valid} | {r.cut_by_length} | {r.invalid} | {r.tokens} | {r.tokens_per_s:.1f} | "
-            f"{speedup:.2f} | {r.tau:.2f} | {r.forced_share:.0%} | {r.mask_ms_per_round:.2f} |"
+            f"{speedup:.2f} | {r.decode_tokens_per_s:.1f} | {decode_speedup:.2f} | {r.tau:.2f} | "
+            f"{r.forced_share:.0%} | {r.ms_per_round:.0f} | {r.mask_ms_per_round:.2f} | {r.mask_share:.1%} |"
         )
+    lines += [
+        "",
+        "tok/s: generated tokens over the requests' whole time on the coordinator (prefill included); decode tok/s: "
+        "tokens after each request's first chunk over the time from it to the end, on the client (the prefill's "
+        "fixed cost left out, which weighs most on short outputs); mask share: of the requests' time, computing "
+        "token masks.",
+    ]
     (out_dir / "structured.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def machine_line(host: dict[str, Any], verifier_args: list[str]) -> str:
+    """The report's one line on where it ran: CPU, the CPUs this process may use, the load when it started."""
+    load = host.get("load_average_at_start")
+    line = f"{host['cpu_model']}, {host['cpus_available']} CPUs available"
+    if load:
+        line += f", load {load[0]:.1f} at the start"
+    if verifier_args:
+        line += f", verifier {' '.join(verifier_args)}"
+    return line
 
 
 def main() -> None:
@@ -252,18 +326,19 @@ def main() -> None:
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=args.out_dir / "tmp" / "logs")
     cluster.extra_verifier_args = args.verifier_arg
     with cluster:
-        # Warm-up (compiled steps, the grammar engine's tokenizer), then the three modes.
-        run_mode(cluster.coordinator_address, "constrained speculative", items[:1], 16)
-        results = [
-            run_mode(cluster.coordinator_address, mode, items, args.max_new_tokens)
-            for mode in ("constrained speculative", "constrained plain", "unconstrained speculative")
-        ]
+        # Warm-up (each mode's step sizes, the grammar engine's tokenizer), then the three modes.
+        for mode in MODES:
+            run_mode(cluster.coordinator_address, mode, items[:1], 16)
+        results = [run_mode(cluster.coordinator_address, mode, items, args.max_new_tokens) for mode in MODES]
+    host = machine.describe()
     meta = {
-        "machine": f"{platform.machine()}, 2 cores shared with other jobs",
+        "machine": host,
+        "machine_line": machine_line(host, args.verifier_arg),
+        "verifier_args": args.verifier_arg,
         "prompts": len(items),
         "max_new_tokens": args.max_new_tokens,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "median_tokens": statistics.median([len(t) for r in results for t in r.texts] or [0]),
+        "median_output_chars": statistics.median([len(t) for r in results for t in r.texts] or [0]),
     }
     write_report(results, args.out_dir, meta)
 

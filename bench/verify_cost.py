@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -47,7 +48,7 @@ from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.kv_arena import bytes_per_token
-from target_service.model_runner import COMPILE_CHOICES
+from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 from target_service.verifier import Verifier
 
 from . import machine
@@ -133,6 +134,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated engine steps to measure, as the verifier's flag: auto (prepacked products at row "
         "buckets) and off (eager F.linear); each gets its own files (names end in _compile-auto / _compile-off)",
     )
+    parser.add_argument(
+        "--weights",
+        default="dtype",
+        help="comma-separated, as the verifier's flag: dtype (the model's weights) and int8 (int8 copies of the "
+        "layers' weights; measured with --compile auto only, files ending in _weights-int8)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/out"))
     args = parser.parse_args(argv)
     args.sizes = _ints(args.sizes)
@@ -145,6 +152,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.compile = list(dict.fromkeys(c.strip() for c in args.compile.split(",") if c.strip()))
     if not args.compile or any(c not in COMPILE_CHOICES for c in args.compile):
         parser.error(f"--compile takes a comma-separated list from {', '.join(COMPILE_CHOICES)}")
+    args.weights = list(dict.fromkeys(w.strip() for w in args.weights.split(",") if w.strip()))
+    if not args.weights or any(w not in WEIGHTS_CHOICES for w in args.weights):
+        parser.error(f"--weights takes a comma-separated list from {', '.join(WEIGHTS_CHOICES)}")
     unknown = [d for d in args.dtypes if d not in ("float32", "bfloat16", "float16")]
     if unknown or not args.dtypes:
         parser.error(f"unknown dtypes {unknown}: choose from float32, bfloat16, float16")
@@ -348,7 +358,7 @@ def kv_cache_bytes(model: Any, sessions: int, tokens_per_session: int) -> int:
     return 2 * sessions * (tokens_per_session + PREFILL_HEADROOM_TOKENS) * per_token
 
 
-def build_verifier(model: Any, label: str, args: argparse.Namespace, compile: str) -> Verifier:
+def build_verifier(model: Any, label: str, args: argparse.Namespace, compile: str, weights: str = "dtype") -> Verifier:
     """An engine whose limits hold every measured case: the cost of n tokens is measured, not the policy."""
     biggest_tree = max([*args.sizes, *(k + 1 for k in args.batch_draft_nodes)])
     batch = max(args.batch_sizes, default=0)
@@ -371,6 +381,7 @@ def build_verifier(model: Any, label: str, args: argparse.Namespace, compile: st
         max_batch_tokens=max(256, biggest_tree + 1, batch * batch_tokens),
         max_batch_sessions=max(64, batch),
         compile=compile,
+        weights=weights,
     )
 
 
@@ -405,7 +416,8 @@ def markdown(label: str, meta: dict[str, Any], rows: list[dict[str, float]], bat
         f"{settings['context']}-token context (grows by one per repetition, up to {settings['max_context']}); "
         f"median of {settings['reps']} after {settings['warmup']} warm-up repetitions; {meta['measured_at']}. "
         f"CPU flags: {', '.join(m.get('cpu_flags', [])) or 'not recorded'}. "
-        f"Engine step: {settings.get('step_form', 'not recorded')} (`--compile {settings.get('compile', '?')}`).",
+        f"Engine step: {settings.get('step_form', 'not recorded')} (`--compile {settings.get('compile', '?')}`, "
+        f"`--weights {settings.get('weights', 'dtype')}`).",
         "",
         "## One session",
         "",
@@ -469,11 +481,11 @@ def batched_markdown(settings: dict[str, Any], rows: list[dict[str, Any]]) -> li
 
 
 def measure_step(
-    args: argparse.Namespace, model: Any, label: str, dtype: str, compile: str
+    args: argparse.Namespace, model: Any, label: str, dtype: str, compile: str, weights: str = "dtype"
 ) -> tuple[str, dict[str, Any], str]:
-    """Both curves of ``model`` (in ``dtype``) with the engine step ``compile``: (file stem, JSON document,
-    Markdown)."""
-    verifier = build_verifier(model, label, args, compile)
+    """Both curves of ``model`` (in ``dtype``) with the engine step ``compile`` on ``weights``: (file stem, JSON
+    document, Markdown)."""
+    verifier = build_verifier(model, label, args, compile, weights)
     try:
         by_shape, longest = measure(verifier, args.context, args.sizes, args.reps, args.warmup)
         batched = (
@@ -493,6 +505,7 @@ def measure_step(
     batched_rows = summarize_batched(batched) if batched else []
     auto = choose_dtype("auto", args.device)
     stem = f"{label}_{args.device.replace(':', '')}_{dtype}_compile-{compile}"
+    stem += "" if weights == "dtype" else f"_weights-{weights}"
     meta = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": {
@@ -511,6 +524,7 @@ def measure_step(
             "reps": args.reps,
             "warmup": args.warmup,
             "compile": compile,
+            "weights": weights,
             "step_form": step_form,
         },
         "machine": machine.describe(),
@@ -533,8 +547,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes:
         model, label = model_to_measure(args, dtype)  # once per dtype: every step form measures the same weights
-        for compile in args.compile:
-            stem, document, text = measure_step(args, model, label, dtype, compile)
+        for compile, weights in itertools.product(args.compile, args.weights):
+            if weights != "dtype" and (compile != "auto" or args.device != "cpu"):
+                continue  # int8 weights run on the CPU's packed kernels only
+            stem, document, text = measure_step(args, model, label, dtype, compile, weights)
             (args.out_dir / f"verify_cost_{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
             (args.out_dir / f"verify_cost_{stem}.md").write_text(text)
             print(text, flush=True)

@@ -247,4 +247,6 @@ class GenerationFrontend:
             return built
         if backend.constraints is None:
             raise InvalidArgument("this coordinator does not serve structured output")
-        return replace(built, constraint=await backend.constraints.compile(request.constraint))
+        grammar = await backend.constraints.compile(request.constraint)
+        backend.constraints.check_room(grammar, built.max_new_tokens)
+        return replace(built, constraint=grammar)

@@ -19,7 +19,8 @@ for the whole. The per-position counter's ``position`` is the draft depth.
 
 Structured output: forced tokens (``spec_decode_num_forced_tokens``, a part of the accepted tokens), finished
 constrained requests by kind and completeness, each round's mask time, and the grammar compiler's compile
-time, cache hits and refusals (the compiler reports them through ``CompileObserver``).
+time, cache hits and refusals, a token limit below the constraint's shortest output among them (the compiler
+reports them through ``CompileObserver``).
 
 Owned by the instance (its own registry), not module globals.
 """
@@ -209,7 +210,8 @@ class CoordinatorMetrics:
         )
         self.grammar_compile_failures = Counter(
             "specserve_grammar_compile_failures",
-            "Constraints refused at compile time (INVALID_ARGUMENT), by kind and reason: " + ", ".join(REFUSAL_REASONS),
+            "Constraints refused before generation (INVALID_ARGUMENT), by kind and reason (too_few_tokens: the "
+            "request's token limit is below the constraint's shortest output): " + ", ".join(REFUSAL_REASONS),
             ["kind", "reason"],
             registry=r,
         )

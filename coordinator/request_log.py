@@ -44,6 +44,8 @@ class RequestRecord:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     speculation: str = ""
+    constraint: str = ""  # structured output: the constraint's kind ("" without one)
+    constraint_complete: bool | None = None  # with a constraint: the output completed it (false: cut, not valid)
     queue_s: float = 0.0
     first_token_s: float | None = None  # time to first streamed text, from the request's arrival
     total_s: float = 0.0  # from arrival to the end, queue and tokenization included
@@ -57,6 +59,8 @@ class RequestRecord:
         self.draft_tokens = stats.num_draft_tokens
         self.accepted_tokens = stats.num_accepted_tokens
         self.speculation = stats.speculation.value
+        self.constraint = stats.constraint_kind
+        self.constraint_complete = stats.constraint_complete if stats.constrained else None
         self.queue_s = stats.queue_ns / 1e9
         self.total_s = total_s
 

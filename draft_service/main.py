@@ -89,7 +89,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         choices=HEAD_MATMUL_CHOICES,
         help="auto: the head's fc, layer linears and draft logits run on weights prepacked once at start-up for "
         "the CPU's GEMM kernel (oneDNN; MKL for fp32 on Intel), F.linear where the dtype has none; "
-        "linear: F.linear everywhere",
+        "linear: F.linear everywhere; int8: int8 copies of those weights (CPU; a draft's numerics can cost "
+        "acceptance, never exactness)",
     )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)

@@ -11,8 +11,9 @@ graph cache.
 
 Two packed kernels, chosen per dtype and CPU (``available_packing``):
 
-- **oneDNN** (``torch.ops.mkldnn._linear_pointwise``): bf16 and fp16 on every
-  x86 CPU, and fp32 except on Intel's. One pack serves every row count. On an
+- **oneDNN** (``torch.ops.mkldnn._linear_pointwise``): bf16 and fp16 where
+  the CPU converts them natively (AVX512BW/VL/DQ or AVX-NE-CONVERT; an
+  AVX2-only CPU runs them on ``F.linear``), and fp32 except on Intel's. One pack serves every row count. On an
   AMD EPYC (Zen 4) it is 2-4x faster than MKL's packed fp32 product at 1-16
   rows: SmolLM2's fp32 LM head [49152 x 576] takes 4.3 ms at 4 rows against
   MKL's 16.6 (``bench.gemm_kernels``). MKL's kernels are Intel's own and do
@@ -23,6 +24,19 @@ Two packed kernels, chosen per dtype and CPU (``available_packing``):
   unpacked product, so steps run padded to a few row counts (``MKL_BUCKETS``),
   one pack serving all where MKL's layout does not depend on the row count
   (``one_pack_serves``), else a pack per bucket.
+- **int8** (``--weights int8``, opt-in): torch's weight-only int8 product
+  (``torch._weight_int8pack_mm``) over weights quantized once, symmetric per
+  output channel, with bf16 scales; the activations are rounded to bf16 for
+  the product, its fast path on x86 (with fp32 activations the kernel is
+  5-10x slower). It reads a quarter of fp32's bytes: on an AVX2 EPYC
+  SmolLM2's layer products take 0.29 ms a layer at 1 row against oneDNN's
+  fp32 0.62, 0.48 against 0.78 at 4 rows, but about the same at 8 and more
+  at 16 (its cost grows with the rows; ``bench.gemm_kernels``). The weights
+  are then other weights: what the model computes changes, as it does in
+  bf16, and numerically it behaves like bf16 too: rounding the inputs to
+  bf16 turns last-bit differences elsewhere in a step (CPU attention) into
+  bf16-sized ones, so greedy identity holds in bf16's sense (the noise
+  floor), not fp32's.
 - **none** (GPUs, CPUs without oneDNN, ``--compile off``): ``F.linear``.
 
 ``SPECSERVE_FP32_GEMM=mkl|onednn`` overrides the fp32 choice (benchmarks
@@ -51,7 +65,7 @@ import torch.nn.functional as F
 
 from specserve.hardware import cpu_vendor
 
-Packing = Literal["mkl", "onednn", "none"]
+Packing = Literal["mkl", "onednn", "int8", "none"]
 
 # Row counts MKL's packed product runs at (each needs a pack made for it); a step with more rows runs unpadded.
 MKL_BUCKETS: tuple[int, ...] = (2, 4, 8, 16, 32)
@@ -74,14 +88,18 @@ def available_packing(dtype: torch.dtype, device: torch.device) -> Packing:
         if chosen == "mkl" or (not chosen and mkl and cpu_vendor() == "GenuineIntel"):
             return "mkl" if mkl else "onednn"
         return "onednn"
-    if dtype in (torch.bfloat16, torch.float16):
-        return "onednn"
+    if dtype == torch.bfloat16:
+        # oneDNN packs bf16 only where the CPU converts it natively (AVX512BW/VL/DQ or AVX-NE-CONVERT):
+        # an AVX2-only EPYC raises at the first pack
+        return "onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "none"
+    if dtype == torch.float16:
+        return "onednn" if torch.ops.mkldnn._is_mkldnn_fp16_supported() else "none"
     return "none"
 
 
 def candidate_rows(packing: Packing) -> tuple[int, ...]:
     """The row counts a product packed so may run at, before the invariance check."""
-    return {"mkl": MKL_BUCKETS, "onednn": ONEDNN_ROWS}.get(packing, ())
+    return {"mkl": MKL_BUCKETS, "onednn": ONEDNN_ROWS, "int8": ONEDNN_ROWS}.get(packing, ())
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:
@@ -135,6 +153,12 @@ def row_invariant_rows(
                 packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
                 return torch.ops.mkl._mkl_linear(x[:rows], packed, weight, None, rows)
 
+        elif packing == "int8":
+            quantized, scales = quantize_int8(weight)
+
+            def product(rows: int) -> torch.Tensor:
+                return int8_product(x[:rows].clone(), quantized, scales)
+
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_HINT)
 
@@ -159,6 +183,19 @@ def invariant_rows(packing: Packing, dtype: torch.dtype, products: set[tuple[int
     return tuple(sorted(kept)) or candidates[-1:]
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` as symmetric per-output-channel int8 values and their bf16 scales (w ~ q * scale)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+    quantized = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return quantized.contiguous(), scales.contiguous()
+
+
+def int8_product(x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (quantized * scales).T`` in ``x``'s dtype, ``x`` rounded to bf16 for the kernel."""
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), quantized, scales).to(x.dtype)
+
+
 class PackedLinear:
     """``y = x @ W.T + b`` with ``W`` prepacked for ``packing``; ``x`` is [rows, in]."""
 
@@ -171,6 +208,7 @@ class PackedLinear:
         self.buckets = tuple(sorted(buckets))
         self._mkl: dict[int, torch.Tensor] = {}
         self._onednn: torch.Tensor | None = None
+        self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
         with torch.inference_mode():
             if packing == "mkl" and self.buckets:
                 # The MKL pack must stay where it was made (its layout depends on its alignment): never copy it.
@@ -182,6 +220,9 @@ class PackedLinear:
                     self._mkl = {n: torch.ops.mkl._mkl_reorder_linear_weight(self.weight, n) for n in self.buckets}
             elif packing == "onednn":
                 self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_HINT)
+            elif packing == "int8":
+                self._int8 = quantize_int8(self.weight)
+                self.weight = self._int8[0]  # the float weights are not kept: int8 is what the product reads
 
     @property
     def out_features(self) -> int:
@@ -196,6 +237,11 @@ class PackedLinear:
                 return F.linear(x, self.weight, self.bias)
             padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
             return torch.ops.mkl._mkl_linear(padded, packed, self.weight, self.bias, bucket)[:rows]
+        if self._int8 is not None:
+            bucket = bucket_for(rows, self.buckets)
+            padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
+            y = int8_product(padded, *self._int8)[:rows]
+            return y if self.bias is None else y + self.bias
         if self._onednn is not None:
             bucket = bucket_for(rows, self.buckets)
             padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x

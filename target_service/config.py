@@ -32,6 +32,7 @@ class VerifierConfig:
     profile_cost: bool = True  # measure the engine's cost curve at start-up (sizes the draft budget)
     throughput_guard: bool = True  # keep speculation on only while measured throughput says it wins
     compile: str = "auto"  # auto: prepacked products at static row buckets where the CPU has them; off: eager
+    weights: str = "dtype"  # "int8": the layers' products on int8 copies of the weights (CPU, compile auto; opt-in)
     torch_threads: int = 0  # 0: torch's default
     max_workers: int = 256  # concurrent RPCs (they wait on the engine; forwards are batched)
     metrics_port: int = 0  # 0: no Prometheus endpoint

@@ -32,7 +32,7 @@ from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
 from target_service.draft_budget import CostCurve
 from target_service.metrics import VerifierMetrics
-from target_service.model_runner import COMPILE_CHOICES
+from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier
 
@@ -101,6 +101,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         "2-8 rows then costs about one row); off: eager F.linear, for debugging and comparison",
     )
     parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default=env("SPECSERVE_WEIGHTS", defaults.weights),
+        help="dtype: the layers read the model's weights in --dtype; int8: int8 copies of them (per-channel "
+        "scales, bf16 activations in the products; CPU with --compile auto): a quarter of fp32's bytes, other "
+        "weights, so other output than --dtype alone gives (speculation still never changes it)",
+    )
+    parser.add_argument(
         "--no-throughput-guard",
         dest="throughput_guard",
         action="store_false",
@@ -111,6 +119,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
     )
     parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
     args = parser.parse_args(argv)
+    if args.weights == "int8" and (args.compile != "auto" or not args.device.startswith("cpu")):
+        parser.error("--weights int8 runs on the CPU's packed kernels: use it with --device cpu and --compile auto")
     try:
         args.security = security_from_args(args)
     except ValueError as exc:

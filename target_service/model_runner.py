@@ -50,8 +50,17 @@ from target_service.ragged_attention import StepPlan, attend_segments
 from target_service.static_steps import StaticSteps
 
 COMPILE_CHOICES = ("auto", "off")
+# --weights: the layers' products read the model's weights in its dtype, or int8 copies of them (opt-in).
+WEIGHTS_CHOICES = ("dtype", "int8")
 
-__all__ = ["COMPILE_CHOICES", "SUPPORTED_MODEL_TYPES", "ModelRunner", "StepOutput", "UnsupportedModelError"]
+__all__ = [
+    "COMPILE_CHOICES",
+    "SUPPORTED_MODEL_TYPES",
+    "WEIGHTS_CHOICES",
+    "ModelRunner",
+    "StepOutput",
+    "UnsupportedModelError",
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,9 @@ class ModelRunner:
 
     ``static`` forces static-shape steps on (True) or off (False); by default they run where CUDA graphs
     can capture them. Off a GPU they run uncaptured, which is how the tests check them on a CPU.
+
+    ``weights="int8"`` runs the layers' products on int8 copies of their weights (``packed_linear``'s int8
+    kernel; CPU, ``compile="auto"`` only); the head stays fp32.
     """
 
     def __init__(
@@ -79,13 +91,21 @@ class ModelRunner:
         model: Any,
         compile: str = "auto",
         static: bool | None = None,
+        weights: str = "dtype",
     ) -> None:
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"compile must be one of {COMPILE_CHOICES}, not {compile!r}")
+        if weights not in WEIGHTS_CHOICES:
+            raise ValueError(f"weights must be one of {WEIGHTS_CHOICES}, not {weights!r}")
         weight = model.lm_head.weight.detach()
         self.dtype: torch.dtype = weight.dtype
         self.device: torch.device = weight.device
         packing: Packing = available_packing(self.dtype, self.device) if compile == "auto" else "none"
+        if weights == "int8":
+            if compile != "auto" or self.device.type != "cpu" or static:
+                raise ValueError("int8 weights run on the CPU's packed kernels: --compile auto on a CPU")
+            packing = "int8"
+        self.weights = weights
         # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
         head_packing = available_packing(torch.float32, self.device) if compile == "auto" else "none"
         shape = LlamaShape.of(model.config)
@@ -132,6 +152,12 @@ class ModelRunner:
         if self.packing == "none":
             return "eager F.linear products (--compile off or no packed kernel here)"
         kernels = {"mkl": "MKL", "onednn": "oneDNN"}
+        if self.packing == "int8":
+            return (
+                f"int8 weight-only products (bf16 activations, {str(self.dtype).removeprefix('torch.')} between "
+                f"them) at rows {_row_counts(self.buckets)}, fp32 head {kernels.get(self.head_packing, 'eager')} at "
+                f"rows {_row_counts(self._head.buckets)}"
+            )
         return (
             f"{kernels[self.packing]}-prepacked {str(self.dtype).removeprefix('torch.')} products at rows "
             f"{_row_counts(self.buckets)}, fp32 head {kernels.get(self.head_packing, 'eager')} at rows "

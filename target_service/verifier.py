@@ -127,8 +127,10 @@ class Verifier:
         cost_curve: CostCurve | None = None,
         throughput_guard: bool = True,
         compile: str = "auto",
+        weights: str = "dtype",
     ) -> None:
-        self._runner = ModelRunner(model, compile)
+        self._runner = ModelRunner(model, compile, weights=weights)
+        self.weights = weights
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
         self.vocab_size = self._runner.vocab_size
@@ -194,6 +196,7 @@ class Verifier:
             evict_idle_s=config.evict_idle_s,
             throughput_guard=config.throughput_guard,
             compile=config.compile,
+            weights=config.weights,
         )
         if profile and config.profile_cost:
             verifier.profile_cost()

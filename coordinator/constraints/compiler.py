@@ -12,6 +12,10 @@ size, fuel per step). A constraint over a limit, or one llguidance refuses,
 is an INVALID_ARGUMENT naming the problem in our words (``refusals``);
 llguidance's whole text goes to the log only.
 
+Each compiled grammar carries a floor on the tokens of any output that
+completes it (``shortest``); ``check_room`` refuses a request whose token
+limit is below it, since that request could only end cut and unmatched.
+
 An observer (the coordinator's metrics) hears of each cache lookup, each
 grammar built (its compile time) and each refusal (its reason).
 """
@@ -32,7 +36,8 @@ from typing import Any, Protocol
 import llguidance
 
 from coordinator.constraints.grammar_state import GrammarState
-from coordinator.constraints.refusals import ConstraintRefused, refused, timed_out
+from coordinator.constraints.refusals import ConstraintRefused, refused, timed_out, too_few_tokens
+from coordinator.constraints.shortest import VocabularyBytes, shortest_output_tokens
 from coordinator.constraints.spec import Constraint, ConstraintKind, ConstraintLimits
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class CompiledGrammar:
     vocab_size: int
     eos_token_ids: frozenset[int]
     compile_ns: int  # building the grammar and its matcher (not llguidance's one-off tokenizer set-up)
+    min_tokens: int = 0  # no output completes it in fewer tokens (a floor: ``shortest``)
 
     def new_state(self) -> GrammarState:
         return GrammarState(self.template.deep_copy(), self.vocab_size, self.eos_token_ids)
@@ -92,18 +98,21 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile")
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._vocab_bytes: VocabularyBytes | None = None
         self._tokenizer_lock = threading.Lock()
         self._observer = observer
 
-    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the vocabulary, built once (about 0.3 s) on first use, in a worker thread."""
+    def _ll_tokenizer(self) -> tuple[llguidance.LLTokenizer, VocabularyBytes]:
+        """llguidance's view of the vocabulary and each token's bytes, built once (about 0.3 s) on first use, in
+        a worker thread."""
         with self._tokenizer_lock:
-            if self._tokenizer is None:
+            if self._tokenizer is None or self._vocab_bytes is None:
                 backend = self._hf_tokenizer.backend_tokenizer
                 self._tokenizer = llguidance.LLTokenizer(
                     backend.to_str(), n_vocab=self._vocab_size, eos_token=self._eos
                 )
-            return self._tokenizer
+                self._vocab_bytes = VocabularyBytes(self._tokenizer, self._vocab_size)
+            return self._tokenizer, self._vocab_bytes
 
     async def warm(self) -> None:
         """Build the tokenizer ahead of the first constrained request."""
@@ -138,12 +147,20 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return compiled
 
+    def check_room(self, grammar: CompiledGrammar, max_new_tokens: int) -> None:
+        """Refuse a request whose token limit is below the constraint's shortest output: it could never complete
+        (a request that passes may still be cut; its stats then say ``constraint_complete`` false)."""
+        if max_new_tokens < grammar.min_tokens:
+            refusal = too_few_tokens(grammar.constraint, grammar.min_tokens, max_new_tokens)
+            self._refused(grammar.constraint.kind.value, refusal)
+            raise refusal
+
     def _refused(self, kind: str, refusal: ConstraintRefused) -> None:
         if self._observer is not None:
             self._observer.grammar_refused(kind, refusal.reason)
 
     def _compile(self, constraint: Constraint) -> CompiledGrammar:
-        tokenizer = self._ll_tokenizer()
+        tokenizer, vocab_bytes = self._ll_tokenizer()
         started = time.perf_counter_ns()
         grammar = _grammar_text(constraint)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
@@ -154,8 +171,9 @@ class GrammarCompiler:
         template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
         if template.is_error():
             raise refused(constraint, template.get_error())
+        min_tokens = shortest_output_tokens(template, tokenizer, vocab_bytes)
         return CompiledGrammar(
-            constraint, template, self._vocab_size, frozenset(self._eos), time.perf_counter_ns() - started
+            constraint, template, self._vocab_size, frozenset(self._eos), time.perf_counter_ns() - started, min_tokens
         )
 
 

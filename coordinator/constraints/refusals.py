@@ -32,6 +32,7 @@ REFUSAL_REASONS = (
     "too_large",
     "timeout",
     "other",
+    "too_few_tokens",  # not the constraint's fault: the request's token limit is below its shortest output
 )
 
 JSON_TYPES = "string, number, integer, boolean, object, array and null"
@@ -82,6 +83,15 @@ def refused(constraint: Constraint, library_text: str) -> ConstraintRefused:
 def timed_out(constraint: Constraint, seconds: float) -> ConstraintRefused:
     return ConstraintRefused(
         f"{constraint.kind.value} took longer than {seconds:g} s to compile; simplify it", "timeout"
+    )
+
+
+def too_few_tokens(constraint: Constraint, needed: int, max_new_tokens: int) -> ConstraintRefused:
+    """A request whose token limit is below the constraint's shortest output: it could only end cut, unmatched."""
+    return ConstraintRefused(
+        f"max_new_tokens is {max_new_tokens}, but any output that completes this {constraint.kind.value} takes at "
+        f"least {needed} tokens; raise max_new_tokens (max_tokens in the OpenAI API)",
+        "too_few_tokens",
     )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -83,3 +86,20 @@ def test_arguments_measure_both_dtypes_by_default() -> None:
     assert args.batch_sizes == [1, 2, 4, 8, 16] and args.batch_draft_nodes == [0, 1, 3, 7]
     assert parse_args(["--dtype", "bfloat16"]).dtypes == ["bfloat16"]  # the old flag still works
     assert parse_args(["--batch-sizes", ""]).batch_sizes == []
+
+
+def test_int8_weights_are_measured_with_the_packed_step_and_named_apart(tmp_path: Path) -> None:
+    """``--weights dtype,int8``: int8 only where it runs (compile auto on a CPU), in files of its own."""
+    from bench.verify_cost import main
+
+    flags = "--shape smollm2-135m --num-layers 1 --dtypes float32 --compile auto,off --weights dtype,int8"
+    flags += " --sizes 1,2 --reps 1 --warmup 0 --context 8"
+    main([*flags.split(), "--batch-sizes", "", "--out-dir", str(tmp_path)])
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert names == [
+        "verify_cost_smollm2-135m-1layers_cpu_float32_compile-auto.json",
+        "verify_cost_smollm2-135m-1layers_cpu_float32_compile-auto_weights-int8.json",
+        "verify_cost_smollm2-135m-1layers_cpu_float32_compile-off.json",
+    ]
+    settings = json.loads((tmp_path / names[1]).read_text())["meta"]["settings"]
+    assert settings["weights"] == "int8" and "int8" in settings["step_form"]

@@ -2,7 +2,9 @@
 
 The official ``openai`` client with ``response_format`` json_schema, whole and streamed: every output parses and
 validates with ``jsonschema``; the same constraint over gRPC gives the same tokens (greedy); speculation off (plain
-constrained decoding) gives them too; a bad schema is a 400 / INVALID_ARGUMENT naming the problem.
+constrained decoding) gives them too; a bad schema is a 400 / INVALID_ARGUMENT naming the problem; a token limit
+that cuts the value ends "length" with the constraint marked incomplete, and one below the schema's shortest output
+is refused.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import grpc
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat.completion_create_params import ResponseFormat
 
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from specserve.local_cluster import LocalCluster, free_port
@@ -60,15 +64,15 @@ def _grpc(cluster: LocalCluster, params: GenerationParams) -> tuple[str, list[in
 
 
 def test_openai_json_schema_whole_and_streamed_validate(cluster: LocalCluster) -> None:
-    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
-    messages = [{"role": "user", "content": QUESTION}]
+    fmt: ResponseFormat = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": QUESTION}]
     client = _client(cluster)
     whole = client.chat.completions.create(
         model="smollm2",
         messages=messages,
         max_tokens=TOKENS,
         temperature=0,
-        response_format=fmt,  # type: ignore[arg-type]
+        response_format=fmt,
     )
     text = whole.choices[0].message.content or ""
     assert whole.choices[0].finish_reason == "stop", text
@@ -78,7 +82,7 @@ def test_openai_json_schema_whole_and_streamed_validate(cluster: LocalCluster) -
         messages=messages,
         max_tokens=TOKENS,
         temperature=0,
-        response_format=fmt,  # type: ignore[arg-type]
+        response_format=fmt,
         stream=True,
     )
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
@@ -90,7 +94,7 @@ def test_openai_json_schema_whole_and_streamed_validate(cluster: LocalCluster) -
         max_tokens=TOKENS,
         temperature=1.0,
         seed=7,
-        response_format=fmt,  # type: ignore[arg-type]
+        response_format=fmt,
     )
     if sampled.choices[0].finish_reason == "stop":
         jsonschema.validate(json.loads(sampled.choices[0].message.content or ""), SCHEMA)
@@ -122,7 +126,7 @@ def test_grpc_same_tokens_with_and_without_speculation(cluster: LocalCluster) ->
         messages=[{"role": "user", "content": QUESTION}],
         max_tokens=TOKENS,
         temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}},  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}},
     )
     assert http.choices[0].message.content == text
 
@@ -144,9 +148,40 @@ def test_bad_schema_is_invalid_argument_and_400(cluster: LocalCluster) -> None:
             model="smollm2",
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=8,
-            response_format={  # type: ignore[arg-type]
+            response_format={
                 "type": "json_schema",
                 "json_schema": {"name": "x", "schema": {"type": "string", "format": "weird"}},
             },
         )
     assert "weird" in str(bad.value)
+
+
+def test_a_cut_value_ends_length_incomplete_and_a_hopeless_limit_is_refused(cluster: LocalCluster) -> None:
+    schema = json.dumps(SCHEMA)
+    text, tokens, stats = _grpc(cluster, GenerationParams(max_new_tokens=8, json_schema=schema))
+    assert len(tokens) == 8 and text.startswith('{"city": "')
+    assert (stats.finish_reason, stats.constraint_complete) == ("length", False)
+    fmt: ResponseFormat = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    client = _client(cluster)
+    cut = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=8,
+        temperature=0,
+        response_format=fmt,
+    )
+    assert cut.choices[0].message.content == text and cut.choices[0].finish_reason == "length"
+    assert (cut.model_extra or {})["speculation"]["constraint_complete"] is False
+    # '{"city": "' takes 4 tokens at the least, and the value is still open after them.
+    with pytest.raises(grpc.RpcError) as caught:
+        _grpc(cluster, GenerationParams(max_new_tokens=3, json_schema=schema))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "takes at least 4 tokens" in (caught.value.details() or "")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": QUESTION}],
+            max_tokens=3,
+            response_format=fmt,
+        )
+    assert "takes at least 4 tokens" in str(bad.value)

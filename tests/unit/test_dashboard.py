@@ -137,6 +137,21 @@ def exported() -> tuple[set[str], set[str]]:
         drafter_error="drafter dropped: test",
     )
     coordinator.observe_finished(stats, 0.5)
+    constrained = GenerationStats(
+        num_generated_tokens=6,
+        num_rounds=2,
+        num_accepted_tokens=4,
+        finish_reason=FinishReason.EOS,
+        constrained=True,
+        constraint_kind="json_schema",
+        constraint_complete=True,
+        num_forced_tokens=3,
+        mask_ns_per_round=[40_000, 90_000],
+    )
+    coordinator.observe_finished(constrained, 0.2)
+    coordinator.grammar_cache_lookup(hit=False)
+    coordinator.grammar_compiled("json_schema", 0.002)
+    coordinator.grammar_refused("regex", "regex_syntax")
 
     verifier_metrics = VerifierMetrics()
     verifier = Verifier(tiny_llama(vocab_size=48), "fp", max_tree_nodes=4)
@@ -178,9 +193,17 @@ def test_the_dashboard_is_grafana_json_with_queries(dashboard: dict[str, Any]) -
 def test_every_metric_a_panel_plots_is_exported(dashboard: dict[str, Any], exported: tuple[set[str], set[str]]) -> None:
     names, _ = exported
     assert unexported(dashboard, names) == {}
-    # Every tier is on the dashboard.
+    # Every tier is on the dashboard, and structured output.
     used = {name for _, expr in exprs(dashboard) for name in metric_names(expr)}
-    for prefix in ("specserve_spec_decode_", "specserve_verifier_", "specserve_drafter_predraft"):
+    for prefix in (
+        "specserve_spec_decode_",
+        "specserve_verifier_",
+        "specserve_drafter_predraft",
+        "specserve_spec_decode_num_forced_tokens",
+        "specserve_constrained_requests",
+        "specserve_constraint_mask_seconds",
+        "specserve_grammar_",
+    ):
         assert any(name.startswith(prefix) for name in used), prefix
 
 

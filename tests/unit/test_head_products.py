@@ -17,6 +17,15 @@ CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(
     available_packing(torch.float32, CPU) == "none", reason="no packed GEMM in this torch build"
 )
+# bf16 packs need a CPU that converts bf16 natively (an AVX2-only EPYC has none: its bf16 head runs F.linear)
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(
+        torch.bfloat16,
+        id="bf16",
+        marks=pytest.mark.skipif(available_packing(torch.bfloat16, CPU) == "none", reason="no bf16 packing here"),
+    ),
+]
 
 
 def assert_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -26,7 +35,7 @@ def assert_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @needs_packing
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 128), (320, 576)])
 def test_packed_products_equal_f_linear_within_rounding_at_1_to_16_rows(
     dtype: torch.dtype, out_features: int, in_features: int
@@ -50,7 +59,7 @@ def test_packed_products_equal_f_linear_within_rounding_at_1_to_16_rows(
 
 
 @needs_packing
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_packed_head_computes_the_f_linear_heads_features_and_logits(dtype: torch.dtype) -> None:
     plain = new_head().eval().to(dtype)
     packed = copy.deepcopy(plain)
@@ -112,3 +121,30 @@ def test_an_unknown_choice_is_refused() -> None:
     with pytest.raises(ValueError, match="--head-matmul must be one of auto, linear"):
         head_packing(torch.float32, CPU, "fast")
     assert head_packing(torch.float32, torch.device("meta"), "auto") == "none"
+
+
+@needs_packing
+def test_int8_head_drafts_close_to_the_float_head_and_alike_at_every_row_count() -> None:
+    """``--head-matmul int8``: int8 copies of the weights, so near the float head's numbers, not equal."""
+    plain = new_head().eval()
+    quantized = copy.deepcopy(plain)
+    quantized.pack_products("int8")
+    assert quantized.packing == "int8" and "int8" in quantized.products
+    generator = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        features = torch.randn(1, 8, 64, generator=generator)
+        tokens = torch.randint(VOCAB, (1, 8), generator=generator)
+        want, got = plain(features, tokens), quantized(features, tokens)
+        assert not torch.equal(got.logits, want.logits)
+        scale = float(want.logits.abs().max())
+        torch.testing.assert_close(got.logits, want.logits, atol=0.1 * scale, rtol=0)
+        # each row as it comes out in a one-row step: drafts do not depend on how many rows shared a step
+        fc = quantized.fc
+        rows = torch.randn(8, 128, generator=generator)
+        assert torch.equal(fc(rows)[:1], fc(rows[:1]))
+
+
+def test_bf16_without_native_support_runs_unpacked() -> None:
+    """Where oneDNN cannot pack bf16 (an AVX2-only CPU raised at the first pack), bf16 products run F.linear."""
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (available_packing(torch.bfloat16, CPU) == "onednn") == (native and torch.backends.mkldnn.is_available())

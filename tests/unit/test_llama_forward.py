@@ -217,6 +217,7 @@ def test_unknown_compile_mode_is_refused() -> None:
         ModelRunner(build("llama"), "inductor")
 
 
+@pytest.mark.skipif(available_packing(torch.bfloat16, CPU) == "none", reason="this CPU has no bf16 packing")
 def test_bf16_step_on_onednn_packs_matches_the_eager_step() -> None:
     """bf16 layers run on oneDNN's packed linear (one pack for every row count); the head stays fp32."""
     model = build("qwen2").to(torch.bfloat16)

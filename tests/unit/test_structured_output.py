@@ -5,7 +5,10 @@
 - sampling: the first token's distribution, with a tree of sampled children some of which the grammar forbids,
   is the masked, renormalised p (chi-square);
 - fitting a tree leaves the grammar state untouched; committing moves it by exactly the committed tokens;
-- forced tokens are always accepted (greedy and sampled); EOS is allowed only where the grammar is complete.
+- forced tokens are always accepted (greedy and sampled); EOS is allowed only where the grammar is complete;
+- the end stays honest: a request cut by its token limit mid-grammar says so (finish reason length, the
+  constraint incomplete, in the stats, the OpenAI answer, the metrics and the log line), and one whose limit is
+  below the constraint's shortest output is refused before it runs.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from coordinator.constraints import compiler
 from coordinator.constraints.compiler import CompiledGrammar, GrammarCompiler
 from coordinator.constraints.grammar_state import FittedTree, GrammarState, allows
 from coordinator.constraints.refusals import ConstraintRefused
+from coordinator.constraints.shortest import VocabularyBytes
 from coordinator.constraints.spec import Constraint, ConstraintKind, ConstraintLimits
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.openai_api.translate import finish_reason, speculation_stats
 from coordinator.prompts import PromptLimits
-from coordinator.rounds import Generation, GenerationRequest, RoundPolicy
+from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
 from specserve.errors import InvalidArgument
 from specserve.keyed_noise import PositionNoise
 from specserve.probs import target_probs
@@ -375,3 +380,117 @@ def test_the_compiler_and_a_constrained_generation_feed_the_metrics() -> None:
     assert value("specserve_constrained_requests_total", {"kind": "lark_grammar", "complete": "true"}) == 1
     assert value("specserve_spec_decode_num_forced_tokens_total", {"decoding": "greedy"}) == stats.num_forced_tokens
     assert value("specserve_constraint_mask_seconds_count") == stats.num_rounds
+
+
+def _generation(grammar: CompiledGrammar, prompt: list[int], max_new_tokens: int) -> Generation:
+    return Generation(
+        GenerationRequest(prompt, max_new_tokens, constraint=grammar),
+        InProcessVerifier(Verifier(MODEL, "tiny")),
+        None,  # no drafter: the grammar's forced tokens are the only drafts
+        CharTokenizer(),
+        frozenset({EOS}),
+        "tiny",
+        RoundPolicy(max_draft_tokens=8),
+    )
+
+
+@pytest.mark.parametrize("max_new_tokens", [2, 5, 12])
+def test_a_cut_mid_grammar_ends_with_length_and_says_the_constraint_is_incomplete(max_new_tokens: int) -> None:
+    grammar = compiled()
+    prompt = [5, 5]  # the model closes the list after 13 tokens
+    reference = masked_plain_greedy(prompt, grammar.new_state(), 24)
+    assert len(reference) > max_new_tokens + 1
+    tokens, _, stats = run_generation(_generation(grammar, prompt, max_new_tokens))
+    assert tokens == reference[:max_new_tokens]  # the same text plain decoding has at that length
+    assert (stats.finish_reason, stats.constrained, stats.constraint_complete) == (FinishReason.LENGTH, True, False)
+    assert finish_reason(stats) == "length" and speculation_stats(stats).constraint_complete is False
+    metrics = CoordinatorMetrics()
+    metrics.observe_finished(stats, e2e_seconds=1.0)
+    value = metrics.registry.get_sample_value
+    assert value("specserve_constrained_requests_total", {"kind": "lark_grammar", "complete": "false"}) == 1
+    record = request_log.RequestRecord("r", "grpc", "t")
+    record.finished(stats, 1.0)
+    assert (record.constraint, record.constraint_complete) == ("lark_grammar", False)
+
+
+def test_a_limit_that_ends_exactly_where_the_grammar_completes_is_length_but_complete() -> None:
+    grammar = compiled()
+    prompt = [5, 5]
+    reference = masked_plain_greedy(prompt, grammar.new_state(), 24)  # ends "]", EOS
+    tokens, _, stats = run_generation(_generation(grammar, prompt, len(reference) - 1))
+    assert tokens == reference[:-1]
+    assert (stats.finish_reason, stats.constraint_complete) == (FinishReason.LENGTH, True)
+    assert finish_reason(stats) == "length" and speculation_stats(stats).constraint_complete is True
+
+
+def test_the_fewest_tokens_that_write_forced_bytes_take_any_tokenization() -> None:
+    vocab = VocabularyBytes(llguidance.LLTokenizer(_tokenizer().backend_tokenizer.to_str(), n_vocab=VOCAB), VOCAB)
+    # exact: "abc" "ab" (or "ab" "cab"); past the end: "abc" then "ab" reaching into "abc"
+    assert vocab.fewest_tokens(b"abcab") == (2, 2)
+    assert vocab.fewest_tokens(b"[") == (1, 1)  # "[" exactly, or "[a" past it
+    assert vocab.fewest_tokens(b"cax") == (2, None)  # "ca" "x" exactly; no token goes on past an "x"
+    assert vocab.fewest_tokens(b"xq") == (None, None)  # no token writes "q"
+
+
+@pytest.mark.parametrize(
+    ("constraint", "floor"),
+    [
+        (Constraint(ConstraintKind.CHOICE, choices=("abcab",)), 2),  # all forced: "abc" "ab", then complete
+        (Constraint(ConstraintKind.CHOICE, choices=("cabcab", "cabx")), 2),  # "cab" forced, then one more
+        (Constraint(ConstraintKind.CHOICE, choices=("ab", "c")), 1),  # no forced bytes: one token at least
+        (Constraint(ConstraintKind.REGEX, "[abc]*"), 0),  # the empty output completes it
+        (LIST, 1),  # "[" forced, but "[a" writes it and goes on
+    ],
+)
+def test_a_compiled_constraint_knows_a_floor_on_its_shortest_output(constraint: Constraint, floor: int) -> None:
+    assert compiled(constraint).min_tokens == floor
+
+
+def _backend(metrics: CoordinatorMetrics | None = None) -> tuple[GenerationBackend, list[GenerationRequest]]:
+    started: list[GenerationRequest] = []
+
+    def new_generation(request: GenerationRequest) -> Generation:
+        started.append(request)
+        raise _Started
+
+    observed = GrammarCompiler(_tokenizer(), VOCAB, [EOS], "tiny", observer=metrics)
+    backend = GenerationBackend(
+        lambda text, **_: {"input_ids": [1] * len(text)},
+        PromptLimits(max_new_tokens=16, max_session_tokens=64),
+        new_generation,
+        constraints=observed,
+    )
+    return backend, started
+
+
+class _Started(Exception):
+    """The request got past every check and a generation was asked for."""
+
+
+def _ask(front: GenerationFrontend, constraint: Constraint, max_new_tokens: int) -> None:
+    request = EdgeRequest(prompt="hi", max_new_tokens=max_new_tokens, constraint=constraint)
+
+    async def run() -> None:
+        async for _ in front.generate(request, CallInfo("req", "grpc", Tenant("acme"))):
+            pass
+
+    asyncio.run(run())
+
+
+def test_a_limit_below_the_shortest_output_is_refused_before_the_request_runs() -> None:
+    metrics = CoordinatorMetrics()
+    backend, started = _backend(metrics)
+    front = GenerationFrontend("tiny", AdmissionController(), metrics, backend)
+    long_choice = Constraint(ConstraintKind.CHOICE, choices=("abcabcab",))  # "abc" "abc" "ab": three tokens
+    with pytest.raises(InvalidArgument) as refused:
+        _ask(front, long_choice, 2)
+    assert str(refused.value) == (
+        "max_new_tokens is 2, but any output that completes this choice takes at least 3 tokens; raise "
+        "max_new_tokens (max_tokens in the OpenAI API)"
+    )
+    assert not started
+    value = metrics.registry.get_sample_value
+    assert value("specserve_grammar_compile_failures_total", {"kind": "choice", "reason": "too_few_tokens"}) == 1
+    with pytest.raises(_Started):  # three is enough
+        _ask(front, long_choice, 3)
+    assert started[0].max_new_tokens == 3 and started[0].constraint is not None
