@@ -17,7 +17,7 @@
 #   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/out/tmp"
 #   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtypes bfloat16 --device cuda"
 #   make bench-load BENCH_LOAD_ARGS="--levels 1,2 --max-new-tokens 8 --verifier-arg='--dtype bfloat16'"
-#   make bench-head BENCH_HEAD_ARGS="--serving bench/results/head-v2-no-guard/spec_bench.json"
+#   make bench-head BENCH_HEAD_ARGS="--serving bench/out/spec_bench.json"
 #   make bench-numerics BENCH_NUMERICS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/out/numerics-tmp"
 #   make bench-peers BENCH_PEERS_ARGS="--prompts 2 --max-new-tokens 16 --out-dir bench/out/peers-tmp"
 

@@ -38,7 +38,7 @@ from specserve.sampling import SamplingParams
 from . import machine
 from .dataset import CATEGORIES, load_questions, select
 from .decoding import plain_decode
-from .run import Target, draft_head, load_target, make_prompt
+from .target import Target, chat_ids, draft_head, load_target
 
 INDEPENDENT_SEED_OFFSET = 1 << 32  # a seed whose noise has nothing to do with the target's
 
@@ -64,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def position_rates(target: Target, head: Any, prompt_ids: list[int], sampling: SamplingParams, n: int) -> np.ndarray:
     """Per generated position: [coupled match, top-1 match, independent match, bound, TV]."""
     # What the service produces with this seed (EOS, where reached, is not a position drafted for).
-    generated = plain_decode(target.model, prompt_ids, n, target.eos_ids, sampling, target.head).tokens
+    generated = plain_decode(target.model, prompt_ids, n, target.eos_ids, sampling, target.fp32_head).tokens
     tokens = prompt_ids + generated
     out = target.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
     features = out.hidden_states[-1][0].float()  # after the final norm: what the verifier forwards
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 position_rates(
                     target,
                     head,
-                    make_prompt(target, q.text, args.max_new_tokens, SamplingParams()).token_ids,
+                    chat_ids(target.tokenizer, q.text),
                     SamplingParams(temperature=temperature, seed=args.seed + q.question_id),
                     args.max_new_tokens,
                 )

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head, truncate_cache
+from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, truncate_cache
+from specserve.model_loading import DEFAULT_MODEL
 
 from . import machine
-from .head_identity import draft_head_path
-from .run import DEFAULT_MODEL, Target, fp32_model, load_target, quiet_libraries
+from .target import Target, load_head, load_target, quiet_libraries
 
 ROWS = (1, 4)
 ARMS = {"F.linear": "linear", "packed": "auto"}  # arm -> --head-matmul
@@ -133,17 +133,10 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
 
 def fp32_head(target: Target) -> DraftHead:
     """The drafter's default head over the float32 target, as loaded (fp32, unpacked)."""
-    fp32 = fp32_model(target)
     try:
-        head, _ = load_draft_head(
-            draft_head_path(),
-            target_fingerprint=target.fingerprint,
-            embedding=fp32.get_input_embeddings().weight.detach(),
-            lm_head=fp32.get_output_embeddings().weight.detach(),
-        )
+        return load_head(target.fp32_model(), target.fingerprint, serving=False)
     except DraftHeadError as exc:
         raise SystemExit(f"error: no draft head to time: {exc}") from exc
-    return head
 
 
 def main(argv: Sequence[str] | None = None) -> int:

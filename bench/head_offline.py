@@ -23,7 +23,7 @@ from typing import Any
 
 from bench import machine
 from bench.dataset import TASKS, expand_categories, load_questions, select
-from bench.run import draft_head, load_target, quiet_libraries
+from bench.target import draft_head, load_target, quiet_libraries
 from coordinator.rounds import RoundPolicy
 from draft_service.draft_head import DraftHead
 from draft_service.head_proposer import TreeShape

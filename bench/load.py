@@ -31,19 +31,8 @@ import grpc
 import torch
 
 from client.sdk import AsyncSpecserveClient, GenerationParams, Stats
-from coordinator.prompts import ChatTurn, encode_prompt
 from specserve.local_cluster import LocalCluster
-from specserve.model_loading import (
-    DEFAULT_MODEL,
-    ModelSource,
-    default_cache_root,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    materialize,
-    resolve_model,
-    vocab_fingerprint,
-)
+from specserve.model_loading import DEFAULT_MODEL
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.verifier import Verifier
 
@@ -63,27 +52,12 @@ from .load_report import (
 )
 from .numerics import decode_ids_alone, top2_at
 from .records import first_divergence
-from .run import WARM_UP_TEXT, WARM_UP_TOKENS, quiet_libraries
+from .target import WARM_UP_TEXT, WARM_UP_TOKENS, TargetText, chat_ids, load_target_text, quiet_libraries
 
 DEFAULT_LEVELS = (1, 4, 16, 64)
 POLL_INTERVAL_S = 0.5
 INFO_TIMEOUT_S = 2.0
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass(frozen=True)
-class TargetText:
-    """The target's tokenizer side, loaded before the levels; the weights are loaded only for the references."""
-
-    name: str
-    source: ModelSource
-    tokenizer: Any
-    fingerprint: str
-    eos_ids: frozenset[int]
-
-    @property
-    def eos_id(self) -> int:
-        return min(self.eos_ids)
 
 
 @dataclass(frozen=True)
@@ -170,13 +144,6 @@ def progress(message: str) -> None:
     print(f"[bench.load {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def load_target_text(name: str) -> TargetText:
-    source = materialize(resolve_model(name), default_cache_root())
-    tokenizer = load_tokenizer(source)
-    eos_ids = eos_token_ids(source, tokenizer)
-    return TargetText(name, source, tokenizer, vocab_fingerprint(tokenizer), eos_ids)
-
-
 def plan_levels(levels: Sequence[int], target: TargetText) -> list[list[LoadPrompt]]:
     """Consecutive slices of the Spec-Bench prompts in round-robin category order: level N takes the next N."""
     questions = load_questions()
@@ -186,7 +153,7 @@ def plan_levels(levels: Sequence[int], target: TargetText) -> list[list[LoadProm
     plan, start = [], 0
     for n in levels:
         chunk = ordered[start : start + n]
-        ids = [encode_prompt(target.tokenizer, None, [ChatTurn("user", q.text)]) for q in chunk]
+        ids = [chat_ids(target.tokenizer, q.text) for q in chunk]
         plan.append([LoadPrompt(q.question_id, q.category, q.text, i) for q, i in zip(chunk, ids, strict=True)])
         start += n
     return plan
@@ -402,7 +369,7 @@ def add_references(
     max_new_tokens: int,
 ) -> None:
     """Plain greedy decoding of every completed stream's prompt through the engine in this process."""
-    verifier = Verifier(load_model(target.source, dtype=dtype), "reference", throughput_guard=False)
+    verifier = Verifier(target.load_model(dtype), "reference", throughput_guard=False)
     total = sum(s.error is None for level in levels for s in level.streams)
     done = 0
     try:

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import transformers
 
+from specserve.hardware import BF16_CPU_FLAGS, cpu_cores, cpu_flags, cpu_model
+
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -27,19 +29,6 @@ def portable_path(path: str | Path) -> str:
     if resolved.is_relative_to(home):
         return str(Path("~") / resolved.relative_to(home))
     return resolved.name
-
-
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return fields
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
 
 
 def _git(*args: str) -> str:
@@ -68,13 +57,12 @@ def load_average() -> list[float] | None:
 
 
 def describe() -> dict[str, Any]:
-    cpu = _cpuinfo()
-    flags = set(cpu.get("flags", "").split())
+    model, flags = cpu_model(), cpu_flags()
     return {
-        "cpu_model": cpu.get("model name") or platform.processor() or "unknown",
-        "cpu_cores_per_socket": int(cpu["cpu cores"]) if cpu.get("cpu cores", "").isdigit() else None,
+        "cpu_model": model if model != "unknown" else platform.processor() or "unknown",
+        "cpu_cores_per_socket": cpu_cores(),
         # Whether bf16 runs natively here: it decides the dtype that `--dtype auto` picks.
-        "cpu_bf16_flags": [flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags],
+        "cpu_bf16_flags": [flag for flag in BF16_CPU_FLAGS if flag in flags],
         # The vector extensions that decide which kernels run (and how fast each dtype is).
         "cpu_flags": [flag for flag in ISA_FLAGS if flag in flags],
         "logical_cpus": os.cpu_count(),

@@ -42,13 +42,13 @@ from target_service.draft_budget import flattened
 from target_service.verifier import Verifier
 
 from .decoding import Fp32Head, hf_generate, plain_decode
+from .target import FLOAT32, model_dtype
 
 BASELINE = "baseline"  # plain decoding through the engine (--compile auto)
 EAGER_BASELINE = "baseline-eager"  # plain decoding through the engine with --compile off
 HF_PLAIN = "hf-plain"  # plain decoding in transformers' eager model (fp32 head, as the verifier's)
 FP32_BASELINE = "baseline-fp32"  # plain decoding in float32, whatever the run's dtype
 PLAIN_MODES = (BASELINE, EAGER_BASELINE, HF_PLAIN, FP32_BASELINE)
-FLOAT32 = "float32"
 COMPARED_MODES = ("hf-pld", "inproc", "distributed")
 # Draft sources alone or combined, in process: `inproc:prompt_lookup`, `inproc:draft_model`,
 # `inproc:prompt_lookup+ngram_pool+token_recycling` (any `+`-joined set of sources) and so on.
@@ -63,11 +63,6 @@ def default_modes(dtype: str) -> tuple[str, ...]:
     ``dtype`` is not fp32."""
     extra = (FP32_BASELINE,) if dtype != FLOAT32 else ()
     return (BASELINE, EAGER_BASELINE, *extra, *COMPARED_MODES)
-
-
-def model_dtype(model: Any) -> str:
-    """A model's parameter dtype as the verifier names it ("float32", "bfloat16")."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def cluster_modes(names: Sequence[str]) -> list[str]:

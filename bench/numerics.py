@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -37,31 +35,21 @@ from typing import Any, TypeVar
 
 import torch
 
-from coordinator.prompts import ChatTurn, encode_prompt
 from draft_service.config import DrafterConfig
-from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head
+from draft_service.draft_head import DraftHead, DraftHeadError
 from draft_service.drafter import ALL_SOURCES
 from draft_service.head_proposer import HeadProposer
-from specserve.model_loading import (
-    DEFAULT_MODEL,
-    default_cache_root,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    materialize,
-    resolve_model,
-    vocab_fingerprint,
-)
+from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.config import VerifierConfig
 from target_service.verifier import Verifier
 
 from . import machine
-from .dataset import CATEGORIES, load_questions, select
+from .dataset import CATEGORIES
 from .modes import InProcessMode, Prompt
 from .records import first_divergence
-from .run import quiet_libraries
+from .target import Case, Target, TargetText, load_head, load_target_text, make_cases, progress, quiet_libraries
 
 T = TypeVar("T")
 
@@ -79,31 +67,11 @@ VARIANTS: dict[str, str] = {
 
 
 @dataclass(frozen=True)
-class Case:
-    """One prompt: where it came from and its chat-formatted token ids."""
+class Drafts:
+    """What D and E draft with over a target: the inproc mode's sources and the draft_model source's head."""
 
-    index: int
-    category: str
-    question_id: int
-    text: str
-    token_ids: list[int]
-
-
-@dataclass(frozen=True)
-class Target:
-    """A loaded target in one dtype, with what the speculative path needs around it."""
-
-    model: Any
-    tokenizer: Any
-    fingerprint: str
-    eos_ids: frozenset[int]
-    dtype: str
     sources: tuple[str, ...]
-    head: DraftHead | None  # the draft_model source's head; needed only when that source is used
-
-    @property
-    def eos_id(self) -> int:
-        return min(self.eos_ids)
+    head: DraftHead | None  # needed only when that source is used
 
 
 @dataclass
@@ -140,10 +108,6 @@ class VariantResult:
     tokens: int  # output tokens over all prompts
     forwards: int | None  # engine steps (A, B, C) or speculative rounds (D, E)
     outputs: list[list[int]] = field(default_factory=list)
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # ---- plain decoding through the engine ----
@@ -326,11 +290,11 @@ def run_alone(
 
 
 def run_speculative(
-    name: str, target: Target, cases: Sequence[Case], max_new_tokens: int
+    name: str, target: Target, drafts: Drafts, cases: Sequence[Case], max_new_tokens: int
 ) -> tuple[list[Output], float, int]:
     """The inproc mode on every case (its n-gram pool learns from one prompt to the next, as in ``bench.run``)."""
     mode = InProcessMode(
-        target.model, target.tokenizer, target.fingerprint, target.eos_ids, target.sources, target.head
+        target.model, target.tokenizer, target.fingerprint, target.eos_ids, drafts.sources, drafts.head
     )
     outputs, rounds = [], 0
     start = time.perf_counter()
@@ -380,7 +344,7 @@ def _result(
     )
 
 
-def run_variants(target: Target, cases: Sequence[Case], max_new_tokens: int) -> list[VariantResult]:
+def run_variants(target: Target, drafts: Drafts, cases: Sequence[Case], max_new_tokens: int) -> list[VariantResult]:
     """A, B, C and D in the target's dtype."""
     verifier = engine_for(target)
     eos = target.eos_ids
@@ -392,19 +356,19 @@ def run_variants(target: Target, cases: Sequence[Case], max_new_tokens: int) -> 
         results.append(_result("B", target, verifier, cases, b, reference))
         c = run_alone("C", verifier, cases, max_new_tokens, eos, two_rows=True)
         results.append(_result("C", target, verifier, cases, c, reference))
-        d = run_speculative("D", target, cases, max_new_tokens)
+        d = run_speculative("D", target, drafts, cases, max_new_tokens)
         results.append(_result("D", target, verifier, cases, d, reference))
     finally:
         verifier.close()
     return results
 
 
-def run_fp32(target: Target, cases: Sequence[Case], max_new_tokens: int) -> list[VariantResult]:
+def run_fp32(target: Target, drafts: Drafts, cases: Sequence[Case], max_new_tokens: int) -> list[VariantResult]:
     """A-fp32 and E: the reference and the speculative path D on an fp32 target."""
     verifier = engine_for(target)
     try:
         a = run_alone("A-fp32", verifier, cases, max_new_tokens, target.eos_ids, two_rows=False)
-        e = run_speculative("E", target, cases, max_new_tokens)
+        e = run_speculative("E", target, drafts, cases, max_new_tokens)
         return [
             _result("A-fp32", target, verifier, cases, a, None),
             _result("E", target, verifier, cases, e, ("A-fp32", a[0])),
@@ -527,33 +491,13 @@ def write_outputs(out_dir: Path, dtype: str, meta: dict[str, Any], results: Sequ
 # ---- loading and the command line ----
 
 
-def make_cases(tokenizer: Any, count: int) -> list[Case]:
-    """``count`` Spec-Bench prompts, round-robin over the categories, chat-formatted as the coordinator does."""
-    questions = select(load_questions(), CATEGORIES, math.ceil(count / len(CATEGORIES)))[:count]
-    return [
-        Case(i, q.category, q.question_id, q.text, encode_prompt(tokenizer, None, [ChatTurn("user", q.text)]))
-        for i, q in enumerate(questions)
-    ]
-
-
-def load_head(model: Any, fingerprint: str) -> DraftHead:
-    """The drafter's default head over the target's embedding and LM head, in the dtype the draft service picks."""
-    embedding = model.get_input_embeddings().weight.detach().float()
-    lm_head = model.get_output_embeddings().weight.detach().float()
-    head, _ = load_draft_head(
-        Path(DrafterConfig().draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
-    )
-    return in_serving_dtype(head)[0]
-
-
-def load_target(name: str, dtype: str, sources: tuple[str, ...]) -> Target:
-    source = materialize(resolve_model(name), default_cache_root())
-    tokenizer = load_tokenizer(source)
-    fingerprint = vocab_fingerprint(tokenizer)
-    model = load_model(source, dtype=dtype)
-    head = load_head(model, fingerprint) if HeadProposer.name in sources else None
-    eos = eos_token_ids(source, tokenizer)
-    return Target(model, tokenizer, fingerprint, eos, dtype, sources, head)
+def load_with_drafts(text: TargetText, dtype: str, sources: tuple[str, ...]) -> tuple[Target, Drafts]:
+    """The target's weights in ``dtype``, and the draft_model source's head over them when ``sources`` use it."""
+    target = text.with_model(dtype)
+    # The head the drafter's config names by default (not $SPECSERVE_DRAFT_HEAD), in the dtype it would pick.
+    path = Path(DrafterConfig().draft_head_path)
+    head = load_head(target.model, target.fingerprint, path) if HeadProposer.name in sources else None
+    return target, Drafts(sources, head)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -580,12 +524,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def measure(
-    load: Callable[[str], Target], cases: Sequence[Case], max_new_tokens: int, dtype: str, with_fp32: bool
+    load: Callable[[str], tuple[Target, Drafts]],
+    cases: Sequence[Case],
+    max_new_tokens: int,
+    dtype: str,
+    with_fp32: bool,
 ) -> list[VariantResult]:
     """A-D in ``dtype`` and, unless that is fp32 already or ``with_fp32`` is off, E; one model in memory at a time."""
-    results = run_variants(load(dtype), cases, max_new_tokens)
+    results = run_variants(*load(dtype), cases, max_new_tokens)
     if with_fp32 and dtype != "float32":
-        results += run_fp32(load("float32"), cases, max_new_tokens)
+        results += run_fp32(*load("float32"), cases, max_new_tokens)
     elif with_fp32:  # the run is fp32 already: D against A is the fp32 check
         d = next(r for r in results if r.name == "D")
         results.append(replace(d, name="E", description="the run is fp32 already: E is D, compared with A"))
@@ -602,16 +550,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine.describe(),
     }
 
-    def load(dtype: str) -> Target:
+    text = load_target_text(args.model)
+
+    def load_in(dtype: str) -> tuple[Target, Drafts]:
         progress(f"loading {args.model} in {dtype}")
         try:
-            return load_target(args.model, dtype, args.sources)
+            return load_with_drafts(text, dtype, args.sources)
         except DraftHeadError as exc:
             raise SystemExit(f"error: the draft_model source needs its head: {exc} (or pass --sources)") from exc
 
-    tokenizer = load_tokenizer(materialize(resolve_model(args.model), default_cache_root()))
-    cases = make_cases(tokenizer, args.prompts)
-    results = measure(load, cases, args.max_new_tokens, args.dtype, not args.skip_fp32)
+    cases = make_cases(text.tokenizer, CATEGORIES, args.prompts)
+    results = measure(load_in, cases, args.max_new_tokens, args.dtype, not args.skip_fp32)
     meta["settings"] = {
         "model": args.model,
         "dtype": args.dtype,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import math
 import re
 import sys
 import time
@@ -37,46 +36,40 @@ from typing import Any, Protocol
 
 import torch
 
-from coordinator.prompts import ChatTurn, encode_prompt
 from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHeadError
 from draft_service.drafter import ALL_SOURCES
 from draft_service.head_proposer import HeadProposer
 from specserve.hardware import choose_dtype
-from specserve.model_loading import (
-    DEFAULT_MODEL,
-    ModelSource,
-    default_cache_root,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    materialize,
-    resolve_model,
-    vocab_fingerprint,
-)
+from specserve.model_loading import DEFAULT_MODEL, ModelSource, resolve_model
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.verifier import Verifier
 
 from . import machine
-from .dataset import CATEGORIES, expand_categories, load_questions, select
+from .dataset import CATEGORIES, expand_categories
 from .modes import InProcessMode, Prompt
-from .numerics import Case, load_head
 from .peers_report import LLAMA_CPP, ModeResult, Run, borrow_prompt_times, leaderboard, write_outputs
-from .run import quiet_libraries
+from .target import (
+    FLOAT32,
+    WARM_UP_TEXT,
+    WARM_UP_TOKENS,
+    Case,
+    TargetText,
+    chat_ids,
+    load_head,
+    load_target_text,
+    make_cases,
+    model_dtype,
+    progress,
+    quiet_libraries,
+)
 
 NOT_INSTALLED = "llama-cpp-python is not installed: run `make bench-peers` (it builds it)"
 # Written by `make bench-peers-install` next to the venv's python: the version and CMAKE_ARGS it was built with.
 BUILD_FILE = "llama-cpp-python-build.txt"
-FLOAT32 = "float32"
 DTYPES = ("auto", FLOAT32, "bfloat16", "float16")
 GREEDY = SamplingParams()
-WARM_UP_TEXT = "Say hello in one short sentence."
-WARM_UP_TOKENS = 8
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -262,31 +255,19 @@ def llama_cpp_info(llama_cpp: Any) -> dict[str, Any]:
 # ---- prompts, models, the run ----
 
 
-def make_cases(tokenizer: Any, categories: Sequence[str], count: int) -> list[Case]:
-    """Up to ``count`` Spec-Bench prompts, round-robin over ``categories``, chat-formatted as the coordinator does."""
-    questions = select(load_questions(), categories, math.ceil(count / len(categories)))[:count]
-    return [
-        Case(i, q.category, q.question_id, q.text, encode_prompt(tokenizer, None, [ChatTurn("user", q.text)]))
-        for i, q in enumerate(questions)
-    ]
-
-
 def gguf_path(source: ModelSource) -> Path:
     if source.gguf_file is None:
         raise SystemExit(f"error: llama.cpp needs a GGUF file; {source.name} is a Hugging Face directory")
     return source.directory / source.gguf_file
 
 
-def model_dtype(model: Any) -> str:
-    """A model's parameter dtype as the verifier names it ("float32", "bfloat16")."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
-
-
 def speculative_engine(
     model: Any, tokenizer: Any, fingerprint: str, eos_ids: frozenset[int], sources: tuple[str, ...]
 ) -> SpeculativeEngine:
     try:
-        head = load_head(model, fingerprint) if HeadProposer.name in sources else None
+        # The head the drafter's config names by default (not $SPECSERVE_DRAFT_HEAD), in the dtype it would pick.
+        path = Path(DrafterConfig().draft_head_path)
+        head = load_head(model, fingerprint, path) if HeadProposer.name in sources else None
     except DraftHeadError as exc:
         raise SystemExit(f"error: the draft_model source needs its head: {exc} (or pass --sources)") from exc
     return SpeculativeEngine(InProcessMode(model, tokenizer, fingerprint, eos_ids, sources, head), model_dtype(model))
@@ -370,27 +351,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-@dataclass(frozen=True)
-class Target:
-    """The model as both engines see it: the GGUF for llama.cpp, the converted directory and tokenizer for specserve."""
-
-    gguf: Path
-    source: ModelSource
-    tokenizer: Any
-    fingerprint: str
-    eos_ids: frozenset[int]
-
-
-def load_target(name: str) -> Target:
-    packaged = resolve_model(name)
-    gguf = gguf_path(packaged)
-    source = materialize(packaged, default_cache_root())
-    tokenizer = load_tokenizer(source)
-    eos_ids = eos_token_ids(source, tokenizer)
-    return Target(gguf, source, tokenizer, vocab_fingerprint(tokenizer), eos_ids)
-
-
-def select_cases(args: argparse.Namespace, target: Target) -> tuple[list[Case], list[int]]:
+def select_cases(args: argparse.Namespace, target: TargetText) -> tuple[list[Case], list[int]]:
     """The prompts to measure, and the question ids skipped for not fitting llama.cpp's context."""
     found = make_cases(target.tokenizer, args.categories, args.prompts)
     if len(found) < args.prompts:
@@ -403,7 +364,7 @@ def select_cases(args: argparse.Namespace, target: Target) -> tuple[list[Case], 
 
 
 def build_engines(
-    args: argparse.Namespace, llama_cpp: Any, target: Target, dtype: str, stack: ExitStack
+    args: argparse.Namespace, llama_cpp: Any, gguf: Path, target: TargetText, dtype: str, stack: ExitStack
 ) -> list[Engine]:
     """llama.cpp, plain fp32, plain in ``dtype`` (unless fp32) and speculative in ``dtype``; the stack closes them."""
     engines: list[Engine] = []
@@ -412,12 +373,12 @@ def build_engines(
         stack.callback(engine.close)
         engines.append(engine)
 
-    progress(f"loading {target.gguf} into llama.cpp ({args.threads} threads)")
-    add(LlamaCppEngine(llama_cpp, target.gguf, args.threads, args.n_ctx, target.eos_ids))
+    progress(f"loading {gguf} into llama.cpp ({args.threads} threads)")
+    add(LlamaCppEngine(llama_cpp, gguf, args.threads, args.n_ctx, target.eos_ids))
     progress(f"loading {target.source.name} in {FLOAT32}" + ("" if dtype == FLOAT32 else f" and {dtype}"))
-    fp32_model = load_model(target.source, dtype=FLOAT32)
+    fp32_model = target.load_model(FLOAT32)
     add(PlainEngine(fp32_model, target.fingerprint, target.eos_ids))
-    model = fp32_model if dtype == FLOAT32 else load_model(target.source, dtype=dtype)
+    model = fp32_model if dtype == FLOAT32 else target.load_model(dtype)
     if model is not fp32_model:
         add(PlainEngine(model, target.fingerprint, target.eos_ids))
     add(speculative_engine(model, target.tokenizer, target.fingerprint, target.eos_ids, args.sources))
@@ -426,18 +387,20 @@ def build_engines(
 
 def warm_up(engines: Sequence[Engine], tokenizer: Any) -> None:
     """One short unrelated generation per engine (one-off start-up costs), then empty the n-gram pools."""
-    ids = encode_prompt(tokenizer, None, [ChatTurn("user", WARM_UP_TEXT)])
+    ids = chat_ids(tokenizer, WARM_UP_TEXT)
     for engine in engines:
         engine.run(ids, WARM_UP_TOKENS)
         if isinstance(engine, SpeculativeEngine):
             engine.reset()
 
 
-def settings(args: argparse.Namespace, target: Target, cases: Sequence[Case], too_long: list[int]) -> dict[str, Any]:
+def settings(
+    args: argparse.Namespace, gguf: Path, target: TargetText, cases: Sequence[Case], too_long: list[int]
+) -> dict[str, Any]:
     choice = choose_dtype(args.dtype, "cpu")
     return {
         "model": args.model,
-        "model_source": machine.portable_path(target.gguf),
+        "model_source": machine.portable_path(gguf),
         "category": args.category,
         "categories": args.categories,
         "prompts_requested": args.prompts,
@@ -472,17 +435,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine.describe(),
         "llama_cpp": llama_cpp_info(llama_cpp),
     }
-    target = load_target(args.model)
+    gguf = gguf_path(resolve_model(args.model))
+    target = load_target_text(args.model)
     cases, too_long = select_cases(args, target)
     dtype = choose_dtype(args.dtype, "cpu").dtype
     with ExitStack() as stack:
-        engines = build_engines(args, llama_cpp, target, dtype, stack)
+        engines = build_engines(args, llama_cpp, gguf, target, dtype, stack)
         meta["llama_cpp"]["n_vocab"] = next(e.n_vocab for e in engines if isinstance(e, LlamaCppEngine))
         warm_up(engines, target.tokenizer)
         runs, error = measure(engines, cases, args.max_new_tokens)
     done = min(len(r) for r in runs.values())
     runs = {name: r[:done] for name, r in runs.items()}
-    meta["settings"] = settings(args, target, cases[:done], too_long)
+    meta["settings"] = settings(args, gguf, target, cases[:done], too_long)
     meta.update(complete=not error, error=error, duration_s=round(time.monotonic() - started, 1))
     meta["machine"]["load_average_at_end"] = machine.load_average()
     results = results_of(engines, runs, f"plain-{FLOAT32}")

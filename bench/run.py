@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +27,11 @@ import torch
 from tqdm import tqdm
 
 from coordinator.config import CoordinatorConfig
-from coordinator.prompts import ChatTurn, encode_prompt
 from draft_service.config import DrafterConfig
-from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head
 from draft_service.head_products import HEAD_MATMUL_CHOICES
 from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
-from specserve.model_loading import (
-    DEFAULT_MODEL,
-    ModelSource,
-    default_cache_root,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    materialize,
-    resolve_model,
-    vocab_fingerprint,
-)
+from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
 from target_service.model_runner import WEIGHTS_CHOICES
 
@@ -59,12 +47,11 @@ from .cluster import (
     start_cluster,
 )
 from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
-from .decoding import Fp32Head, hf_generate, top2_gap
+from .decoding import hf_generate, top2_gap
 from .head_identity import describe_draft_head, draft_head_path
 from .modes import (
     BASELINE,
     EAGER_BASELINE,
-    FLOAT32,
     FP32_BASELINE,
     HF_PLAIN,
     MODES,
@@ -81,35 +68,25 @@ from .modes import (
     cluster_modes,
     default_modes,
     mode_sources,
-    model_dtype,
 )
 from .pinning import PinnedMode, Pinning, pin_this_process
 from .records import Record, first_divergence, make_record
 from .report import leaderboard, markdown, plot
+from .target import (
+    DEVICE,
+    WARM_UP_TEXT,
+    WARM_UP_TOKENS,
+    Target,
+    chat_ids,
+    draft_head,
+    load_target,
+    model_dtype,
+    quiet_libraries,
+)
 
-WARM_UP_TEXT = "Say hello in one short sentence."
-WARM_UP_TOKENS = 8
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The harness runs its targets on this process's CPU; only `distributed`'s verifier is a process of its own.
-DEVICE = "cpu"
 # `make bench` finishes within 45 minutes on the 2-core reference machine (bench/README.md, "Run time").
 DEFAULT_PROMPTS_PER_CATEGORY = 7
-
-
-@dataclass(frozen=True)
-class Target:
-    name: str
-    source: ModelSource
-    model: Any
-    tokenizer: Any
-    fingerprint: str
-    eos_ids: frozenset[int]
-    dtype: str
-    head: Fp32Head  # the model's fp32 final norm and LM head, for the top-2 gaps
-
-    @property
-    def eos_id(self) -> int:
-        return min(self.eos_ids)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -230,41 +207,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def quiet_libraries() -> None:
-    """No hub access, no weight-loading bars or advisory warnings in the benchmark's output."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-
-
-def load_target(name: str, dtype: str = FLOAT32) -> Target:
-    source = materialize(resolve_model(name), default_cache_root())
-    tokenizer = load_tokenizer(source)
-    model = load_model(source, DEVICE, dtype)
-    return Target(
-        name,
-        source,
-        model,
-        tokenizer,
-        vocab_fingerprint(tokenizer),
-        eos_token_ids(source, tokenizer),
-        model_dtype(model),
-        Fp32Head(model),
-    )
-
-
-def fp32_model(target: Target) -> Any:
-    """The target in float32: the target itself when it is, else a second copy (the fp32 baseline, the check)."""
-    return target.model if target.dtype == FLOAT32 else load_model(target.source, DEVICE, FLOAT32)
-
-
 def make_prompt(target: Target, text: str, max_new_tokens: int, sampling: SamplingParams) -> Prompt:
-    ids = encode_prompt(target.tokenizer, None, [ChatTurn("user", text)])
-    return Prompt(text, ids, max_new_tokens, sampling)
+    return Prompt(text, chat_ids(target.tokenizer, text), max_new_tokens, sampling)
 
 
 def check_baseline(model: Any, target: Target, prompt: Prompt) -> dict[str, Any]:
@@ -362,25 +306,6 @@ def uses_head(modes: Sequence[str]) -> bool:
     return False
 
 
-def draft_head(target: Target, fp32: Any, head_matmul: str = "auto") -> DraftHead:
-    """The drafter's default draft head over the target's embedding and LM head.
-
-    Loaded over the float32 target (``fp32``) and computing in the dtype the drafter service picks on this CPU
-    (``--head-dtype auto``), whatever the target runs in.
-    """
-    path = draft_head_path()
-    try:
-        head, _ = load_draft_head(
-            path,
-            target_fingerprint=target.fingerprint,
-            embedding=fp32.get_input_embeddings().weight.detach(),
-            lm_head=fp32.get_output_embeddings().weight.detach(),
-        )
-    except DraftHeadError as exc:
-        raise SystemExit(f"error: the draft_model source needs its head: {exc}") from exc
-    return in_serving_dtype(head, head_matmul=head_matmul)[0]
-
-
 def _pool_reset(pool: PoolBackend, target: Target, keep: bool) -> Callable[[], None] | None:
     redis_url = pool.redis_url
     if redis_url is None or keep:
@@ -432,7 +357,7 @@ def run_prompt(
         if baseline is None or not prompt.sampling.greedy:
             return None
         if position not in gaps:
-            gaps[position] = top2_gap(target.model, prompt.token_ids, baseline.tokens[:position], target.head)
+            gaps[position] = top2_gap(target.model, prompt.token_ids, baseline.tokens[:position], target.fp32_head)
         return gaps[position]
 
     return [
@@ -482,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warm_questions = select(all_questions, args.categories, args.warm_pool, skip=args.prompts_per_category)
     choice: DtypeChoice = args.dtype_choice
     target = load_target(args.model, choice.dtype)
-    fp32 = fp32_model(target)
+    fp32 = target.fp32_model()
 
     def sampling(question_id: int) -> SamplingParams:
         if args.temperature <= 0:

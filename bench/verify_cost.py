@@ -179,15 +179,16 @@ def random_model(shape: str, num_layers: int, dtype: torch.dtype, device: str) -
     return model.eval()
 
 
-def load_target(args: argparse.Namespace, dtype: str) -> tuple[Any, str]:
+def model_to_measure(args: argparse.Namespace, dtype: str) -> tuple[Any, str]:
     """The model to measure in ``dtype`` and its label (the output file stem, before device and dtype)."""
     if args.shape:
         layers = f"-{args.num_layers}layers" if args.num_layers else ""
         return random_model(args.shape, args.num_layers, getattr(torch, dtype), args.device), f"{args.shape}{layers}"
-    from specserve.model_loading import default_cache_root, load_model, materialize, resolve_model
+    from specserve.model_loading import load_model
 
-    source = materialize(resolve_model(args.model), default_cache_root())
-    return load_model(source, device=args.device, dtype=dtype), Path(args.model).name
+    from .target import target_source
+
+    return load_model(target_source(args.model), device=args.device, dtype=dtype), Path(args.model).name
 
 
 DRAFT_SHAPES = ("chain", "tree")
@@ -545,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes:
-        model, label = load_target(args, dtype)  # once per dtype: every step form measures the same weights
+        model, label = model_to_measure(args, dtype)  # once per dtype: every step form measures the same weights
         for compile, weights in itertools.product(args.compile, args.weights):
             if weights != "dtype" and (compile != "auto" or args.device != "cpu"):
                 continue  # int8 weights run on the CPU's packed kernels only

@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from coordinator.ports import DrafterPort, DraftStream
 from specserve.errors import DrafterDraining, DrafterFailed, DrafterSkipped
@@ -49,6 +49,7 @@ from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DRAINING_RETRIES = 3
 """Times a session refused by a draining drafter opens again (on a round-robin tier: on the next drafter)."""
@@ -277,32 +278,32 @@ class HealthCheckedDrafter:
     async def _probe_once(self) -> None:
         """A Draft stream that asks for no tree: the whole path a request takes, at almost no cost.
 
-        A draining drafter's refusal is retried, as a session's is (on a round-robin tier, on the next drafter).
+        A draining drafter's refusal, at the open or at the first read, is retried as a session's is (on a
+        round-robin tier, on the next drafter).
         """
-        for attempt in range(DRAINING_RETRIES + 1):
+
+        async def probe() -> None:
             stream = await self._inner.open(f"probe-{uuid.uuid4().hex}", [0], self._probe_fingerprint)
             try:
                 await stream.propose(DraftFeedback(()), 0)
-                return
-            except DrafterDraining:
-                if attempt == DRAINING_RETRIES:
-                    raise
             finally:
                 with contextlib.suppress(DrafterFailed):
                     await stream.close()
+
+        await _past_draining(probe)
 
     async def aclose(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
 
 
-async def _past_draining(opening: Callable[[], Awaitable[DraftStream]]) -> DraftStream:
-    """``opening()``, again while a draining drafter refuses it (``DRAINING_RETRIES`` times at most)."""
-    for attempt in range(DRAINING_RETRIES + 1):
+async def _past_draining(attempt: Callable[[], Awaitable[T]]) -> T:
+    """``attempt()``, again while a draining drafter refuses it (``DRAINING_RETRIES`` times at most)."""
+    for tries in range(DRAINING_RETRIES + 1):
         try:
-            return await opening()
+            return await attempt()
         except DrafterDraining:
-            if attempt == DRAINING_RETRIES:
+            if tries == DRAINING_RETRIES:
                 raise
     raise AssertionError("unreachable")
 

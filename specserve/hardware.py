@@ -47,6 +47,12 @@ def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return _first_field("vendor_id", cpuinfo) or "unknown"
 
 
+def cpu_cores(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
+    """The first processor's physical cores per socket, its "cpu cores" (None where absent)."""
+    value = _first_field("cpu cores", cpuinfo) or ""
+    return int(value) if value.isdigit() else None
+
+
 def choose_dtype(requested: str, device: str, flags: frozenset[str] | None = None) -> DtypeChoice:
     """``requested`` unless it is "auto"; then bf16 where the device runs it natively, else fp32."""
     if requested != "auto":

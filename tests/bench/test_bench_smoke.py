@@ -286,8 +286,16 @@ def test_a_pinned_run_records_its_pinning_and_predrafting(pinned_out_dir: Path) 
     assert result["meta"]["machine"]["torch_threads"] == 1  # the harness's in-process modes: the verifier's CPUs
     (distributed,) = records_of(result, "distributed")
     assert distributed["identical"] is True  # float32: pinning changes where, never what
-    assert distributed["drafter_trees"] > 0
-    assert 0 <= distributed["predraft_hits"] <= distributed["drafter_trees"]
+    # Whether the drafter's tree arrives within the coordinator's deadline (its p99 latency, never under 100 ms)
+    # in any round depends on how busy the machine is: the drafter, coordinator and client share one CPU here.
+    # A run where it never does is a valid run (those rounds are plain decoding), so what is checked is what holds
+    # either way: the counts are the drafter's own and agree with each other, and a run without the drafter's
+    # trees says why (the first round always asks the drafter it opened, and a drafter dropped or skipped leaves
+    # its reason in the stats).
+    trees = distributed["drafter_trees"]
+    assert isinstance(trees, int) and 0 <= distributed["predraft_hits"] <= trees
+    assert trees > 0 or distributed["note"], "no drafter tree and no reason given"
+    assert distributed["draft_tokens"] == 0 or trees > 0  # every draft token of a distributed run is the drafter's
     assert (distributed["predraft_hidden_s"] > 0) == (distributed["predraft_hits"] > 0)
     report = (pinned_out_dir / "spec_bench.md").read_text()
     assert "CPU pinning (separate hardware on one machine): verifier on CPUs 0" in report

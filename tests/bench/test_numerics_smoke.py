@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from bench import numerics
-from bench.numerics import Case, Target, VariantResult
+from bench.numerics import Drafts, VariantResult
+from bench.target import Case, Target
 from draft_service.draft_head import DraftHead, DraftHeadConfig
 from draft_service.drafter import ALL_SOURCES
+from specserve.model_loading import ModelSource
 from tests.conftest import CharTokenizer, tiny_llama
 
 VOCAB = 64
@@ -35,9 +37,10 @@ def random_head(model: Any) -> DraftHead:
     return DraftHead(config, embedding, lm_head, torch.arange(32)).eval()
 
 
-def load(dtype: str) -> Target:
+def load(dtype: str) -> tuple[Target, Drafts]:
     model = tiny_llama(vocab_size=VOCAB, seed=5).to(getattr(torch, dtype))
-    return Target(model, CharTokenizer(), "tiny", frozenset({EOS}), dtype, ALL_SOURCES, random_head(model))
+    target = Target("tiny", ModelSource(Path("tiny")), CharTokenizer(), "tiny", frozenset({EOS}), model)
+    return target, Drafts(ALL_SOURCES, random_head(model))
 
 
 def cases() -> list[Case]:
@@ -115,7 +118,7 @@ def test_fp32_run_reports_d_as_e() -> None:
 
 
 def test_compare_finds_the_first_divergence_and_scores_the_reference_prefix() -> None:
-    target = load("float32")
+    target, _ = load("float32")
     verifier = numerics.engine_for(target)
     try:
         case = cases()[0]

@@ -56,6 +56,7 @@ class FakeDrafter:
         self.opens = 0
         self.proposals = 0
         self.draining_opens = 0  # this many next opens land on a draining drafter
+        self.refused_opens = 0  # this many next opens are refused at once by a draining drafter (a pool's refusal)
 
     async def open(
         self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
@@ -63,6 +64,9 @@ class FakeDrafter:
         self.opens += 1
         if self.mode == "fail":
             raise DrafterFailed("connection refused")
+        if self.refused_opens > 0:
+            self.refused_opens -= 1
+            raise DrafterDraining("the drafter is shutting down")
         draining = self.draining_opens > 0
         self.draining_opens -= draining
         return FakeStream(self, draining)
@@ -206,6 +210,24 @@ def test_a_probe_passes_a_draining_drafter_by() -> None:
         inner.mode, inner.draining_opens = "ok", 1
         await until(failed + 0.31)  # the probe: refused once by a draining drafter, then answered by another
         assert not drafter.circuit_open
+        await drafter.aclose()
+
+    run_virtual(scenario())
+
+
+def test_a_refusal_at_the_open_is_passed_by_as_one_at_the_first_read_is() -> None:
+    async def scenario() -> None:
+        inner = FakeDrafter()
+        drafter = wrapped(inner, backoff_s=0.3)
+        inner.refused_opens = 1
+        assert await one_request(drafter, "a") == "ok"  # a request's session opens again
+        assert inner.opens == 2 and not drafter.circuit_open
+        inner.mode = "fail"
+        failed = clock()
+        assert (await one_request(drafter, "b")).startswith("failed: connection refused")
+        inner.mode, inner.refused_opens = "ok", 1
+        await until(failed + 0.31)  # the probe: refused at its open by a draining drafter, then answered
+        assert not drafter.circuit_open and inner.refused_opens == 0
         await drafter.aclose()
 
     run_virtual(scenario())

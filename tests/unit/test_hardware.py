@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specserve import packed_linear
-from specserve.hardware import choose_dtype, cpu_flags, cpu_model, cpu_vendor
+from specserve.hardware import choose_dtype, cpu_cores, cpu_flags, cpu_model, cpu_vendor
 from specserve.packed_linear import FP32_GEMM_ENV, available_packing
 
 
@@ -20,14 +20,17 @@ def test_auto_picks_bf16_only_where_the_hardware_runs_it_natively() -> None:
 def test_cpuinfo_fields_come_from_the_first_processor(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(
-        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\nflags\t\t: avx2 avx512_bf16\n\n"
-        "processor\t: 1\nvendor_id\t: GenuineIntel\nmodel name\t: other\nflags\t\t: sse\n"
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC\ncpu cores\t: 8\n"
+        "flags\t\t: avx2 avx512_bf16\n\n"
+        "processor\t: 1\nvendor_id\t: GenuineIntel\nmodel name\t: other\ncpu cores\t: 4\nflags\t\t: sse\n"
     )
     assert cpu_vendor(cpuinfo) == "AuthenticAMD"
     assert cpu_model(cpuinfo) == "AMD EPYC"
     assert cpu_flags(cpuinfo) == {"avx2", "avx512_bf16"}
+    assert cpu_cores(cpuinfo) == 8
     missing = tmp_path / "absent"
     assert (cpu_vendor(missing), cpu_model(missing), cpu_flags(missing)) == ("unknown", "unknown", frozenset())
+    assert cpu_cores(missing) is None
 
 
 def test_fp32_products_pack_for_mkl_on_intel_and_onednn_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

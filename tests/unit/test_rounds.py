@@ -98,6 +98,16 @@ def test_drafter_failing_mid_request_keeps_the_output_identical() -> None:
     assert stats.num_rounds_without_drafter > 0
 
 
+def test_a_request_that_got_no_drafter_tree_says_why() -> None:
+    """The first round asks the drafter it opened; a drafter that fails there leaves no tree and its reason
+    (what the bench's pinned smoke test relies on when a busy machine makes the drafter miss its deadline)."""
+    tokens, _, stats = run(generation(GenerationRequest([1, 2, 3, 1, 2, 3], 8), draft=FlakyDrafter(rounds=0)))
+    assert tokens == plain_greedy(MODEL, [1, 2, 3, 1, 2, 3], 8)
+    assert stats.num_drafter_trees == 0 and stats.num_draft_tokens == 0
+    assert stats.num_rounds_without_drafter == stats.num_rounds > 0
+    assert stats.drafter_error
+
+
 def test_without_a_drafter_every_round_is_plain_decoding() -> None:
     prompt = [4, 5, 6]
     g = generation(GenerationRequest(prompt, 10))
