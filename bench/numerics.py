@@ -43,6 +43,7 @@ from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.config import VerifierConfig
+from target_service.model_runner import WEIGHTS_CHOICES
 from target_service.verifier import Verifier
 
 from . import machine
@@ -259,9 +260,10 @@ def compare(
 # ---- running the variants ----
 
 
-def engine_for(target: Target) -> Verifier:
-    """An engine with the services' default limits (the inproc mode's, so prefills chunk alike); no profiling."""
-    return Verifier.from_config(target.model, target.fingerprint, VerifierConfig(), profile=False)
+def engine_for(target: Target, weights: str = "dtype") -> Verifier:
+    """An engine with the services' default limits (the inproc mode's, so prefills chunk alike) on ``weights`` (the
+    verifier's --weights); no profiling."""
+    return Verifier.from_config(target.model, target.fingerprint, VerifierConfig(weights=weights), profile=False)
 
 
 def _timed_engine_variant(
@@ -344,9 +346,11 @@ def _result(
     )
 
 
-def run_variants(target: Target, drafts: Drafts, cases: Sequence[Case], max_new_tokens: int) -> list[VariantResult]:
-    """A, B, C and D in the target's dtype."""
-    verifier = engine_for(target)
+def run_variants(
+    target: Target, drafts: Drafts, cases: Sequence[Case], max_new_tokens: int, weights: str = "dtype"
+) -> list[VariantResult]:
+    """A, B, C and D in the target's dtype, on ``weights``."""
+    verifier = engine_for(target, weights)
     eos = target.eos_ids
     try:
         a = run_alone("A", verifier, cases, max_new_tokens, eos, two_rows=False)
@@ -477,11 +481,11 @@ def _yes_no(value: bool | None) -> str:
     return "" if value is None else ("yes" if value else "no")
 
 
-def write_outputs(out_dir: Path, dtype: str, meta: dict[str, Any], results: Sequence[VariantResult]) -> list[Path]:
+def write_outputs(out_dir: Path, label: str, meta: dict[str, Any], results: Sequence[VariantResult]) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = verdict(results)
     document = {"meta": meta, "verdict": summary, "variants": [asdict(r) for r in results]}
-    json_path, md_path = out_dir / f"numerics_{dtype}.json", out_dir / f"numerics_{dtype}.md"
+    json_path, md_path = out_dir / f"numerics_{label}.json", out_dir / f"numerics_{label}.md"
     json_path.write_text(json.dumps(document, indent=1) + "\n")
     md_path.write_text(markdown(meta, results, summary))
     print("\n".join(summary["lines"]))
@@ -512,6 +516,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(DrafterConfig().sources),
         help=f"D's draft sources, comma-separated from {', '.join(ALL_SOURCES)} (default: the drafter's)",
     )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_CHOICES,
+        default="dtype",
+        help="the engine's --weights for A-D (int8: the floor int8 weights must stay within; files end in "
+        "_weights-int8)",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/out/numerics"))
     parser.add_argument("--torch-threads", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args(argv)
@@ -529,10 +540,12 @@ def measure(
     max_new_tokens: int,
     dtype: str,
     with_fp32: bool,
+    weights: str = "dtype",
 ) -> list[VariantResult]:
-    """A-D in ``dtype`` and, unless that is fp32 already or ``with_fp32`` is off, E; one model in memory at a time."""
-    results = run_variants(*load(dtype), cases, max_new_tokens)
-    if with_fp32 and dtype != "float32":
+    """A-D in ``dtype`` on ``weights`` and, unless that is fp32 on its own weights already or ``with_fp32`` is off,
+    E (fp32 weights: int8 ones round like bf16); one model in memory at a time."""
+    results = run_variants(*load(dtype), cases, max_new_tokens, weights)
+    if with_fp32 and (dtype != "float32" or weights != "dtype"):
         results += run_fp32(*load("float32"), cases, max_new_tokens)
     elif with_fp32:  # the run is fp32 already: D against A is the fp32 check
         d = next(r for r in results if r.name == "D")
@@ -560,10 +573,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"error: the draft_model source needs its head: {exc} (or pass --sources)") from exc
 
     cases = make_cases(text.tokenizer, CATEGORIES, args.prompts)
-    results = measure(load_in, cases, args.max_new_tokens, args.dtype, not args.skip_fp32)
+    results = measure(load_in, cases, args.max_new_tokens, args.dtype, not args.skip_fp32, args.weights)
     meta["settings"] = {
         "model": args.model,
         "dtype": args.dtype,
+        "weights": args.weights,
         "prompts": len(cases),
         "max_new_tokens": args.max_new_tokens,
         "greedy": True,
@@ -576,7 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     meta["duration_s"] = round(time.monotonic() - started, 1)
     meta["machine"]["load_average_at_end"] = machine.load_average()
-    paths = write_outputs(args.out_dir, args.dtype, meta, results)
+    label = args.dtype if args.weights == "dtype" else f"{args.dtype}_weights-{args.weights}"
+    paths = write_outputs(args.out_dir, label, meta, results)
     progress(f"wrote {', '.join(str(p) for p in paths)} in {meta['duration_s']:.0f} s")
     return 0
 

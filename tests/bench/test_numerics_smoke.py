@@ -117,6 +117,14 @@ def test_fp32_run_reports_d_as_e() -> None:
     assert results[3].diverging == results[4].diverging == 0  # fp32: speculative equals plain decoding
 
 
+def test_an_int8_run_measures_a_d_on_int8_weights_and_checks_e_on_fp32_ones() -> None:
+    """int8 weights round like bf16, so D is judged against the floor and E still checks fp32 identity."""
+    results = numerics.measure(load, cases()[:1], 6, "float32", with_fp32=True, weights="int8")
+    assert [r.name for r in results] == ["A", "B", "C", "D", "A-fp32", "E"]  # E on a model loaded in fp32 again
+    assert results[-1].diverging == 0  # E: fp32 weights, speculative equals plain decoding
+    assert "int8" in numerics.engine_for(load("float32")[0], "int8").step_form
+
+
 def test_compare_finds_the_first_divergence_and_scores_the_reference_prefix() -> None:
     target, _ = load("float32")
     verifier = numerics.engine_for(target)
