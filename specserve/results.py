@@ -67,3 +67,22 @@ class DraftReply:
     # The tree was drafted ahead, while the verifier checked the last round, for the outcome that happened.
     predrafted: bool = False
     predraft_ns: int = 0  # drafting time of a predrafted tree: time hidden behind verification
+
+
+@dataclass(frozen=True)
+class VerifiedTree:
+    """The tree the verifier checks for a drafter's last proposal, when it is not the drafter's own.
+
+    Under a structured-output constraint the coordinator prunes the drafter's tree to what the grammar allows and
+    adds the tokens the grammar forces; the drafter pre-drafts for this tree's outcomes instead of its own.
+    """
+
+    tree: TokenTree  # token_ids and parents only
+    forced: tuple[bool, ...] = ()  # per node: the only token the grammar allows there (empty: none forced)
+
+    def __post_init__(self) -> None:
+        if self.forced and len(self.forced) != len(self.tree):
+            raise ValueError(f"{len(self.forced)} forced flags for a tree of {len(self.tree)} nodes")
+
+    def is_forced(self, node: int) -> bool:
+        return bool(self.forced) and self.forced[node]
