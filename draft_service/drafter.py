@@ -6,6 +6,13 @@ path plus a guess at the verifier's bonus token, as in SSD/Saguaro and
 decoupled speculative decoding). When the report shows one of them happened,
 its tree is answered at once; otherwise the drafter drafts afresh. Either
 way the tree is a draft that the verifier checks, so output never changes.
+
+Under a structured-output constraint the verifier checks another tree than
+the drafter's: the coordinator prunes it to what the grammar allows and adds
+the tokens the grammar forces (a schema's keys, punctuation), and most
+accepted paths end in those. The coordinator then sends the tree it verifies
+(``DraftSession.verified``), and the session pre-drafts for that tree's
+outcomes, forced tokens included, instead of its own tree's.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from draft_service.tree_builder import (
     learn_from_acceptance,
     likely_outcomes,
 )
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, VerifiedTree
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree
@@ -69,6 +76,31 @@ def _cut(draft: DraftTree, max_nodes: int) -> DraftTree:
     return DraftTree(tree, draft.sources[:max_nodes], draft.scores[:max_nodes])
 
 
+def _scored(own: DraftTree, verified: VerifiedTree) -> DraftTree:
+    """``verified`` with an acceptance estimate per node, to rank its outcomes by.
+
+    A forced node is certain once its parent is accepted: its parent's score. A node of ours keeps our estimate
+    of it given its parent (its score over its parent's). Nodes are matched to ours by their path's tokens.
+    """
+    pairs = zip(own.tree.parents, own.tree.token_ids, strict=True)
+    index = {pair: node for node, pair in enumerate(pairs)}  # (our parent, token) -> our node
+    ours: list[int | None] = []  # per verified node: our node, or None
+    scores: list[float] = []
+    for node, (token, parent) in enumerate(zip(verified.tree.token_ids, verified.tree.parents, strict=True)):
+        anchor = ROOT if parent == ROOT else ours[parent]
+        mine = index.get((anchor, token)) if anchor is not None else None
+        ours.append(mine)
+        above = 1.0 if parent == ROOT else scores[parent]
+        if verified.is_forced(node):
+            scores.append(above)
+        elif mine is not None and anchor is not None:
+            own_above = 1.0 if anchor == ROOT else own.scores[anchor]
+            scores.append(above * own.scores[mine] / own_above if own_above > 0 else 0.0)
+        else:
+            scores.append(0.0)
+    return DraftTree(verified.tree, tuple(frozenset[str]() for _ in scores), tuple(scores))
+
+
 class DraftSession:
     """One generation session as the drafter sees it."""
 
@@ -101,6 +133,10 @@ class DraftSession:
         self._max_nodes = 0  # the size asked for last: pre-drafted trees are drafted to it
         self._predraft_outcomes = predraft_outcomes
         self._pending_outcomes: list[tuple[int, ...]] = []  # outcomes of the last tree not pre-drafted yet
+        # The tree verified for the last proposal when it is not ours (structured output), and whether the
+        # coordinator sends one after each proposal: then pre-drafting waits for it.
+        self._verified: VerifiedTree | None = None
+        self._sends_verified = False
         self._predrafts: dict[tuple[int, ...], _Predraft] = {}  # outcome (accepted tokens + bonus) -> tree
 
     @property
@@ -159,6 +195,7 @@ class DraftSession:
         ready = self._predrafts.get(feedback.new_tokens) if feedback.new_tokens else None
         self._predrafts.clear()
         self._max_nodes = max(0, max_nodes)
+        self._verified = None
         if max_nodes <= 0:
             self._pool.flush()
             self._last = EMPTY
@@ -169,11 +206,28 @@ class DraftSession:
             self._last = _cut(ready.tree, max_nodes)
         else:
             self._last = self._draft(self.tokens, max_nodes)
-        self._pending_outcomes = likely_outcomes(self._last, self._predraft_outcomes)
+        # With a constraint the tree verified is not this one: its outcomes come with it (``verified``).
+        self._pending_outcomes = [] if self._sends_verified else likely_outcomes(self._last, self._predraft_outcomes)
         elapsed = time.perf_counter_ns() - start
         if ready is not None:
             return DraftReply(self._last.tree, elapsed, predrafted=True, predraft_ns=ready.draft_ns)
         return DraftReply(self._last.tree, elapsed)
+
+    def verified(self, verified: VerifiedTree) -> None:
+        """The verifier checks ``verified`` for the last proposal, not our tree: pre-draft for its outcomes.
+
+        Under a constraint the coordinator pruned our tree and hung the tokens the grammar forces under its
+        nodes; an accepted path that runs into forced tokens (as most do) is one our own tree never spells, so
+        its pre-draft would never be used. From now on the session waits for this tree after each proposal
+        before pre-drafting. Call between the reply to ``propose`` and any work ahead for it.
+        """
+        self._sends_verified = True
+        if self._max_nodes <= 0:
+            return  # no tree was asked for: nothing to draft ahead
+        self._verified = verified
+        self._pending_outcomes = likely_outcomes(
+            _scored(self._last, verified), self._predraft_outcomes, verified.forced
+        )
 
     def _work_ahead(self, predraft: bool) -> bool:
         if any(proposer.digest(self.tokens) for proposer in self._proposers):
@@ -196,11 +250,12 @@ class DraftSession:
         The verifier's bonus token follows the accepted path; had it been one
         of the tree's children there, that child would have been accepted.
         """
+        tree = self._verified.tree if self._verified is not None else self._last.tree
         node = ROOT
-        children = self._last.tree.children()
+        children = tree.children()
         for token in accepted:
-            node = next(c for c in children[node] if self._last.tree.token_ids[c] == token)
-        offered = {self._last.tree.token_ids[c] for c in children[node]}
+            node = next(c for c in children[node] if tree.token_ids[c] == token)
+        offered = {tree.token_ids[c] for c in children[node]}
         first = self._builder.first_tokens(self._proposals(context, len(offered) + 1))
         return next((token for token in first if token not in offered), None)
 

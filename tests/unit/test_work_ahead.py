@@ -1,5 +1,9 @@
 """Work ahead runs on a thread of its own, and a session's queued work is dropped when its report arrives.
 
+Under a structured-output constraint the coordinator verifies its own fitting of the drafter's tree (forced
+tokens hung under the drafter's nodes) and tells the drafter: pre-drafts are then keyed by paths that end in
+forced tokens, which the drafter's own tree never spells, and they hit.
+
 Synchronised on events, never on sleeps: a thread that is blocked stays blocked until the test lets it go.
 """
 
@@ -9,12 +13,16 @@ import asyncio
 import threading
 
 import grpc
+import pytest
 
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
+from draft_service.tree_builder import VerifyCost
 from draft_service.work_ahead import WorkAhead
 from specserve.drain import Drain
-from specserve.v1 import drafter_pb2_grpc
+from specserve.results import DraftFeedback, VerifiedTree
+from specserve.token_tree import ROOT, TokenTree
+from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from tests.unit.test_drain import Stream, drafter_server, propose, start
 
 GUARD_S = 30  # a guard only: each wait ends on an event long before
@@ -89,5 +97,82 @@ def test_a_report_is_answered_while_the_work_ahead_thread_is_busy_with_another_s
             release.set()
             await server.stop(0)
             ahead.close()
+
+    asyncio.run(scenario())
+
+
+# Prompt lookup drafts what followed "1 2" earlier in the prompt: 3, then 4, 5, 6, 7.
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+# The coordinator's fitting of the drafter's one-node tree (3): the grammar forces 4 and 5 under it.
+FITTED = VerifiedTree(TokenTree((3, 4, 5), (ROOT, 0, 1)), (False, True, True))
+# The verifier accepts 3 and the forced 4, 5 (certain), and adds its bonus token 6.
+REPORT = DraftFeedback((3, 4, 5, 6), accepted_node_indices=(0,))
+
+
+def lookup_drafter() -> Drafter:
+    """Prompt lookup alone, verification free (every node kept), two outcomes pre-drafted per tree."""
+    return Drafter(
+        lambda *_: InMemoryNgramPool(),
+        sources=("prompt_lookup",),
+        cost=VerifyCost({0: 1.0, 64: 1.0}),
+        predraft_outcomes=2,
+    )
+
+
+def work_all_ahead(session: object) -> None:
+    while session.work_ahead():  # type: ignore[attr-defined]
+        pass
+
+
+@pytest.mark.parametrize("told", [False, True])
+def test_a_path_that_ends_in_forced_tokens_is_predrafted_once_the_drafter_is_told_the_verified_tree(
+    told: bool,
+) -> None:
+    drafter = lookup_drafter()
+    session = drafter.open_session("s", PROMPT, "fp")
+    assert session.propose(DraftFeedback(), max_nodes=1).tree.token_ids == (3,)
+    work_all_ahead(session)  # from its own tree: 3 accepted, bonus 4 guessed
+    if told:
+        session.verified(FITTED)
+        work_all_ahead(session)  # from the verified tree: 3 and the forced 4, 5 accepted, bonus 6 guessed
+    reply = session.propose(REPORT, max_nodes=1)
+    # Before: the pre-draft for "3, then 4" missed a round that ended in the forced 4, 5.
+    assert reply.predrafted is told
+    assert drafter.predraft_counts.used == int(told)
+    assert reply.tree.token_ids == (7,)  # the same tree either way: what is drafted does not change
+
+
+def test_a_session_told_verified_trees_waits_for_each_before_predrafting() -> None:
+    drafter = lookup_drafter()
+    session = drafter.open_session("s", PROMPT, "fp")
+    session.propose(DraftFeedback(), max_nodes=1)
+    session.verified(FITTED)
+    work_all_ahead(session)
+    drafted = drafter.predraft_counts.drafted
+    session.propose(REPORT, max_nodes=1)
+    assert not session.work_ahead(), "no pre-draft from its own tree: the verified one is on its way"
+    assert drafter.predraft_counts.drafted == drafted
+    session.verified(VerifiedTree(TokenTree((7, 8), (ROOT, 0)), (False, True)))
+    work_all_ahead(session)
+    assert drafter.predraft_counts.drafted > drafted
+
+
+def test_a_malformed_verified_tree_is_invalid_argument() -> None:
+    async def scenario() -> None:
+        server, address = await drafter_server(Drain())
+        try:
+            async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(GUARD_S):
+                stream = Stream(drafter_pb2_grpc.DrafterServiceStub(channel))
+                await stream.send(start("s"))
+                await stream.send(propose([]))
+                await stream.call.read()
+                tree = common_pb2.TokenTree(token_ids=[4, 5], parents=[1, ROOT])  # a child before its parent
+                await stream.send(drafter_pb2.DraftRequest(verified=drafter_pb2.VerifiedTree(tree=tree)))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stream.call.read()
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "verified: node 0 has parent 1" in (refused.value.details() or "")
+        finally:
+            await server.stop(0)
 
     asyncio.run(scenario())
