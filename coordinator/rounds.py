@@ -54,10 +54,13 @@ from specserve.errors import (
     SessionMoved,
     Unavailable,
 )
-from specserve.results import DraftFeedback, DraftReply, VerifyResult
+from specserve.results import DraftFeedback, DraftReply, VerifiedTree, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
+
+FEW_ALLOWED = 16
+"""Where a constraint allows at most this many tokens after a node, the drafter is told which (for its pre-drafts)."""
 
 _CLOSING: set[asyncio.Task[None]] = set()
 """Session closings still running after their request was cancelled: held here so none is collected unfinished."""
@@ -246,6 +249,8 @@ class Generation:
             self.stats.num_rounds_budget_off += max_nodes == 0
         tree, drafted = await self._propose(max_nodes)
         fitted = self._fit(tree, remaining, room)
+        if fitted is not None and drafted:
+            await self._tell_verified(fitted)
         pending = self._committed[-1]
         result, tree = await self._verify(tree if fitted is None else fitted.tree, fitted)
         if fitted is not None and len(tree) != len(fitted.tree):
@@ -282,6 +287,28 @@ class Generation:
         fitted = self._grammar.fit(tree, cap, depth)
         self.stats.mask_ns_per_round.append(self._grammar.mask_ns - before)
         return fitted
+
+    async def _tell_verified(self, fitted: FittedTree) -> None:
+        """Tell the drafter the tree about to be verified: its own, fitted to the constraint.
+
+        The drafter pre-drafts the next round while the verifier works, keyed by the path it expects accepted
+        and a guess at the bonus token after it; most paths under a constraint end in forced tokens it never
+        drafted. Told the fitted tree, it keys its pre-drafts by paths that can happen, and where the grammar
+        allows few tokens next it guesses the bonus among those. Nothing verified changes; a failure here drops
+        the drafter.
+        """
+        if self._draft is None or self._grammar is None:
+            return
+        started = time.perf_counter_ns()
+        try:
+            few = self._grammar.few_allowed(fitted, FEW_ALLOWED)
+            async with asyncio.timeout(deadlines.bounded(self.policy.draft_timeout_s)):
+                await self._draft.verifying(VerifiedTree(fitted.tree, fitted.forced, few))
+        except (DrafterFailed, TimeoutError) as exc:
+            deadlines.check()  # the request's deadline passed, not the drafter's
+            self._drop_drafter(exc)
+        finally:
+            self.stats.draft_ns += time.perf_counter_ns() - started
 
     def _count_round(self, num_draft: int, num_accepted: int) -> None:
         stats = self.stats

@@ -35,6 +35,7 @@ from specserve.token_masks import TokenMasks, row_bytes
 from specserve.token_tree import ROOT, DraftDistribution, TokenTree
 
 NO_ORIGIN = -1  # a node the grammar added, not the drafter
+_POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.int32)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self._row_bytes = row_bytes(vocab_size)
         self._all_allowed = np.full(self._row_bytes, 0xFF, dtype=np.uint8)
         self.mask_ns = 0  # time computing masks, for the stats
@@ -98,6 +100,18 @@ class GrammarState:
         walk = _Walk(self, drafted, max_nodes, max_depth)
         walk.visit(ROOT, ROOT, walk.first_row, 0)
         return walk.result()
+
+    def few_allowed(self, fitted: FittedTree, at_most: int) -> dict[int, tuple[int, ...]]:
+        """Node (ROOT: the committed tokens) -> the tokens its row allows, for the rows that allow at most
+        ``at_most`` (and at least one): whatever the target picks after a path that ends there is one of them."""
+        bits = fitted.masks.bits
+        counts = _POPCOUNT[bits].sum(axis=1)
+        few: dict[int, tuple[int, ...]] = {}
+        for row in np.flatnonzero((counts > 0) & (counts <= at_most)):
+            allowed = np.flatnonzero(np.unpackbits(bits[row], bitorder="little")[: self.vocab_size])
+            if allowed.size:
+                few[int(row) - 1] = tuple(int(token) for token in allowed)  # row 0: ROOT; row n + 1: node n
+        return few
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):

@@ -10,11 +10,15 @@ Synchronised on events, never on sleeps: a thread that is blocked stays blocked 
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import grpc
 import pytest
 
+from coordinator.grpc_clients import GrpcDrafter, GrpcDraftStream
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.tree_builder import VerifyCost
@@ -23,6 +27,7 @@ from specserve.drain import Drain
 from specserve.results import DraftFeedback, VerifiedTree
 from specserve.token_tree import ROOT, TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specserve.wire import verified_tree_from_proto
 from tests.unit.test_drain import Stream, drafter_server, propose, start
 
 GUARD_S = 30  # a guard only: each wait ends on an event long before
@@ -157,6 +162,48 @@ def test_a_session_told_verified_trees_waits_for_each_before_predrafting() -> No
     assert drafter.predraft_counts.drafted > drafted
 
 
+class RecordingWorkAhead(WorkAhead):
+    """Work ahead that lets a test on the server's event loop wait for the n-th piece of work to end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submitted: list[Future[None]] = []
+        self._changed = asyncio.Event()
+
+    def submit(self, work: Callable[[], None]) -> Future[None]:
+        future = super().submit(work)
+        self.submitted.append(future)
+        self._changed.set()
+        return future
+
+    async def finished(self, count: int) -> None:
+        while len(self.submitted) < count:
+            self._changed.clear()
+            await self._changed.wait()
+        await asyncio.wrap_future(self.submitted[count - 1])
+
+
+def test_over_grpc_the_coordinator_tells_the_drafter_the_verified_tree_and_its_predraft_hits() -> None:
+    async def scenario() -> None:
+        drafter, ahead = lookup_drafter(), RecordingWorkAhead()
+        server, address = await drafter_server(Drain(), drafter=drafter, work_ahead=ahead)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(GUARD_S):
+                assert (await GrpcDrafter(channel, address).info()).takes_verified_trees
+                stream = await GrpcDrafter(channel, address).open("s", PROMPT, "fp")
+                assert (await stream.propose(DraftFeedback(), 1)).tree.token_ids == (3,)
+                await stream.verifying(FITTED)
+                await ahead.finished(2)  # the work after the reply, then the work after the verified tree
+                reply = await stream.propose(REPORT, 1)
+                assert reply.predrafted and reply.predraft_ns > 0
+                await stream.close()
+        finally:
+            await server.stop(0)
+            ahead.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_malformed_verified_tree_is_invalid_argument() -> None:
     async def scenario() -> None:
         server, address = await drafter_server(Drain())
@@ -176,3 +223,37 @@ def test_a_malformed_verified_tree_is_invalid_argument() -> None:
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+class RecordingCall:
+    def __init__(self) -> None:
+        self.written: list[drafter_pb2.DraftRequest] = []
+
+    async def write(self, request: drafter_pb2.DraftRequest) -> None:
+        self.written.append(request)
+
+
+@pytest.mark.parametrize(
+    ("allowed", "problem"),
+    [
+        ([drafter_pb2.AllowedNext(node=1, token_ids=[7])], "allowed tokens after node 1, out of range [-1, 1)"),
+        ([drafter_pb2.AllowedNext(node=0, token_ids=[1 << 20])], "outside the vocabulary"),
+        ([drafter_pb2.AllowedNext(node=0, token_ids=[7])] * 2, "lists a node twice"),
+    ],
+)
+def test_bad_allowed_tokens_are_refused(allowed: list[drafter_pb2.AllowedNext], problem: str) -> None:
+    message = drafter_pb2.VerifiedTree(tree=common_pb2.TokenTree(token_ids=[4], parents=[ROOT]), allowed_next=allowed)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        verified_tree_from_proto(message, vocab_size=49152)
+
+
+@pytest.mark.parametrize("takes", [False, True])
+def test_a_drafter_that_does_not_take_verified_trees_is_not_sent_them(takes: bool) -> None:
+    """A drafter from before them would refuse the message and end the stream (rolling upgrades)."""
+    call = RecordingCall()
+    stream = GrpcDraftStream(call, "drafter:1", wants_features=False, takes_verified_trees=takes)  # type: ignore[arg-type]
+    asyncio.run(stream.verifying(VerifiedTree(FITTED.tree, FITTED.forced, {ROOT: (3, 9), 2: (6, 11)})))
+    assert [r.verified.forced for r in call.written] == ([[False, True, True]] if takes else [])
+    if takes:
+        (sent,) = call.written
+        assert verified_tree_from_proto(sent.verified, 16).allowed_next == {ROOT: (3, 9), 2: (6, 11)}
