@@ -162,6 +162,23 @@ def test_a_session_told_verified_trees_waits_for_each_before_predrafting() -> No
     assert drafter.predraft_counts.drafted > drafted
 
 
+def test_where_the_grammar_allows_few_tokens_after_the_path_the_bonus_is_guessed_among_them() -> None:
+    """Prompt lookup guesses 6 after "3 4 5". Told the grammar allows only 11 there (a forced token the tree's
+    caps cut off), the drafter pre-drafts for 11; told it allows 6 or 11, for both (the path ends in a forced
+    token, so it is as likely as its drafted part and only the bonus is in doubt)."""
+    only = VerifiedTree(FITTED.tree, FITTED.forced, {2: (11,)})
+    either = VerifiedTree(FITTED.tree, FITTED.forced, {2: (6, 11)})
+    for verified, keys in ((FITTED, {(3, 4, 5, 6)}), (only, {(3, 4, 5, 11)}), (either, {(3, 4, 5, 6), (3, 4, 5, 11)})):
+        drafter = lookup_drafter()
+        session = drafter.open_session("s", PROMPT, "fp")
+        session.propose(DraftFeedback(), max_nodes=1)
+        session.verified(verified)
+        work_all_ahead(session)
+        assert set(session._predrafts) == keys
+        reply = session.propose(DraftFeedback((3, 4, 5, 11), accepted_node_indices=(0,)), max_nodes=1)
+        assert reply.predrafted is ((3, 4, 5, 11) in keys)
+
+
 class RecordingWorkAhead(WorkAhead):
     """Work ahead that lets a test on the server's event loop wait for the n-th piece of work to end."""
 
