@@ -249,10 +249,18 @@ class Generation:
             self.stats.num_rounds_budget_off += max_nodes == 0
         tree, drafted = await self._propose(max_nodes)
         fitted = self._fit(tree, remaining, room)
-        if fitted is not None and drafted:
-            await self._tell_verified(fitted)
         pending = self._committed[-1]
-        result, tree = await self._verify(tree if fitted is None else fitted.tree, fitted)
+        # The drafter hears of the fitted tree while the verifier works (it must before the next proposal).
+        telling = asyncio.ensure_future(self._tell_verified(fitted)) if fitted is not None and drafted else None
+        try:
+            result, tree = await self._verify(tree if fitted is None else fitted.tree, fitted)
+        except BaseException:
+            if telling is not None:  # the round failed: its outcome, whatever it is, is of no use now
+                telling.cancel()
+                telling.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise
+        if telling is not None:
+            await telling
         if fitted is not None and len(tree) != len(fitted.tree):
             fitted = None  # the verifier refused the tree: the round ran with none
         drafted = drafted and bool(tree.token_ids)
@@ -295,20 +303,20 @@ class Generation:
         and a guess at the bonus token after it; most paths under a constraint end in forced tokens it never
         drafted. Told the fitted tree, it keys its pre-drafts by paths that can happen, and where the grammar
         allows few tokens next it guesses the bonus among those. Nothing verified changes; a failure here drops
-        the drafter.
+        the drafter. Runs beside the Verify call.
         """
-        if self._draft is None or self._grammar is None:
+        draft = self._draft
+        if draft is None or self._grammar is None:
             return
-        started = time.perf_counter_ns()
+        # Not counted in draft_ns: it runs while the verifier works, off the round's critical path.
+        few = self._grammar.few_allowed(fitted, FEW_ALLOWED)
         try:
-            few = self._grammar.few_allowed(fitted, FEW_ALLOWED)
             async with asyncio.timeout(deadlines.bounded(self.policy.draft_timeout_s)):
-                await self._draft.verifying(VerifiedTree(fitted.tree, fitted.forced, few))
+                await draft.verifying(VerifiedTree(fitted.tree, fitted.forced, few))
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's
-            self._drop_drafter(exc)
-        finally:
-            self.stats.draft_ns += time.perf_counter_ns() - started
+            if self._draft is draft:  # else the round already dropped it, for a cause worth keeping
+                self._drop_drafter(exc)
 
     def _count_round(self, num_draft: int, num_accepted: int) -> None:
         stats = self.stats

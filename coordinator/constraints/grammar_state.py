@@ -35,7 +35,6 @@ from specserve.token_masks import TokenMasks, row_bytes
 from specserve.token_tree import ROOT, DraftDistribution, TokenTree
 
 NO_ORIGIN = -1  # a node the grammar added, not the drafter
-_POPCOUNT = np.array([bin(byte).count("1") for byte in range(256)], dtype=np.int32)
 
 
 @dataclass(frozen=True)
@@ -105,12 +104,18 @@ class GrammarState:
         """Node (ROOT: the committed tokens) -> the tokens its row allows, for the rows that allow at most
         ``at_most`` (and at least one): whatever the target picks after a path that ends there is one of them."""
         bits = fitted.masks.bits
-        counts = _POPCOUNT[bits].sum(axis=1)
+        # A row that allows at most k tokens has at most k non-zero bytes: most rows are ruled out on those.
+        candidates = np.flatnonzero(np.count_nonzero(bits, axis=1) <= at_most)
         few: dict[int, tuple[int, ...]] = {}
-        for row in np.flatnonzero((counts > 0) & (counts <= at_most)):
-            allowed = np.flatnonzero(np.unpackbits(bits[row], bitorder="little")[: self.vocab_size])
-            if allowed.size:
-                few[int(row) - 1] = tuple(int(token) for token in allowed)  # row 0: ROOT; row n + 1: node n
+        for row in candidates[np.bitwise_count(bits[candidates]).sum(axis=1) <= at_most]:
+            allowed = tuple(
+                8 * int(byte) + bit
+                for byte in np.flatnonzero(bits[row])
+                for bit in range(8)
+                if bits[row, byte] >> bit & 1 and 8 * int(byte) + bit < self.vocab_size
+            )
+            if allowed:
+                few[int(row) - 1] = allowed  # row 0: ROOT; row n + 1: node n
         return few
 
     def _consume(self, token: int) -> None:

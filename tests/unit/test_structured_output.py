@@ -46,7 +46,7 @@ from coordinator.rounds import FinishReason, Generation, GenerationRequest, Roun
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.tree_builder import VerifyCost
-from specserve.errors import InvalidArgument
+from specserve.errors import DrafterFailed, InvalidArgument
 from specserve.keyed_noise import PositionNoise
 from specserve.probs import target_probs
 from specserve.results import DraftFeedback, DraftReply, VerifiedTree
@@ -407,11 +407,14 @@ def test_the_compiler_and_a_constrained_generation_feed_the_metrics() -> None:
 
 class WatchedStream:
     """A draft stream that notes, per round, whether the accepted path ended in a forced token and whether the
-    drafter had the round's tree ready; ``tell``: False keeps the verified tree from the drafter (as before)."""
+    drafter had the round's tree ready; ``tell``: False keeps the verified tree from the drafter (as before);
+    ``fail_on``: the verified tree whose sending fails like a lost connection (0: none)."""
 
-    def __init__(self, inner: DraftStream, tell: bool) -> None:
+    def __init__(self, inner: DraftStream, tell: bool, fail_on: int = 0) -> None:
         self._inner = inner
         self._tell = tell
+        self._fail_on = fail_on
+        self._told = 0
         self.wants_features = inner.wants_features
         self._verified: VerifiedTree | None = None
         self.rounds: list[tuple[bool, bool]] = []  # (the last path ended in a forced token, pre-drafted)
@@ -430,6 +433,9 @@ class WatchedStream:
 
     async def verifying(self, verified: VerifiedTree) -> None:
         self._verified = verified
+        self._told += 1
+        if self._told == self._fail_on:
+            raise DrafterFailed("connection lost", detail="drafter at 127.0.0.1:1: connection reset")
         if self._tell:
             await self._inner.verifying(verified)
 
@@ -438,7 +444,7 @@ class WatchedStream:
 
 
 class WatchedDrafter:
-    def __init__(self, tell: bool) -> None:
+    def __init__(self, tell: bool, fail_on: int = 0) -> None:
         # Prompt lookup alone (it follows the output's repeats), every node kept, three outcomes pre-drafted.
         drafter = Drafter(
             lambda *_: InMemoryNgramPool(),
@@ -448,10 +454,12 @@ class WatchedDrafter:
         )
         self._inner = InProcessDrafter(drafter, predraft=True)
         self._tell = tell
+        self._fail_on = fail_on
         self.streams: list[WatchedStream] = []
 
     async def open(self, *args: object, **kwargs: object) -> DraftStream:
-        self.streams.append(WatchedStream(await self._inner.open(*args, **kwargs), self._tell))  # type: ignore[arg-type]
+        inner = await self._inner.open(*args, **kwargs)  # type: ignore[arg-type]
+        self.streams.append(WatchedStream(inner, self._tell, self._fail_on))
         return self.streams[-1]
 
 
@@ -482,6 +490,25 @@ def test_predrafts_hit_after_rounds_that_end_in_forced_tokens_once_the_drafter_i
         hits_after_forced[tell] = sum(ended and hit for ended, hit in stream.rounds)
     assert hits_after_forced[True] > hits_after_forced[False]
     assert hits[True] > hits[False]
+
+
+def test_a_drafter_lost_while_told_the_verified_tree_is_dropped_and_the_output_stays_the_same() -> None:
+    grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'))
+    prompt = [1, 2, 3]
+    reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
+    generation = Generation(
+        GenerationRequest(prompt, 40, constraint=grammar),
+        InProcessVerifier(Verifier(MODEL, "tiny")),
+        WatchedDrafter(tell=True, fail_on=3),  # type: ignore[arg-type]
+        CharTokenizer(),
+        frozenset({EOS}),
+        "tiny",
+        RoundPolicy(max_draft_tokens=6),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert tokens == reference
+    assert stats.drafter_error == "drafter dropped: connection lost"
+    assert stats.num_drafter_trees == 3 and stats.num_rounds_without_drafter > 0
 
 
 def _generation(grammar: CompiledGrammar, prompt: list[int], max_new_tokens: int) -> Generation:
