@@ -12,7 +12,7 @@ from coordinator.ports import VerifierInfo
 from draft_service.drafter import Drafter, DraftSession
 from draft_service.tree_builder import VerifyCost
 from specserve.errors import DrafterFailed
-from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_masks import TokenMasks
@@ -79,6 +79,11 @@ class _InProcessDraftStream:
         while self._session.work_ahead(predraft=self._predraft):  # no idle cores here: it is done at once
             pass
         return reply
+
+    async def verifying(self, verified: VerifiedTree) -> None:
+        self._session.verified(verified)
+        while self._session.work_ahead(predraft=self._predraft):
+            pass
 
     async def close(self) -> None:
         self._session.close()

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 from coordinator.ports import DrafterPort, DraftStream
 from specserve.errors import DrafterDraining, DrafterFailed, DrafterSkipped
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, VerifiedTree
 from specserve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -359,6 +359,15 @@ class _HealthCheckedStream:
                     await self._inner.close()
                 self._inner = await self._opening()
         raise AssertionError("unreachable")
+
+    async def verifying(self, verified: VerifiedTree) -> None:
+        if self._owner.circuit_open:
+            return  # the next proposal skips the drafter
+        try:
+            await self._owner._bounded(self._inner.verifying(verified), self._owner.latency.timeout_s)
+        except DrafterFailed:
+            self.failed = True
+            raise
 
     async def close(self) -> None:
         self._owner._streams.pop(self._session_id, None)

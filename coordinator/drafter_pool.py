@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from coordinator.discovery import Replica
 from coordinator.ports import DraftStream
 from specserve.errors import DrafterDraining, DrafterFailed
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, VerifiedTree
 from specserve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,9 @@ class _PooledStream:
             self._pool._refused_until[self._address] = self._pool._clock() + self._pool._refuse_s
             raise
         return reply
+
+    async def verifying(self, verified: VerifiedTree) -> None:
+        await self._inner.verifying(verified)
 
     async def close(self) -> None:
         if not self._closed:

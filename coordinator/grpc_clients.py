@@ -16,7 +16,7 @@ from specserve import errors
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.drain import DRAINING_METADATA
 from specserve.errors import DrafterDraining, DrafterFailed, ReplicaDraining, ReplicaUnreachable
-from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.token_masks import TokenMasks
@@ -33,6 +33,7 @@ from specserve.wire import (
     sampling_to_proto,
     split_features,
     tree_to_proto,
+    verified_tree_to_proto,
     verify_result_from_proto,
 )
 
@@ -202,10 +203,13 @@ class GrpcVerifier:
 class GrpcDraftStream:
     """One session's bidirectional Draft stream: write a request, read its answer."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, target: str, wants_features: bool) -> None:
+    def __init__(
+        self, call: grpc.aio.StreamStreamCall, target: str, wants_features: bool, takes_verified_trees: bool = False
+    ) -> None:
         self._call = call
         self._target = target
         self.wants_features = wants_features
+        self._takes_verified_trees = takes_verified_trees  # else the drafter would refuse the message
 
     async def _write(self, request: drafter_pb2.DraftRequest) -> None:
         try:
@@ -283,6 +287,10 @@ class GrpcDraftStream:
             )
         return last
 
+    async def verifying(self, verified: VerifiedTree) -> None:
+        if self._takes_verified_trees:
+            await self._write(drafter_pb2.DraftRequest(verified=verified_tree_to_proto(verified)))
+
     async def close(self) -> None:
         self._call.cancel()
 
@@ -302,7 +310,7 @@ class GrpcDrafter:
         self._target = target
         self._vocab_size = vocab_size  # the target's, sent with each session: the drafter drops ids outside it
         self._verify_cost = tuple(verify_cost)  # the verifier's measured curve, sent with each session
-        self._wants_features: bool | None = None  # learnt from DrafterInfo on the first open
+        self._info: drafter_pb2.DrafterInfoResponse | None = None  # learnt from DrafterInfo on the first open
 
     async def info(self) -> drafter_pb2.DrafterInfoResponse:
         return await self._stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=5.0, metadata=self._metadata())
@@ -314,15 +322,20 @@ class GrpcDrafter:
         vocab_fingerprint: str,
         sampling: SamplingParams = GREEDY,
     ) -> GrpcDraftStream:
-        if self._wants_features is None:
+        if self._info is None:
             try:
-                self._wants_features = (await self.info()).wants_features
+                self._info = await self.info()
             except grpc.aio.AioRpcError as exc:
                 raise DrafterFailed(
                     f"unreachable ({exc.code().name})",
                     detail=f"drafter at {self._target}: {exc.code().name}: {exc.details()}",
                 ) from exc
-        stream = GrpcDraftStream(self._stub.Draft(metadata=self._metadata()), self._target, self._wants_features)
+        stream = GrpcDraftStream(
+            self._stub.Draft(metadata=self._metadata()),
+            self._target,
+            self._info.wants_features,
+            self._info.takes_verified_trees,
+        )
         await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost, sampling)
         return stream
 

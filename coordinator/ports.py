@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
@@ -69,6 +69,12 @@ class DraftStream(Protocol):
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         """Report the last round and get a tree (max_nodes 0: report only)."""
+        ...
+
+    async def verifying(self, verified: VerifiedTree) -> None:
+        """Tell the drafter the tree verified for its last tree when it is not that tree (structured output:
+        pruned to the grammar, forced tokens added), so that it pre-drafts for the outcomes that can happen.
+        No answer; a drafter that does not take these is not sent them."""
         ...
 
     async def close(self) -> None: ...

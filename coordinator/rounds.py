@@ -54,10 +54,13 @@ from specserve.errors import (
     SessionMoved,
     Unavailable,
 )
-from specserve.results import DraftFeedback, DraftReply, VerifyResult
+from specserve.results import DraftFeedback, DraftReply, VerifiedTree, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
+
+FEW_ALLOWED = 16
+"""Where a constraint allows at most this many tokens after a node, the drafter is told which (for its pre-drafts)."""
 
 _CLOSING: set[asyncio.Task[None]] = set()
 """Session closings still running after their request was cancelled: held here so none is collected unfinished."""
@@ -247,7 +250,17 @@ class Generation:
         tree, drafted = await self._propose(max_nodes)
         fitted = self._fit(tree, remaining, room)
         pending = self._committed[-1]
-        result, tree = await self._verify(tree if fitted is None else fitted.tree, fitted)
+        # The drafter hears of the fitted tree while the verifier works (it must before the next proposal).
+        telling = asyncio.ensure_future(self._tell_verified(fitted)) if fitted is not None and drafted else None
+        try:
+            result, tree = await self._verify(tree if fitted is None else fitted.tree, fitted)
+        except BaseException:
+            if telling is not None:  # the round failed: its outcome, whatever it is, is of no use now
+                telling.cancel()
+                telling.add_done_callback(lambda done: done.cancelled() or done.exception())
+            raise
+        if telling is not None:
+            await telling
         if fitted is not None and len(tree) != len(fitted.tree):
             fitted = None  # the verifier refused the tree: the round ran with none
         drafted = drafted and bool(tree.token_ids)
@@ -282,6 +295,28 @@ class Generation:
         fitted = self._grammar.fit(tree, cap, depth)
         self.stats.mask_ns_per_round.append(self._grammar.mask_ns - before)
         return fitted
+
+    async def _tell_verified(self, fitted: FittedTree) -> None:
+        """Tell the drafter the tree about to be verified: its own, fitted to the constraint.
+
+        The drafter pre-drafts the next round while the verifier works, keyed by the path it expects accepted
+        and a guess at the bonus token after it; most paths under a constraint end in forced tokens it never
+        drafted. Told the fitted tree, it keys its pre-drafts by paths that can happen, and where the grammar
+        allows few tokens next it guesses the bonus among those. Nothing verified changes; a failure here drops
+        the drafter. Runs beside the Verify call.
+        """
+        draft = self._draft
+        if draft is None or self._grammar is None:
+            return
+        # Not counted in draft_ns: it runs while the verifier works, off the round's critical path.
+        few = self._grammar.few_allowed(fitted, FEW_ALLOWED)
+        try:
+            async with asyncio.timeout(deadlines.bounded(self.policy.draft_timeout_s)):
+                await draft.verifying(VerifiedTree(fitted.tree, fitted.forced, few))
+        except (DrafterFailed, TimeoutError) as exc:
+            deadlines.check()  # the request's deadline passed, not the drafter's
+            if self._draft is draft:  # else the round already dropped it, for a cause worth keeping
+                self._drop_drafter(exc)
 
     def _count_round(self, num_draft: int, num_accepted: int) -> None:
         stats = self.stats

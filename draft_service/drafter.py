@@ -6,6 +6,13 @@ path plus a guess at the verifier's bonus token, as in SSD/Saguaro and
 decoupled speculative decoding). When the report shows one of them happened,
 its tree is answered at once; otherwise the drafter drafts afresh. Either
 way the tree is a draft that the verifier checks, so output never changes.
+
+Under a structured-output constraint the verifier checks another tree than
+the drafter's: the coordinator prunes it to what the grammar allows and adds
+the tokens the grammar forces (a schema's keys, punctuation), and most
+accepted paths end in those. The coordinator then sends the tree it verifies
+(``DraftSession.verified``), and the session pre-drafts for that tree's
+outcomes, forced tokens included, instead of its own tree's.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from draft_service.tree_builder import (
     learn_from_acceptance,
     likely_outcomes,
 )
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, VerifiedTree
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import ANONYMOUS
 from specserve.token_tree import ROOT, TokenTree
@@ -69,6 +76,40 @@ def _cut(draft: DraftTree, max_nodes: int) -> DraftTree:
     return DraftTree(tree, draft.sources[:max_nodes], draft.scores[:max_nodes])
 
 
+def _scored(own: DraftTree, verified: VerifiedTree) -> DraftTree:
+    """``verified`` with an acceptance estimate per node, to rank its outcomes by.
+
+    A forced node is certain once its parent is accepted: its parent's score. A node of ours keeps our estimate
+    of it given its parent (its score over its parent's). Nodes are matched to ours by their path's tokens.
+    """
+    pairs = zip(own.tree.parents, own.tree.token_ids, strict=True)
+    index = {pair: node for node, pair in enumerate(pairs)}  # (our parent, token) -> our node
+    ours: list[int | None] = []  # per verified node: our node, or None
+    scores: list[float] = []
+    for node, (token, parent) in enumerate(zip(verified.tree.token_ids, verified.tree.parents, strict=True)):
+        anchor = ROOT if parent == ROOT else ours[parent]
+        mine = index.get((anchor, token)) if anchor is not None else None
+        ours.append(mine)
+        above = 1.0 if parent == ROOT else scores[parent]
+        if verified.is_forced(node):
+            scores.append(above)
+        elif mine is not None and anchor is not None:
+            own_above = 1.0 if anchor == ROOT else own.scores[anchor]
+            scores.append(above * own.scores[mine] / own_above if own_above > 0 else 0.0)
+        else:
+            scores.append(0.0)
+    return DraftTree(verified.tree, tuple(frozenset[str]() for _ in scores), tuple(scores))
+
+
+def _node_at(tree: TokenTree, path: Sequence[int]) -> int:
+    """The node that ``path`` (tokens from the root) reaches in ``tree``; ROOT for the empty path."""
+    node = ROOT
+    children = tree.children()
+    for token in path:
+        node = next(c for c in children[node] if tree.token_ids[c] == token)
+    return node
+
+
 class DraftSession:
     """One generation session as the drafter sees it."""
 
@@ -100,7 +141,12 @@ class DraftSession:
         self._last: DraftTree = EMPTY
         self._max_nodes = 0  # the size asked for last: pre-drafted trees are drafted to it
         self._predraft_outcomes = predraft_outcomes
-        self._pending_outcomes: list[tuple[int, ...]] = []  # outcomes of the last tree not pre-drafted yet
+        # Outcomes of the last tree not pre-drafted yet: (accepted path, which bonus guess: 0 the likeliest).
+        self._pending_outcomes: list[tuple[tuple[int, ...], int]] = []
+        # The tree verified for the last proposal when it is not ours (structured output), and whether the
+        # coordinator sends one after each proposal: then pre-drafting waits for it.
+        self._verified: VerifiedTree | None = None
+        self._sends_verified = False
         self._predrafts: dict[tuple[int, ...], _Predraft] = {}  # outcome (accepted tokens + bonus) -> tree
 
     @property
@@ -159,6 +205,7 @@ class DraftSession:
         ready = self._predrafts.get(feedback.new_tokens) if feedback.new_tokens else None
         self._predrafts.clear()
         self._max_nodes = max(0, max_nodes)
+        self._verified = None
         if max_nodes <= 0:
             self._pool.flush()
             self._last = EMPTY
@@ -169,11 +216,38 @@ class DraftSession:
             self._last = _cut(ready.tree, max_nodes)
         else:
             self._last = self._draft(self.tokens, max_nodes)
-        self._pending_outcomes = likely_outcomes(self._last, self._predraft_outcomes)
+        # With a constraint the tree verified is not this one: its outcomes come with it (``verified``).
+        outcomes = [] if self._sends_verified else likely_outcomes(self._last, self._predraft_outcomes)
+        self._pending_outcomes = [(path, 0) for path in outcomes]
         elapsed = time.perf_counter_ns() - start
         if ready is not None:
             return DraftReply(self._last.tree, elapsed, predrafted=True, predraft_ns=ready.draft_ns)
         return DraftReply(self._last.tree, elapsed)
+
+    def verified(self, verified: VerifiedTree) -> None:
+        """The verifier checks ``verified`` for the last proposal, not our tree: pre-draft for its outcomes.
+
+        Under a constraint the coordinator pruned our tree and hung the tokens the grammar forces under its
+        nodes; an accepted path that runs into forced tokens (as most do) is one our own tree never spells, so
+        its pre-draft would never be used. From now on the session waits for this tree after each proposal
+        before pre-drafting. Call between the reply to ``propose`` and any work ahead for it.
+
+        Where the likeliest path ends in a forced token, that path is as likely as its last drafted node and
+        only the bonus token after it is in doubt (after a key, ``": "`` or ``": 4``?): a second guess at it
+        takes the place of the last path, unless the grammar leaves one token there.
+        """
+        self._sends_verified = True
+        if self._max_nodes <= 0:
+            return  # no tree was asked for: nothing to draft ahead
+        self._verified = verified
+        outcomes = likely_outcomes(_scored(self._last, verified), self._predraft_outcomes, verified.forced)
+        pending = [(path, 0) for path in outcomes]
+        if outcomes and outcomes[0]:
+            end = _node_at(verified.tree, outcomes[0])
+            allowed = verified.allowed_next.get(end)
+            if verified.is_forced(end) and (allowed is None or len(allowed) > 1):
+                pending.insert(1, (outcomes[0], 1))
+        self._pending_outcomes = pending[: self._predraft_outcomes]
 
     def _work_ahead(self, predraft: bool) -> bool:
         if any(proposer.digest(self.tokens) for proposer in self._proposers):
@@ -181,28 +255,37 @@ class DraftSession:
         if not predraft or not self._pending_outcomes:
             return False
         start = time.perf_counter_ns()
-        accepted = self._pending_outcomes.pop(0)
+        accepted, guess = self._pending_outcomes.pop(0)
         context = [*self.tokens, *accepted]
-        bonus = self._guess_bonus(context, accepted)
+        bonus = self._guess_bonus(context, accepted, guess)
         if bonus is not None:
             tree = self._draft([*context, bonus], self._max_nodes)
             self._predrafts[(*accepted, bonus)] = _Predraft(tree, time.perf_counter_ns() - start)
             self._predraft_counts.drafted += 1
         return True
 
-    def _guess_bonus(self, context: list[int], accepted: tuple[int, ...]) -> int | None:
-        """The sources' likeliest next token after ``context`` that the last tree did not offer there.
+    def _guess_bonus(self, context: list[int], accepted: tuple[int, ...], guess: int = 0) -> int | None:
+        """The sources' likeliest next token after ``context`` that the tree verified did not offer there
+        (``guess`` 1: the next one, another source's pick); None when they have no such guess.
 
         The verifier's bonus token follows the accepted path; had it been one
         of the tree's children there, that child would have been accepted.
+        Under a constraint that allows few tokens there, it is one of those:
+        the sources' picks among them first, then the others in id order (the
+        only one left, for certain, when the tree offered the others).
         """
-        node = ROOT
-        children = self._last.tree.children()
-        for token in accepted:
-            node = next(c for c in children[node] if self._last.tree.token_ids[c] == token)
-        offered = {self._last.tree.token_ids[c] for c in children[node]}
+        verified = self._verified
+        tree = verified.tree if verified is not None else self._last.tree
+        node = _node_at(tree, accepted)
+        offered = {tree.token_ids[c] for c in tree.children()[node]}
+        allowed = verified.allowed_next.get(node) if verified is not None else None
+        left = [token for token in allowed if token not in offered] if allowed is not None else None
+        if left is not None and len(left) <= 1:
+            return left[0] if left and guess == 0 else None
         first = self._builder.first_tokens(self._proposals(context, len(offered) + 1))
-        return next((token for token in first if token not in offered), None)
+        guesses = [token for token in first if token not in offered and (left is None or token in left)]
+        guesses += [token for token in left or () if token not in guesses]
+        return guesses[guess] if guess < len(guesses) else None
 
     def _draft(self, tokens: list[int], max_nodes: int) -> DraftTree:
         return self._builder.build(self._proposals(tokens, max_nodes), max_nodes)

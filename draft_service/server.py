@@ -29,6 +29,7 @@ from specserve.wire import (
     features_from_proto,
     feedback_from_proto,
     sampling_from_proto,
+    verified_tree_from_proto,
 )
 
 _log = logging.getLogger(__name__)
@@ -211,6 +212,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                     # Part of the next propose's features: kept, not answered.
                     ahead.add(request.features)
                     continue
+                if request.WhichOneof("action") == "verified":
+                    # The tree verified for the last propose (structured output): pre-draft for its outcomes.
+                    try:
+                        verified = verified_tree_from_proto(request.verified, start.vocab_size)
+                    except ValueError as exc:
+                        raise errors.InvalidArgument(f"verified: {exc}") from exc
+                    if work is not None:  # what it started from the session's own tree is of no use now
+                        await self.work_ahead.stop(work, stop_ahead)
+                    # On the event loop: cheap, and it touches only what this stream's own calls touch.
+                    session.verified(verified)
+                    stop_ahead = threading.Event()
+                    work = self.work_ahead.submit(functools.partial(self._work_ahead, session, stop_ahead))
+                    continue
                 if request.WhichOneof("action") != "propose":
                     raise errors.InvalidArgument("only the first message of a Draft stream may be `start`")
                 propose = request.propose
@@ -245,6 +259,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             sources=self._drafter.sources,
             num_active_sessions=self._num_active_sessions,
             wants_features=self._drafter.wants_features,
+            takes_verified_trees=True,
         )
 
     async def PurgePool(

@@ -294,14 +294,15 @@ def learn_from_acceptance(stats: AcceptanceStats, last: DraftTree, accepted: Seq
                 stats.update(source, depths[child], child == taken)
 
 
-def likely_outcomes(last: DraftTree, count: int) -> list[tuple[int, ...]]:
+def likely_outcomes(last: DraftTree, count: int, certain: Sequence[bool] = ()) -> list[tuple[int, ...]]:
     """The accepted paths (as tokens) of ``last`` that the verifier most likely returns, likeliest first.
 
     The path to node n is the whole acceptance when n is accepted and none of
     its children is: probability ~ score(n) - the sum of its children's
     scores (scores estimate path acceptance). The draft's own most probable
     path, accepted whole, always comes first. An empty tree has one outcome:
-    nothing accepted.
+    nothing accepted. ``certain``: per node, whether it is accepted whenever
+    its parent is (a token a grammar forces); no path ends at its parent.
     """
     tree, scores = last.tree, last.scores
     children = tree.children()
@@ -309,10 +310,13 @@ def likely_outcomes(last: DraftTree, count: int) -> list[tuple[int, ...]]:
     def score(node: int) -> float:
         return 1.0 if node == ROOT else scores[node]
 
+    def ends_here(node: int) -> bool:
+        return not (certain and any(certain[c] for c in children[node]))
+
     best = ROOT
     while children[best]:
         best = max(children[best], key=score)
-    alone = {node: score(node) - sum(score(c) for c in children[node]) for node in children}
+    alone = {node: score(node) - sum(score(c) for c in children[node]) for node in children if ends_here(node)}
     ranked = [best, *sorted((n for n in alone if n != best), key=lambda n: (-alone[n], n))][:count]
     paths = []
     for node in ranked:

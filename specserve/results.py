@@ -5,11 +5,12 @@ Plain dataclasses over numpy: no torch here, so the coordinator loads none.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from specserve.token_tree import TokenTree
+from specserve.token_tree import ROOT, TokenTree
 
 
 @dataclass(frozen=True)
@@ -67,3 +68,30 @@ class DraftReply:
     # The tree was drafted ahead, while the verifier checked the last round, for the outcome that happened.
     predrafted: bool = False
     predraft_ns: int = 0  # drafting time of a predrafted tree: time hidden behind verification
+
+
+@dataclass(frozen=True)
+class VerifiedTree:
+    """The tree the verifier checks for a drafter's last proposal, when it is not the drafter's own.
+
+    Under a structured-output constraint the coordinator prunes the drafter's tree to what the grammar allows and
+    adds the tokens the grammar forces; the drafter pre-drafts for this tree's outcomes instead of its own.
+    """
+
+    tree: TokenTree  # token_ids and parents only
+    forced: tuple[bool, ...] = ()  # per node: the only token the grammar allows there (empty: none forced)
+    # Node (ROOT: the last committed token) -> every token the grammar allows right after it, where those are few:
+    # the bonus token after an accepted path that ends there is one of them.
+    allowed_next: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.forced and len(self.forced) != len(self.tree):
+            raise ValueError(f"{len(self.forced)} forced flags for a tree of {len(self.tree)} nodes")
+        for node, tokens in self.allowed_next.items():
+            if not ROOT <= node < len(self.tree):
+                raise ValueError(f"allowed tokens after node {node}, out of range [-1, {len(self.tree)})")
+            if not tokens:
+                raise ValueError(f"no allowed token after node {node}: a grammar always allows one")
+
+    def is_forced(self, node: int) -> bool:
+        return bool(self.forced) and self.forced[node]

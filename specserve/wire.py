@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import DraftDistribution, TokenTree
@@ -182,3 +182,25 @@ def draft_reply_from_proto(message: drafter_pb2.DraftResponse) -> DraftReply:
     return DraftReply(
         tree_from_proto(message.tree), int(message.draft_ns), message.predrafted, int(message.predraft_ns)
     )
+
+
+def verified_tree_to_proto(verified: VerifiedTree) -> drafter_pb2.VerifiedTree:
+    """The verified tree's shape only: the drafter pre-drafts from it, it needs no draft distributions."""
+    tree = common_pb2.TokenTree(token_ids=verified.tree.token_ids, parents=verified.tree.parents)
+    allowed = [drafter_pb2.AllowedNext(node=node, token_ids=tokens) for node, tokens in verified.allowed_next.items()]
+    return drafter_pb2.VerifiedTree(
+        tree=tree, forced=verified.forced if any(verified.forced) else (), allowed_next=allowed
+    )
+
+
+def verified_tree_from_proto(message: drafter_pb2.VerifiedTree, vocab_size: int) -> VerifiedTree:
+    """ValueError (InvalidTreeError included) naming the problem when the tree is malformed."""
+    vocab_size = vocab_size or 2**31 - 1
+    tree = TokenTree(tuple(message.tree.token_ids), tuple(message.tree.parents))
+    tree.validate(vocab_size, max_nodes=len(tree))
+    allowed = {a.node: tuple(a.token_ids) for a in message.allowed_next}
+    if len(allowed) != len(message.allowed_next):
+        raise ValueError("allowed_next lists a node twice")
+    if any(not 0 <= t < vocab_size for tokens in allowed.values() for t in tokens):
+        raise ValueError(f"allowed_next holds a token id outside the vocabulary [0, {vocab_size})")
+    return VerifiedTree(tree, tuple(message.forced), allowed)

@@ -66,6 +66,7 @@ class GrammarState:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
         self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self._row_bytes = row_bytes(vocab_size)
         self._all_allowed = np.full(self._row_bytes, 0xFF, dtype=np.uint8)
         self.mask_ns = 0  # time computing masks, for the stats
@@ -98,6 +99,24 @@ class GrammarState:
         walk = _Walk(self, drafted, max_nodes, max_depth)
         walk.visit(ROOT, ROOT, walk.first_row, 0)
         return walk.result()
+
+    def few_allowed(self, fitted: FittedTree, at_most: int) -> dict[int, tuple[int, ...]]:
+        """Node (ROOT: the committed tokens) -> the tokens its row allows, for the rows that allow at most
+        ``at_most`` (and at least one): whatever the target picks after a path that ends there is one of them."""
+        bits = fitted.masks.bits
+        # A row that allows at most k tokens has at most k non-zero bytes: most rows are ruled out on those.
+        candidates = np.flatnonzero(np.count_nonzero(bits, axis=1) <= at_most)
+        few: dict[int, tuple[int, ...]] = {}
+        for row in candidates[np.bitwise_count(bits[candidates]).sum(axis=1) <= at_most]:
+            allowed = tuple(
+                8 * int(byte) + bit
+                for byte in np.flatnonzero(bits[row])
+                for bit in range(8)
+                if bits[row, byte] >> bit & 1 and 8 * int(byte) + bit < self.vocab_size
+            )
+            if allowed:
+                few[int(row) - 1] = allowed  # row 0: ROOT; row n + 1: node n
+        return few
 
     def _consume(self, token: int) -> None:
         if not self._matcher.consume_token(token):

@@ -6,6 +6,8 @@
   is the masked, renormalised p (chi-square);
 - fitting a tree leaves the grammar state untouched; committing moves it by exactly the committed tokens;
 - forced tokens are always accepted (greedy and sampled); EOS is allowed only where the grammar is complete;
+- the drafter is told each round's verified tree (forced tokens included), so its pre-drafts hit after rounds
+  whose accepted path ends in forced tokens, and the output stays what masked plain decoding gives;
 - the end stays honest: a request cut by its token limit mid-grammar says so (finish reason length, the
   constraint incomplete, in the stats, the OpenAI answer, the metrics and the log line), and one whose limit is
   below the constraint's shortest output is refused before it runs.
@@ -26,7 +28,7 @@ import torch
 from scipy.stats import chisquare
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from bench.inproc import InProcessVerifier
+from bench.inproc import InProcessDrafter, InProcessVerifier
 from coordinator import request_log
 from coordinator.admission import AdmissionController
 from coordinator.constraints import compiler
@@ -38,11 +40,16 @@ from coordinator.constraints.spec import Constraint, ConstraintKind, ConstraintL
 from coordinator.frontend import CallInfo, EdgeRequest, GenerationBackend, GenerationFrontend
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api.translate import finish_reason, speculation_stats
+from coordinator.ports import DraftStream
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
-from specserve.errors import InvalidArgument
+from draft_service.drafter import Drafter
+from draft_service.ngram_pool import InMemoryNgramPool
+from draft_service.tree_builder import VerifyCost
+from specserve.errors import DrafterFailed, InvalidArgument
 from specserve.keyed_noise import PositionNoise
 from specserve.probs import target_probs
+from specserve.results import DraftFeedback, DraftReply, VerifiedTree
 from specserve.sampling import SamplingParams
 from specserve.tenancy import Tenant
 from specserve.token_masks import TokenMasks
@@ -167,6 +174,22 @@ def test_eos_allowed_only_where_the_grammar_is_complete_and_forced_chains_are_dr
     # The grammar is done: EOS is the one token left, drafted as a certain node.
     done = state.fit(TokenTree(), max_nodes=4, max_depth=4)
     assert done.tree.token_ids == (EOS,) and done.forced == (True,)
+
+
+@pytest.mark.parametrize("at_most", [1, 2, 8])
+def test_the_drafter_is_told_the_tokens_a_row_allows_where_they_are_few(at_most: int) -> None:
+    state = compiled().new_state()
+    state.commit([4])  # "["
+    fitted = state.fit(TokenTree.from_paths([[1, 6, 2], [3, 5], [0]]), max_nodes=8, max_depth=4)
+    allowed = fitted.masks.allowed(VOCAB)
+    expected = {
+        row - 1: tuple(np.flatnonzero(allowed[row]).tolist())  # row 0 is after the committed tokens (ROOT)
+        for row in range(fitted.masks.num_rows)
+        if 1 <= allowed[row].sum() <= at_most
+    }
+    assert state.few_allowed(fitted, at_most) == expected
+    if at_most == 1:
+        assert expected and all(len(tokens) == 1 for tokens in expected.values())
 
 
 def test_forbidden_deterministic_nodes_are_pruned_with_their_subtrees_sampled_ones_kept_as_leaves() -> None:
@@ -380,6 +403,112 @@ def test_the_compiler_and_a_constrained_generation_feed_the_metrics() -> None:
     assert value("specserve_constrained_requests_total", {"kind": "lark_grammar", "complete": "true"}) == 1
     assert value("specserve_spec_decode_num_forced_tokens_total", {"decoding": "greedy"}) == stats.num_forced_tokens
     assert value("specserve_constraint_mask_seconds_count") == stats.num_rounds
+
+
+class WatchedStream:
+    """A draft stream that notes, per round, whether the accepted path ended in a forced token and whether the
+    drafter had the round's tree ready; ``tell``: False keeps the verified tree from the drafter (as before);
+    ``fail_on``: the verified tree whose sending fails like a lost connection (0: none)."""
+
+    def __init__(self, inner: DraftStream, tell: bool, fail_on: int = 0) -> None:
+        self._inner = inner
+        self._tell = tell
+        self._fail_on = fail_on
+        self._told = 0
+        self.wants_features = inner.wants_features
+        self._verified: VerifiedTree | None = None
+        self.rounds: list[tuple[bool, bool]] = []  # (the last path ended in a forced token, pre-drafted)
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        ended_forced, verified, self._verified = False, self._verified, None
+        if verified is not None and feedback.new_tokens:
+            node, children = ROOT, verified.tree.children()
+            for token in feedback.new_tokens[:-1]:  # the accepted path; the bonus token follows it
+                node = next(c for c in children[node] if verified.tree.token_ids[c] == token)
+            ended_forced = node != ROOT and verified.is_forced(node)
+        reply = await self._inner.propose(feedback, max_nodes)
+        if feedback.new_tokens and max_nodes:
+            self.rounds.append((ended_forced, reply.predrafted))
+        return reply
+
+    async def verifying(self, verified: VerifiedTree) -> None:
+        self._verified = verified
+        self._told += 1
+        if self._told == self._fail_on:
+            raise DrafterFailed("connection lost", detail="drafter at 127.0.0.1:1: connection reset")
+        if self._tell:
+            await self._inner.verifying(verified)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class WatchedDrafter:
+    def __init__(self, tell: bool, fail_on: int = 0) -> None:
+        # Prompt lookup alone (it follows the output's repeats), every node kept, three outcomes pre-drafted.
+        drafter = Drafter(
+            lambda *_: InMemoryNgramPool(),
+            sources=("prompt_lookup",),
+            cost=VerifyCost({0: 1.0, 64: 1.0}),
+            predraft_outcomes=3,
+        )
+        self._inner = InProcessDrafter(drafter, predraft=True)
+        self._tell = tell
+        self._fail_on = fail_on
+        self.streams: list[WatchedStream] = []
+
+    async def open(self, *args: object, **kwargs: object) -> DraftStream:
+        inner = await self._inner.open(*args, **kwargs)  # type: ignore[arg-type]
+        self.streams.append(WatchedStream(inner, self._tell, self._fail_on))
+        return self.streams[-1]
+
+
+def test_predrafts_hit_after_rounds_that_end_in_forced_tokens_once_the_drafter_is_told_the_verified_tree() -> None:
+    """The drafter keys a pre-draft by the path it expects accepted plus a guessed bonus token. Under a
+    constraint most paths end in tokens the grammar forced, which the drafter never drafted: told only of its
+    own tree, it pre-drafts for paths that cannot be the whole acceptance."""
+    grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'))
+    prompt = [1, 2, 3]
+    reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
+    hits, hits_after_forced = {}, {}
+    for tell in (False, True):
+        drafter = WatchedDrafter(tell)
+        generation = Generation(
+            GenerationRequest(prompt, 40, constraint=grammar),
+            InProcessVerifier(Verifier(MODEL, "tiny")),
+            drafter,  # type: ignore[arg-type]
+            CharTokenizer(),
+            frozenset({EOS}),
+            "tiny",
+            RoundPolicy(max_draft_tokens=6),
+        )
+        tokens, _, stats = run_generation(generation)
+        assert tokens == reference  # what is pre-drafted changes the speed, never the output
+        (stream,) = drafter.streams
+        assert sum(ended for ended, _ in stream.rounds) >= 3
+        hits[tell] = stats.num_predraft_hits
+        hits_after_forced[tell] = sum(ended and hit for ended, hit in stream.rounds)
+    assert hits_after_forced[True] > hits_after_forced[False]
+    assert hits[True] > hits[False]
+
+
+def test_a_drafter_lost_while_told_the_verified_tree_is_dropped_and_the_output_stays_the_same() -> None:
+    grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'))
+    prompt = [1, 2, 3]
+    reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
+    generation = Generation(
+        GenerationRequest(prompt, 40, constraint=grammar),
+        InProcessVerifier(Verifier(MODEL, "tiny")),
+        WatchedDrafter(tell=True, fail_on=3),  # type: ignore[arg-type]
+        CharTokenizer(),
+        frozenset({EOS}),
+        "tiny",
+        RoundPolicy(max_draft_tokens=6),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert tokens == reference
+    assert stats.drafter_error == "drafter dropped: connection lost"
+    assert stats.num_drafter_trees == 3 and stats.num_rounds_without_drafter > 0
 
 
 def _generation(grammar: CompiledGrammar, prompt: list[int], max_new_tokens: int) -> Generation:
