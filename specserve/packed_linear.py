@@ -9,11 +9,12 @@ against 31 ms). Prepacking once at start-up is what inductor's "freezing" does
 for a compiled graph; here it is explicit, so it costs no compile time and no
 graph cache.
 
-Two packed kernels, chosen per dtype and CPU (``available_packing``):
+Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on request:
 
 - **oneDNN** (``torch.ops.mkldnn._linear_pointwise``): bf16 and fp16 where
   the CPU converts them natively (AVX512BW/VL/DQ or AVX-NE-CONVERT; an
-  AVX2-only CPU runs them on ``F.linear``), and fp32 except on Intel's. One pack serves every row count. On an
+  AVX2-only CPU runs them on ``F.linear``), and fp32 except on Intel's. One
+  pack serves every row count. On an
   AMD EPYC (Zen 4) it is 2-4x faster than MKL's packed fp32 product at 1-16
   rows: SmolLM2's fp32 LM head [49152 x 576] takes 4.3 ms at 4 rows against
   MKL's 16.6 (``bench.gemm_kernels``). MKL's kernels are Intel's own and do
@@ -28,7 +29,7 @@ Two packed kernels, chosen per dtype and CPU (``available_packing``):
   (``torch._weight_int8pack_mm``) over weights quantized once, symmetric per
   output channel, with bf16 scales; the activations are rounded to bf16 for
   the product, its fast path on x86 (with fp32 activations the kernel is
-  5-10x slower). It reads a quarter of fp32's bytes: on an AVX2 EPYC
+  about 10x slower). It reads a quarter of fp32's bytes: on an AVX2 EPYC
   SmolLM2's layer products take 0.29 ms a layer at 1 row against oneDNN's
   fp32 0.62, 0.48 against 0.78 at 4 rows, but about the same at 8 and more
   at 16 (its cost grows with the rows; ``bench.gemm_kernels``). The weights
