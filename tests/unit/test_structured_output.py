@@ -385,15 +385,7 @@ def test_the_compiler_and_a_constrained_generation_feed_the_metrics() -> None:
 
     prompt = [5, 5]  # the model closes the list after 13 tokens: "]" leaves EOS the only token
     reference = masked_plain_greedy(prompt, grammar.new_state(), 24)
-    generation = Generation(
-        GenerationRequest(prompt, 24, constraint=grammar),
-        InProcessVerifier(Verifier(MODEL, "tiny")),
-        None,  # no drafter: the grammar's forced tokens are the only drafts
-        CharTokenizer(),
-        frozenset({EOS}),
-        "tiny",
-        RoundPolicy(max_draft_tokens=8),
-    )
+    generation = _generation(grammar, prompt, 24)
     tokens, _, stats = run_generation(generation)
     assert [*tokens, EOS] == reference
     assert (stats.constraint_kind, stats.constraint_complete) == ("lark_grammar", True)
