@@ -6,7 +6,7 @@ kernel the engine can use: ``F.linear`` (eager), MKL's packed fp32 product
 (a pack per row count) and oneDNN's packed product (one pack, hint 8), and,
 for the layer products, torch's int8 weight-only product
 (``torch._weight_int8pack_mm``: per-channel int8 weights, activations rounded
-to bf16, its fast path; the candidate for issue #30's ``--weights int8``). A
+to bf16, its fast path; the verifier's ``--weights int8`` kernel, ``packed_linear.int8_product``). A
 layer product is timed over one copy of the weight per layer, as in a real
 step, so the weights come from memory and not from the cache. It also lists
 the row counts at which each packed kernel computes a row alike whatever the
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.packed_linear import ONEDNN_HINT, candidate_rows, row_invariant_rows
+from specserve.packed_linear import ONEDNN_HINT, candidate_rows, int8_product, quantize_int8, row_invariant_rows
 
 from .machine import describe
 from .verify_cost import SHAPES
@@ -73,18 +73,9 @@ def kernels(
             torch.ops.mkl._mkl_linear(x, p, w, None, rows) for p, w in zip(mkl, weights, strict=True)
         ][-1]
     if int8:
-        quantized = [int8_weight(w) for w in weights]
-        out["int8 weight-only"] = lambda x: [
-            torch._weight_int8pack_mm(x.to(torch.bfloat16), q, s) for q, s in quantized
-        ][-1].to(x.dtype)
+        quantized = [quantize_int8(w) for w in weights]
+        out["int8 weight-only"] = lambda x: [int8_product(x, q, s) for q, s in quantized][-1]
     return out
-
-
-def int8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8 weights and their bf16 scales."""
-    scales = weight.float().abs().amax(dim=1).clamp(min=1e-12) / 127
-    quantized = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return quantized, scales.to(torch.bfloat16)
 
 
 def measure(shape: dict[str, Any], dtype: torch.dtype, reps: int, head: bool) -> list[dict[str, Any]]:

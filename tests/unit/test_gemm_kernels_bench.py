@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from bench.gemm_kernels import int8_weight, kernels
+from bench.gemm_kernels import kernels
+from specserve.packed_linear import quantize_int8
 
 
 def test_int8_weight_round_trips_within_half_a_step_per_channel() -> None:
     weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
-    quantized, scales = int8_weight(weight)
+    quantized, scales = quantize_int8(weight)
     assert quantized.dtype == torch.int8 and scales.shape == (48,)
     assert int(quantized.abs().max()) == 127  # each channel's largest weight maps to the end of the range
     restored = quantized.float() * scales.float()[:, None]
