@@ -238,13 +238,11 @@ class PackedLinear:
                 return F.linear(x, self.weight, self.bias)
             padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
             return torch.ops.mkl._mkl_linear(padded, packed, self.weight, self.bias, bucket)[:rows]
+        if self._int8 is None and self._onednn is None:
+            return F.linear(x, self.weight, self.bias)
+        bucket = bucket_for(rows, self.buckets)  # one pack serves every row count: padded only for invariance
+        padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
         if self._int8 is not None:
-            bucket = bucket_for(rows, self.buckets)
-            padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
             y = int8_product(padded, *self._int8)[:rows]
             return y if self.bias is None else y + self.bias
-        if self._onednn is not None:
-            bucket = bucket_for(rows, self.buckets)
-            padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
-            return torch.ops.mkldnn._linear_pointwise(padded, self._onednn, self.bias, "none", [], "")[:rows]
-        return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(padded, self._onednn, self.bias, "none", [], "")[:rows]

@@ -105,7 +105,6 @@ class ModelRunner:
             if compile != "auto" or self.device.type != "cpu" or static:
                 raise ValueError("int8 weights run on the CPU's packed kernels: --compile auto on a CPU")
             packing = "int8"
-        self.weights = weights
         # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
         head_packing = available_packing(torch.float32, self.device) if compile == "auto" else "none"
         shape = LlamaShape.of(model.config)

@@ -130,7 +130,6 @@ class Verifier:
         weights: str = "dtype",
     ) -> None:
         self._runner = ModelRunner(model, compile, weights=weights)
-        self.weights = weights
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
         self.vocab_size = self._runner.vocab_size
