@@ -1,6 +1,6 @@
 # Benchmarks; the top-level Makefile includes this fragment.
 #   make bench                the Spec-Bench run: the default modes in the dtype --dtype auto picks, 7 prompts per category, 128 new tokens
-#   make bench-gpu            on a CUDA machine: tests/gpu, batch invariance, c(n) eager vs CUDA graphs (bench/out/gpu/)
+#   make bench-gpu            on a CUDA machine: real-model decoding, tests/gpu, batch invariance, c(n) (bench/out/gpu/)
 #   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context, and B = 1..16 sessions
 #                             in one step, in float32 and bfloat16
 #   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/out/load/)
@@ -39,9 +39,10 @@ bench: proto
 bench-verify-cost: proto
 	$(PY) -m bench.verify_cost $(VERIFY_COST_ARGS)
 
-# On a machine with a CUDA GPU: its tests, batch invariance and c(n) eager vs CUDA graphs (bench/out/gpu/).
+# On a machine with a CUDA GPU: Spec-Bench decoding with the packaged model (MODEL=smollm2 unless set), its
+# tests, batch invariance and c(n) eager vs CUDA graphs (bench/out/gpu/).
 bench-gpu: proto
-	PY=$(PY) bash bench/gpu.sh
+	PY=$(PY) MODEL=$${MODEL:-smollm2} bash bench/gpu.sh
 
 bench-load: proto
 	$(PY) -m bench.load $(BENCH_LOAD_ARGS)

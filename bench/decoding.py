@@ -58,7 +58,8 @@ class Fp32Head:
         entering: list[torch.Tensor] = []
         handle = self._norm.register_forward_pre_hook(lambda _, args: entering.append(args[0][0, -1:]))
         try:
-            self._decoder(input_ids=torch.tensor([list(input_ids)]), past_key_values=cache, use_cache=cache is not None)
+            ids = torch.tensor([list(input_ids)], device=self._weight.device)
+            self._decoder(input_ids=ids, past_key_values=cache, use_cache=cache is not None)
         finally:
             handle.remove()
         # RMSNorm computes in fp32 and multiplies by its weight: on fp32 input the result stays fp32.
@@ -147,7 +148,7 @@ def hf_generate(
             torch.manual_seed(sampling.seed)
     if prompt_lookup_num_tokens:
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
-    input_ids = torch.tensor([list(prompt_ids)])
+    input_ids = torch.tensor([list(prompt_ids)], device=model.device)
     eos = sorted(eos_ids)
     with _count_forwards(model) as counter:
         out = model.generate(

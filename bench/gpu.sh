@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # The engine's GPU checks and cost curves in one run of a few minutes: `make bench-gpu` on a machine with CUDA.
 #
-#   1. tests/gpu: captured steps against transformers, greedy speculation = plain decoding through CUDA graphs;
-#   2. batch invariance of the step (bench.step_invariance), eager and graphs, fp32 and bf16;
-#   3. c(n) for n = 1..64 and batched steps, eager (--compile off) against CUDA graphs (auto):
-#      SmolLM2-135M's shape (bf16, fp32) and Llama-3.1-8B's (bf16), random weights.
+#   decode (with MODEL set: the packaged 'smollm2' or a path to its GGUF): Spec-Bench decoding with the real
+#      weights (bench.run --device cuda, one prompt per category, 128 tokens): plain decoding through the graphs
+#      against transformers' eager loop (bf16) and against n-gram speculation in process (bf16; fp32: token
+#      identity);
+#   tests: tests/gpu, captured steps against transformers, greedy speculation = plain decoding through graphs;
+#   step-invariance: batch invariance of the step (bench.step_invariance), eager and graphs, fp32 and bf16;
+#   verify-cost: c(n) for n = 1..64 and batched steps, eager (--compile off) against CUDA graphs (auto):
+#      SmolLM2-135M's shape (bf16, fp32) and Llama-3.1-8B's (bf16), random weights;
+#   decode-eager (with MODEL): the graphs against the engine's eager step on three prompts.
+# PARTS picks parts by name (default: all, in this order).
 # Results go to RESULTS (default bench/out/gpu); with OUT set (a lent device machine) they are also packed
 # into $OUT/gpu-results.tgz after each part, so a run cut short still returns what it measured.
 set -u
@@ -16,15 +22,31 @@ pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/gpu-results.tgz" -C "$RESULTS" . ; t
 part() {  # part SECONDS NAME COMMAND...: run with a time limit, log it, keep going on failure
   local limit=$1 name=$2; shift 2
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
-  timeout "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"
+  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$RESULTS/$name.log"  # INT: bench.run writes what it measured
   echo "=== $name: exit ${PIPESTATUS[0]}"
   pack
 }
 nvidia-smi -L
 $PY -c 'import torch, transformers, sys; print(sys.version.split()[0], "torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
-part 150 tests $PY -m pytest -q --noconftest -p no:cacheprovider tests/gpu
-part 90 step-invariance $PY -m bench.step_invariance --device cuda --out-dir "$RESULTS"
-part 150 verify-cost-smollm2 $PY -m bench.verify_cost --shape smollm2-135m --dtypes bfloat16,float32 --device cuda \
+PARTS=${PARTS:-decode tests step-invariance verify-cost decode-eager}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+if [ -n "${MODEL:-}" ]; then
+  decode() {  # decode SECONDS NAME bench.run-ARGS...
+    local limit=$1 name=$2; shift 2
+    part "$limit" "$name" $PY -m bench.run --device cuda --model "$MODEL" --prompts-per-category 1 \
+      --max-new-tokens 128 --no-progress --out-dir "$RESULTS/$name" "$@"
+  }
+  # The n-gram sources alone: the draft head is checked against the tokenizer's vocabulary fingerprint, and
+  # transformers 5.17 (the device image's) reads the GGUF's vocabulary differently from the pinned 5.23.
+  NGRAM=inproc:prompt_lookup+ngram_pool+token_recycling
+  want decode && decode 200 decode-bfloat16 --dtype bfloat16 --modes baseline,hf-plain,$NGRAM
+  want decode && decode 150 decode-float32 --dtype float32 --modes baseline,$NGRAM
+  want decode-eager && decode 150 decode-eager-bf16 --dtype bfloat16 --modes baseline,baseline-eager \
+    --categories writing,coding,math_reasoning
+fi
+want tests && part 150 tests $PY -m pytest -q --noconftest -p no:cacheprovider tests/gpu
+want step-invariance && part 90 step-invariance $PY -m bench.step_invariance --device cuda --out-dir "$RESULTS"
+want verify-cost && part 150 verify-cost-smollm2 $PY -m bench.verify_cost --shape smollm2-135m --dtypes bfloat16,float32 --device cuda \
   --compile off,auto --out-dir "$RESULTS"
-part 180 verify-cost-llama8b $PY -m bench.verify_cost --shape llama-3.1-8b --dtypes bfloat16 --device cuda \
+want verify-cost && part 180 verify-cost-llama8b $PY -m bench.verify_cost --shape llama-3.1-8b --dtypes bfloat16 --device cuda \
   --compile off,auto --out-dir "$RESULTS"

@@ -55,6 +55,12 @@ def _pinning(settings: dict[str, Any]) -> str:
     return text
 
 
+def _device(settings: dict[str, Any], machine: dict[str, Any]) -> str:
+    """Where the target ran, when it was not this machine's CPU."""
+    device = settings.get("device", "cpu")
+    return "" if device == "cpu" else f" Target on {device} ({machine.get('cuda') or 'no CUDA device named'})."
+
+
 def _load(machine: dict[str, Any]) -> str:
     """The 1-minute load average at start and end of the run (not known: n/a)."""
     start, end = machine.get("load_average_at_start"), machine.get("load_average_at_end")
@@ -262,7 +268,7 @@ def markdown(
         "",
         f"Target {settings['model']} ({settings['dtype']}), {decoding}, up to {settings['max_new_tokens']} new "
         f"tokens, {len(records) // max(1, len(modes))} prompts ({settings['prompts_per_category']} per category), "
-        f"modes interleaved prompt by prompt. Machine: {machine['cpu_model']}, "
+        f"modes interleaved prompt by prompt.{_device(settings, machine)} Machine: {machine['cpu_model']}, "
         f"{machine['cpus_available']} CPUs available, torch {machine['torch_version']} with "
         f"{machine['torch_threads']} threads, load average {_load(machine)}. "
         f"n-gram pool of `distributed`: {settings['distributed_pool']}. {pools}"

@@ -103,6 +103,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="what every mode's target runs in (baseline-fp32: float32); auto: bf16 where the CPU has AMX or "
         "AVX512-BF16, else float32",
     )
+    parser.add_argument(
+        "--device",
+        default=DEVICE,
+        help="where the target runs in every mode: cpu (default) or cuda[:N] (the drafters' head stays on the CPU, "
+        "as a drafter worker runs it; greedy only)",
+    )
     parser.add_argument("--prompts-per-category", type=int, default=DEFAULT_PROMPTS_PER_CATEGORY)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument(
@@ -179,7 +185,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a TTY)"
     )
     args = parser.parse_args(argv)
-    args.dtype_choice = choose_dtype(args.dtype, DEVICE)
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device must be cpu or cuda[:N], not {args.device!r}")
+    if args.device != "cpu" and args.temperature > 0:
+        parser.error("--device cuda runs greedy decoding only (the harness's keyed sampling draws on the CPU)")
+    if args.device != "cpu" and args.weights != "dtype":
+        parser.error("--weights int8 runs on the CPU's packed kernels: use it with --device cpu")
+    args.dtype_choice = choose_dtype(args.dtype, args.device)
     modes = args.modes if args.modes is not None else ",".join(default_modes(args.dtype_choice.dtype))
     args.modes = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES and mode_sources(m) is None]
@@ -264,7 +276,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
-            dtype_args = ["--dtype", target.dtype, "--weights", args.weights]
+            dtype_args = ["--dtype", target.dtype, "--weights", args.weights, "--device", args.device]
             dtype_args += [] if args.throughput_guard else ["--no-throughput-guard"]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
@@ -406,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     questions = select(all_questions, args.categories, args.prompts_per_category)
     warm_questions = select(all_questions, args.categories, args.warm_pool, skip=args.prompts_per_category)
     choice: DtypeChoice = args.dtype_choice
-    target = load_target(args.model, choice.dtype)
+    target = load_target(args.model, choice.dtype, args.device)
     fp32 = target.fp32_model()
 
     def sampling(question_id: int) -> SamplingParams:
@@ -428,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dtype": target.dtype,
             "dtype_requested": args.dtype,
             "dtype_reason": choice.reason,
-            "device": DEVICE,
+            "device": args.device,
             "modes": args.modes,
             "categories": args.categories,
             "prompts_per_category": args.prompts_per_category,

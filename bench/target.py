@@ -36,7 +36,8 @@ from .decoding import Fp32Head
 from .head_identity import draft_head_path
 
 FLOAT32 = "float32"
-# The harnesses run their targets on this process's CPU (a cluster's verifier is a process of its own).
+# The harnesses run their targets on this process's CPU unless told otherwise (``bench.run --device cuda``);
+# a cluster's verifier is a process of its own.
 DEVICE = "cpu"
 # One short unrelated generation before measuring pays each engine's one-off start-up costs.
 WARM_UP_TEXT = "Say hello in one short sentence."
@@ -82,11 +83,12 @@ class TargetText:
     def eos_id(self) -> int:
         return min(self.eos_ids)
 
-    def load_model(self, dtype: str = FLOAT32) -> Any:
-        return load_model(self.source, DEVICE, dtype)
+    def load_model(self, dtype: str = FLOAT32, device: str = DEVICE) -> Any:
+        return load_model(self.source, device, dtype)
 
-    def with_model(self, dtype: str = FLOAT32) -> Target:
-        return Target(self.name, self.source, self.tokenizer, self.fingerprint, self.eos_ids, self.load_model(dtype))
+    def with_model(self, dtype: str = FLOAT32, device: str = DEVICE) -> Target:
+        model = self.load_model(dtype, device)
+        return Target(self.name, self.source, self.tokenizer, self.fingerprint, self.eos_ids, model)
 
 
 @dataclass(frozen=True)
@@ -104,9 +106,13 @@ class Target(TargetText):
         """The model's fp32 final norm and LM head (the verifier's numerics), for top-2 gaps and plain decoding."""
         return Fp32Head(self.model)
 
+    @property
+    def device(self) -> str:
+        return str(self.model.device)
+
     def fp32_model(self) -> Any:
-        """The target in float32: the model itself when it is, else a second copy."""
-        return self.model if self.dtype == FLOAT32 else self.load_model(FLOAT32)
+        """The target in float32 on the same device: the model itself when it is, else a second copy."""
+        return self.model if self.dtype == FLOAT32 else self.load_model(FLOAT32, self.device)
 
 
 def load_target_text(name: str) -> TargetText:
@@ -115,8 +121,8 @@ def load_target_text(name: str) -> TargetText:
     return TargetText(name, source, tokenizer, vocab_fingerprint(tokenizer), eos_token_ids(source, tokenizer))
 
 
-def load_target(name: str, dtype: str = FLOAT32) -> Target:
-    return load_target_text(name).with_model(dtype)
+def load_target(name: str, dtype: str = FLOAT32, device: str = DEVICE) -> Target:
+    return load_target_text(name).with_model(dtype, device)
 
 
 def load_head(
@@ -125,12 +131,12 @@ def load_head(
     """The draft head at ``path`` (default: the one a drafter started here loads) over ``model``'s embedding and
     LM head in fp32; computing in the dtype the draft service picks on this CPU with its products as
     ``head_matmul`` says (``serving``), else as loaded (fp32, products unpacked). Raises DraftHeadError when there
-    is no usable head."""
+    is no usable head. The head runs on the CPU wherever ``model`` is, as a drafter worker runs it."""
     head, _ = load_draft_head(
         draft_head_path() if path is None else path,
         target_fingerprint=fingerprint,
-        embedding=model.get_input_embeddings().weight.detach().float(),
-        lm_head=model.get_output_embeddings().weight.detach().float(),
+        embedding=model.get_input_embeddings().weight.detach().float().cpu(),
+        lm_head=model.get_output_embeddings().weight.detach().float().cpu(),
     )
     return in_serving_dtype(head, head_matmul=head_matmul)[0] if serving else head
 
