@@ -47,7 +47,7 @@ from target_service.llama_forward import (
     rms_norm,
 )
 from target_service.ragged_attention import StepPlan, attend_segments
-from target_service.static_steps import StaticSteps
+from target_service.static_steps import STARTUP_WINDOW, StaticSteps, windows_up_to
 
 COMPILE_CHOICES = ("auto", "off")
 # --weights: the layers' products read the model's weights in its dtype, or int8 copies of them (opt-in).
@@ -162,6 +162,20 @@ class ModelRunner:
             f"{_row_counts(self.buckets)}, fp32 head {kernels.get(self.head_packing, 'eager')} at rows "
             f"{_row_counts(self._head.buckets)}"
         )
+
+    @property
+    def captures_steps(self) -> bool:
+        """Whether steps run as CUDA graphs (captured per shape)."""
+        return self._static is not None and self._static.capture
+
+    def prepare_steps(self, arena: KVArena, max_rows: int, max_context: int) -> int:
+        """Capture every step shape of up to ``max_rows`` rows and ``max_context`` context slots (at most
+        ``STARTUP_WINDOW``) on ``arena`` now, not in a request's round (``StaticSteps.prepare``); returns the
+        shapes captured (0 without graphs)."""
+        if self._static is None or not self._static.capture:
+            return 0
+        with torch.inference_mode():
+            return self._static.prepare(arena, windows_up_to(min(max_context, STARTUP_WINDOW)), max_rows)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -19,11 +19,16 @@ and mask (``ragged_attention``). So the captured step takes the ragged part as
   slots (the mask is -inf there, and every gathered value is finite, so the
   masked terms are exact zeros).
 
-A graph is captured per (row bucket, window bucket) the first time a step of
-that shape runs, and replayed after: the buffers are filled for the step,
-then the graph runs (captures happen with the step's own buffers, so the
-warm-up runs compute the step itself). Graphs are bound to the arena they
-were captured on (its tensors' addresses) and die with it.
+A graph is captured per (row bucket, window bucket) and replayed after: the
+buffers are filled for the step, then the graph runs. ``prepare`` captures
+every row bucket at every window up to ``STARTUP_WINDOW`` before the first
+request (the verifier calls it at start-up): captured on first use instead, a
+shape cost a decoding round two eager forwards and a capture, about 0.1 s on
+an H200, and a speculating session meets many shapes (a tree's row bucket
+changes from round to round), so on Spec-Bench it spent a third of its time
+capturing. Longer windows are captured on first use (the step's own buffers,
+so the warm-up runs compute the step itself). Graphs are bound to the arena
+they were captured on (its tensors' addresses) and die with it.
 
 The gathered window costs a copy of the context per layer and attention over
 every session's context for every row: cheap next to the weights at the
@@ -52,6 +57,8 @@ ROW_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WINDOW = 64
 WINDOW_STEP = 4096
 MAX_WINDOW = 32768
+# Windows up to this are captured at start-up (``StaticSteps.prepare``): 7 windows, 63 graphs at 9 row buckets.
+STARTUP_WINDOW = WINDOW_STEP
 
 # The forward a static step runs: (attend, input_ids [T], positions [T]) -> hidden [T, hidden].
 Forward = Callable[[Attend, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,6 +74,14 @@ def window_bucket(tokens: int) -> int:
     while window < min(tokens, WINDOW_STEP):
         window *= 2
     return window if tokens <= window else -(-tokens // WINDOW_STEP) * WINDOW_STEP
+
+
+def windows_up_to(tokens: int) -> tuple[int, ...]:
+    """Every window bucket a step over at most ``tokens`` context slots may run with."""
+    windows = [MIN_WINDOW]
+    while windows[-1] < tokens:
+        windows.append(window_bucket(windows[-1] + 1))
+    return tuple(windows)
 
 
 def segment_window(seg: Segment) -> int:
@@ -158,19 +173,7 @@ class StaticSteps:
         window = window_bucket(sum(segment_window(seg) for seg in plan.segments))
         buffers = self._buffers(arena)
         self._fill(buffers, plan, input_ids, positions, bucket, window)
-        mask = buffers.grouped[window][: self._group * bucket]
-        attend = partial(attend_window, arena, buffers.slots[:bucket], buffers.windows[window], mask)
-        ids, pos = buffers.ids[:bucket], buffers.positions[:bucket]
-        if not self.capture:
-            return self._forward(attend, ids, pos)
-        captured = buffers.graphs.get((bucket, window))
-        if captured is None:
-            captured = self._capture(attend, ids, pos)
-            buffers.graphs[(bucket, window)] = captured
-            return captured[1]  # the capture's warm-up ran this very step
-        graph, hidden = captured
-        graph.replay()
-        return hidden
+        return self._run(buffers, arena, bucket, window)
 
     def _buffers(self, arena: KVArena) -> _Buffers:
         buffers = self._per_arena.get(arena)
@@ -198,15 +201,7 @@ class StaticSteps:
         scratch = arena.scratch_slot
         assert scratch is not None
         device = arena.keys[0].device
-        if window not in buffers.windows:
-            buffers.windows[window] = torch.zeros(window, dtype=torch.long, device=device)
-            most, dtype = self.row_buckets[-1], arena.keys[0].dtype
-            buffers.biases[window] = torch.zeros(most, window, dtype=dtype, device=device)
-            buffers.grouped[window] = (
-                torch.zeros(self._group * most, window, dtype=dtype, device=device)
-                if self._group > 1
-                else buffers.biases[window]
-            )
+        self._window_buffers(buffers, arena, window)
         rows = input_ids.shape[0]
         buffers.ids[:rows].copy_(input_ids)
         buffers.ids[rows:bucket].zero_()
@@ -232,9 +227,75 @@ class StaticSteps:
             at += cached + n
         buffers.slots[:bucket].copy_(slots)
         buffers.windows[window].copy_(gathered)
+        self._group_mask(buffers, bucket, window)
+
+    def _window_buffers(self, buffers: _Buffers, arena: KVArena, window: int) -> None:
+        """Allocate the gathered slots and masks of ``window`` once per arena."""
+        if window in buffers.windows:
+            return
+        device, dtype, most = arena.keys[0].device, arena.keys[0].dtype, self.row_buckets[-1]
+        buffers.windows[window] = torch.zeros(window, dtype=torch.long, device=device)
+        buffers.biases[window] = torch.zeros(most, window, dtype=dtype, device=device)
+        buffers.grouped[window] = (
+            torch.zeros(self._group * most, window, dtype=dtype, device=device)
+            if self._group > 1
+            else buffers.biases[window]
+        )
+
+    def _group_mask(self, buffers: _Buffers, bucket: int, window: int) -> None:
+        """The mask repeated for each query head of a group, as the attention call reads it."""
         if self._group > 1:
+            bias = buffers.biases[window][:bucket]
             grouped = buffers.grouped[window][: self._group * bucket].view(self._group, bucket, window)
             grouped.copy_(bias[None].expand(self._group, bucket, window))
+
+    def prepare(self, arena: KVArena, windows: Sequence[int], max_rows: int | None = None) -> int:
+        """Run (and where ``capture``, capture) a step of every row bucket up to ``max_rows`` at each of
+        ``windows`` on ``arena``, so that no request pays for it; returns the steps that were new.
+
+        The steps are blank: every row reads and writes the arena's scratch slot alone (ids and positions 0),
+        so no session's keys or values are touched. A later step only refills the buffers before replaying.
+        """
+        scratch = arena.scratch_slot
+        if scratch is None:
+            raise ValueError("static steps need an arena with a scratch slot")
+        buckets = [b for b in self.row_buckets if max_rows is None or b <= bucket_for(max_rows, self.row_buckets)]
+        buffers = self._buffers(arena)
+        new = 0
+        for window in windows:
+            if window > self.max_window:
+                continue
+            self._window_buffers(buffers, arena, window)
+            buffers.windows[window].fill_(scratch)
+            for bucket in buckets:
+                if self.capture and (bucket, window) in buffers.graphs:
+                    continue
+                buffers.ids[:bucket].zero_()
+                buffers.positions[:bucket].zero_()
+                buffers.slots[:bucket].fill_(scratch)
+                bias = buffers.biases[window][:bucket]
+                bias.fill_(float("-inf"))
+                bias[:, 0] = 0.0
+                self._group_mask(buffers, bucket, window)
+                self._run(buffers, arena, bucket, window)
+                new += 1
+        return new
+
+    def _run(self, buffers: _Buffers, arena: KVArena, bucket: int, window: int) -> torch.Tensor:
+        """The step of shape (``bucket``, ``window``) over the filled buffers: replayed, captured or eager."""
+        mask = buffers.grouped[window][: self._group * bucket]
+        attend = partial(attend_window, arena, buffers.slots[:bucket], buffers.windows[window], mask)
+        ids, pos = buffers.ids[:bucket], buffers.positions[:bucket]
+        if not self.capture:
+            return self._forward(attend, ids, pos)
+        captured = buffers.graphs.get((bucket, window))
+        if captured is None:
+            captured = self._capture(attend, ids, pos)
+            buffers.graphs[(bucket, window)] = captured
+            return captured[1]  # the capture's warm-up ran this very step
+        graph, hidden = captured
+        graph.replay()
+        return hidden
 
     def _capture(
         self, attend: Attend, ids: torch.Tensor, positions: torch.Tensor

@@ -146,6 +146,10 @@ class Verifier:
             max_batch_sessions=max_batch_sessions,
         )
         self._arena: KVArena = self._runner.new_arena(kv_cache_bytes // self._runner.kv_bytes_per_token)
+        if self._runner.captures_steps:
+            started = time.perf_counter()
+            shapes = self._runner.prepare_steps(self._arena, max_batch_tokens, self.limits.max_session_tokens)
+            log.info("captured %d step shapes as CUDA graphs in %.1f s", shapes, time.perf_counter() - started)
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self._budget = DraftBudget(cost_curve or flat_curve(), max_tree_nodes)
         self._admission_timeout_ns = int(admission_timeout_s * 1e9)

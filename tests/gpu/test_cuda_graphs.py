@@ -15,6 +15,7 @@ import torch
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.model_runner import ModelRunner
+from target_service.static_steps import STARTUP_WINDOW, windows_up_to
 from target_service.verifier import Verifier
 from tests.unit.test_llama_forward import FAMILIES, PROMPTS, TREES, build, expected_rows, tree_step
 
@@ -88,5 +89,23 @@ def test_the_start_up_cost_profile_runs_on_captured_steps() -> None:
         assert all(s > 0 for s in curve.seconds) and curve.per_session_s >= 0
         prompt = [3, 1, 4, 1, 5, 9, 2, 6]
         assert greedy_through(verifier, prompt, 8) == greedy_through(verifier, prompt, 8, Drafts([], 96, 0))
+    finally:
+        verifier.close()
+
+
+def test_every_step_shape_is_captured_at_start_up() -> None:
+    """No request pays for a capture: the verifier captures every row bucket at every window its sessions can
+    reach before it serves, and speculative decoding (trees of changing sizes) then only replays."""
+    model = build("llama").to(CUDA)
+    verifier = Verifier(model, "fp", kv_cache_bytes=64 * 2**20)
+    try:
+        static = verifier._runner._static
+        assert static is not None
+        windows = windows_up_to(min(STARTUP_WINDOW, verifier.limits.max_session_tokens))
+        assert static.num_captures == len(windows) * len(static.row_buckets)
+        prompt = [2, 7, 1, 8, 2, 8, 1, 8]
+        plain = greedy_through(verifier, prompt, 40)
+        assert greedy_through(verifier, prompt, 40, Drafts(plain, 96, 1)) == plain
+        assert static.num_captures == len(windows) * len(static.row_buckets), "a request's step was captured"
     finally:
         verifier.close()
