@@ -128,23 +128,34 @@ def measure_curve(
 ) -> CostCurve:
     """Time ``run(sessions, tokens)``: one session with each of ``sizes`` tokens, then 8 one-token sessions.
 
-    Each point is the minimum of ``repeats`` runs after a warm-up run; a point far above linear growth from
-    the one before is timed again (``STALL_FACTOR``). ``CostCurve.plausible`` says whether one still is.
+    Each point is the minimum of ``repeats`` runs after a warm-up run. The sizes are swept ``repeats`` times
+    in turn rather than each timed ``repeats`` times in a row: a process that takes the cores for a few
+    seconds (``make run`` starts the drafter and the coordinator beside the verifier) then slows one sweep,
+    not every timing of the one-token step, which would make every ratio to it look cheap (seen on a 2-core
+    EPYC: c(2)/c(1) 1.00 and c(8)/c(1) 1.17 at a start beside the others, 1.11 and 1.46 on a quiet machine).
+    A point still far above linear growth from the one before is timed again (``STALL_FACTOR``);
+    ``CostCurve.plausible`` says whether one still is.
     """
+
+    def timed_once(sessions: int, tokens: int) -> float:
+        start = clock()
+        run(sessions, tokens)
+        return clock() - start
 
     def timed(sessions: int, tokens: int) -> float:
         run(sessions, tokens)
-        best = float("inf")
-        for _ in range(repeats):
-            start = clock()
-            run(sessions, tokens)
-            best = min(best, clock() - start)
-        return best
+        return min(timed_once(sessions, tokens) for _ in range(repeats))
 
     ordered = sorted(set(sizes))
+    for n in ordered:  # warm-up
+        run(1, n)
+    best = dict.fromkeys(ordered, float("inf"))
+    for _ in range(repeats):
+        for n in ordered:
+            best[n] = min(best[n], timed_once(1, n))
     seconds: list[float] = []
     for i, n in enumerate(ordered):
-        took = timed(1, n)
+        took = best[n]
         for _ in range(STALL_RETRIES):
             if not seconds or took <= STALL_FACTOR * seconds[-1] * n / ordered[i - 1]:
                 break

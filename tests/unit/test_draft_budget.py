@@ -169,3 +169,20 @@ def test_a_size_timed_while_the_cores_were_taken_is_timed_again() -> None:
     assert abs(curve.forward_s(16) - 1.16) < 1e-9 and curve.plausible()
     stuck = CostCurve((1, 8, 16), (1.0, 1.1, 40.0))
     assert not stuck.plausible() and CPU_FP32.plausible()
+
+
+def test_a_burst_of_contention_slows_one_sweep_not_every_timing_of_one_size() -> None:
+    """Another process takes the cores for the first runs of the profile (as at ``make run``, where the
+    drafter and the coordinator start beside the verifier): the sizes are swept in turn, so the burst
+    cannot inflate every timing of the one-token step and make every ratio to it look cheap."""
+    clock_now = [0.0]
+    runs = [0]
+
+    def run(sessions: int, tokens: int) -> None:
+        runs[0] += 1
+        cost = 1.0 + tokens * 0.01 + (sessions - 1) * 0.1
+        clock_now[0] += cost * (3.0 if runs[0] <= 6 else 1.0)  # the first six runs at a third of the speed
+
+    curve = measure_curve(run, (1, 8, 16, 32), repeats=3, clock=lambda: clock_now[0])
+    assert curve.seconds == pytest.approx((1.01, 1.08, 1.16, 1.32))
+    assert curve.ratios()[8] == pytest.approx(1.08 / 1.01)
