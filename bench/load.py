@@ -51,6 +51,7 @@ from .load_report import (
     target_lines,
 )
 from .numerics import decode_ids_alone, top2_at
+from .pinning import Pinning, pin_this_process
 from .records import first_divergence
 from .target import WARM_UP_TEXT, WARM_UP_TOKENS, TargetText, chat_ids, load_target_text, quiet_libraries
 
@@ -120,6 +121,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="Redis for the drafter's n-gram pool ('' for in-memory); this vocabulary's keys there are emptied "
         "after the warm-up stream (default: the benchmarks' own database, /15)",
     )
+    parser.add_argument(
+        "--pin-verifier-cpus",
+        metavar="CPUS",
+        help="separate hardware on one machine: the verifier on these CPUs (e.g. 0, with torch threads to match), "
+        "the drafter, the coordinator and this client on the others; with --coordinator-arg=\"--drafter ''\" "
+        "the verifier alone on the same CPUs, for capacity against the drafter tier",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip plain decoding and the identity check")
     parser.add_argument(
         "--reference-dtype",
@@ -135,6 +143,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.verifier_args = [word for value in args.verifier_arg for word in shlex.split(value)]
     args.coordinator_args = [word for value in args.coordinator_arg for word in shlex.split(value)]
     args.drafter_args = [word for value in args.drafter_arg for word in shlex.split(value)]
+    args.pinning = None
+    if args.pin_verifier_cpus:
+        try:
+            args.pinning = Pinning.split(args.pin_verifier_cpus)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.torch_threads = len(args.pinning.verifier)
     if args.max_new_tokens < 1 or args.torch_threads < 1 or args.stream_timeout_s <= 0:
         parser.error("--max-new-tokens and --torch-threads must be at least 1, --stream-timeout-s above 0")
     return args
@@ -431,6 +446,7 @@ def initial_meta(args: argparse.Namespace, target: TargetText, pool: PoolBackend
             "pool_emptied_before_measuring": pool.redis_url is not None,
             "reference": "skipped (--no-reference)",
             "eos_token_ids": sorted(target.eos_ids),
+            "pinning": None if args.pinning is None else args.pinning.describe(),
         },
         "machine": machine.describe(),
         "verifier": {},
@@ -448,6 +464,13 @@ def run_levels(
 ) -> str:
     """Start the cluster, measure, stop it; returns the error that stopped the run early ('' when none)."""
     log_dir = args.out_dir / "tmp" / "cluster-logs"
+    pinning: Pinning | None = args.pinning
+    cpus: dict[str, frozenset[int]] = {}
+    drafter_args = list(args.drafter_args)
+    if pinning is not None:
+        cpus = {"verifier": pinning.verifier, "drafter": pinning.others, "coordinator": pinning.others}
+        drafter_args = ["--torch-threads", str(len(pinning.others)), *drafter_args]
+        pin_this_process(pinning.others)  # the client too
     cluster = start_cluster(
         target.name,
         pool,
@@ -455,7 +478,8 @@ def run_levels(
         log_dir,
         verifier_args=args.verifier_args,
         coordinator_args=args.coordinator_args,
-        drafter_args=args.drafter_args,
+        drafter_args=drafter_args,
+        cpus=cpus,
     )
     redis_url = pool.redis_url
 

@@ -278,6 +278,7 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         f"- Coordinator: `{' '.join(settings.get('coordinator_command_args') or []) or 'defaults'}`",
         f"- Drafter: `{' '.join(settings.get('drafter_command_args') or []) or 'defaults'}`. "
         + (head_line(settings.get("draft_head")) or "Draft head: not recorded."),
+        *([f"- Pinned: {settings['pinning']}"] if settings.get("pinning") else []),
         "",
     ]
     return lines
