@@ -51,7 +51,7 @@ from .load_report import (
     target_lines,
 )
 from .numerics import decode_ids_alone, top2_at
-from .pinning import Pinning, pin_this_process
+from .pinning import Pinning, pin_this_process, read_pinning
 from .records import first_divergence
 from .target import WARM_UP_TEXT, WARM_UP_TOKENS, TargetText, chat_ids, load_target_text, quiet_libraries
 
@@ -143,13 +143,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.verifier_args = [word for value in args.verifier_arg for word in shlex.split(value)]
     args.coordinator_args = [word for value in args.coordinator_arg for word in shlex.split(value)]
     args.drafter_args = [word for value in args.drafter_arg for word in shlex.split(value)]
-    args.pinning = None
-    if args.pin_verifier_cpus:
-        try:
-            args.pinning = Pinning.split(args.pin_verifier_cpus)
-        except ValueError as exc:
-            parser.error(str(exc))
-        args.torch_threads = len(args.pinning.verifier)
+    read_pinning(parser, args)
     if args.max_new_tokens < 1 or args.torch_threads < 1 or args.stream_timeout_s <= 0:
         parser.error("--max-new-tokens and --torch-threads must be at least 1, --stream-timeout-s above 0")
     return args

@@ -10,6 +10,7 @@ alone: the comparison asks whether a drafter tier on other hardware adds speed.
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 
@@ -38,6 +39,18 @@ class Pinning:
 
     def describe(self) -> str:
         return f"verifier on CPUs {_cpus(self.verifier)}, drafter and coordinator on CPUs {_cpus(self.others)}"
+
+
+def read_pinning(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``args.pin_verifier_cpus`` into ``args.pinning`` (None without it), torch threads set to the verifier's CPU
+    count; a parser error names what is wrong with the CPUs."""
+    args.pinning = None
+    if args.pin_verifier_cpus:
+        try:
+            args.pinning = Pinning.split(args.pin_verifier_cpus)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.torch_threads = len(args.pinning.verifier)
 
 
 def _cpus(cpus: frozenset[int]) -> str:

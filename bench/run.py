@@ -69,7 +69,7 @@ from .modes import (
     default_modes,
     mode_sources,
 )
-from .pinning import PinnedMode, Pinning, pin_this_process
+from .pinning import PinnedMode, Pinning, pin_this_process, read_pinning
 from .records import Record, first_divergence, make_record
 from .report import leaderboard, markdown, plot
 from .target import (
@@ -209,13 +209,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     clusters = cluster_modes(args.modes)
     if args.flat_verify_cost and clusters:
         parser.error(f"--flat-verify-cost sets the in-process verifiers' curve only; drop {', '.join(clusters)}")
-    args.pinning = None
-    if args.pin_verifier_cpus:
-        try:
-            args.pinning = Pinning.split(args.pin_verifier_cpus)
-        except ValueError as exc:
-            parser.error(str(exc))
-        args.torch_threads = len(args.pinning.verifier)
+    read_pinning(parser, args)
     return args
 
 
