@@ -4,6 +4,7 @@
 #   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context, and B = 1..16 sessions
 #                             in one step, in float32 and bfloat16
 #   make bench-load           N = 1, 4, 16, 64 concurrent greedy streams through the coordinator (bench/out/load/)
+#   make bench-startup        the three services' start-up time, cold (empty model cache) and warm (bench/out/startup/)
 #   make bench-head           the draft head's offline figures (top-1, chains, trees) on Spec-Bench's own answers, per task,
 #                             beside a Spec-Bench run's served head-alone tau (bench/out/head_offline/)
 #   make bench-sampling       seeded chat prompts at T = 0, 0.7, 1.0 with speculation on and off through the three
@@ -30,8 +31,9 @@ BENCH_HEAD_ARGS ?=
 BENCH_PEERS_ARGS ?=
 BENCH_SAMPLING_ARGS ?=
 BENCH_STRUCTURED_ARGS ?=
+BENCH_STARTUP_ARGS ?=
 
-.PHONY: bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
+.PHONY: bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -46,6 +48,9 @@ bench-gpu: proto
 
 bench-load: proto
 	$(PY) -m bench.load $(BENCH_LOAD_ARGS)
+
+bench-startup: proto
+	$(PY) -m bench.startup $(BENCH_STARTUP_ARGS)
 
 bench-head: proto
 	$(PY) -m bench.head_offline $(BENCH_HEAD_ARGS)
