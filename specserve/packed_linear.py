@@ -34,10 +34,12 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
   fp32 0.62, 0.48 against 0.78 at 4 rows, but about the same at 8 and more
   at 16 (its cost grows with the rows; ``bench.gemm_kernels``). The weights
   are then other weights: what the model computes changes, as it does in
-  bf16, and numerically it behaves like bf16 too: rounding the inputs to
-  bf16 turns last-bit differences elsewhere in a step (CPU attention) into
-  bf16-sized ones, so greedy identity holds in bf16's sense (the noise
-  floor), not fp32's.
+  bf16, and rounding the inputs to bf16 turns last-bit differences
+  elsewhere in a step (CPU attention rounds a query row by how many share
+  its call) into bf16-sized ones. Measured, speculative output then leaves
+  plain int8 decoding far more often than plain decoding leaves itself (19
+  of 20 Spec-Bench prompts against 6, ``bench.numerics --weights int8``):
+  greedy identity does not hold, not even in bf16's sense.
 - **none** (GPUs, CPUs without oneDNN, ``--compile off``): ``F.linear``.
 
 ``SPECSERVE_FP32_GEMM=mkl|onednn`` overrides the fp32 choice (benchmarks

@@ -10,6 +10,19 @@ The engine's forward (``llama_forward``) computes q, k and v (rotary
 embedding applied) and calls ``attend_segments`` bound to the step's plan,
 which writes k and v into the arena in place and attends per segment. On a
 GPU, steps run as CUDA graphs attend differently (``static_steps``).
+
+Batch invariance: the products are row-invariant on a CPU (``packed_linear``),
+attention is not. PyTorch's CPU SDPA rounds 1, 2-3 and 4+ query rows apart,
+and its last key block (blocks of 512) changes with the key count, so a row's
+attention alone and inside a tree differs in the last bits (~1e-7 in fp32).
+Padding each segment's queries to a multiple of 4 rows and its keys (zeros,
+masked out) to a multiple of 512 makes every row bit-identical (probed on
+contexts of 5-1500 tokens and trees of 1-65 rows), but it cost 45% of a
+one-token fp32 step at a 512-token context on a 2-core AVX2 EPYC (62 -> 90 ms:
+the padded keys double the attention there, plus the copies), so it is not
+done. In fp32 the difference is far below any logit gap; in bf16, and with
+int8 weights whose products round their inputs to bf16, it is what lets
+speculative output leave plain decoding at near-ties (``bench.numerics``).
 """
 
 from __future__ import annotations
