@@ -12,9 +12,15 @@ from coordinator.tree_checks import TreeLimits
 from specserve.auth.config import ServerSecurity
 from specserve.auth.tls import ClientTLS
 from specserve.drain import DEFAULT_GRACE_S
-from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.model_loading import DEFAULT_MODEL
-from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, LOOPBACK, VERIFIER_PORT
+from specserve.service_main import (
+    COORDINATOR_PORT,
+    DEFAULT_MAX_HEALTH_WATCHES,
+    DRAFTER_PORT,
+    HTTP_PORT,
+    LOOPBACK,
+    VERIFIER_PORT,
+)
 
 
 @dataclass(frozen=True)

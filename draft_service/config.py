@@ -7,9 +7,8 @@ from pathlib import Path
 
 from specserve.auth.config import ServerSecurity
 from specserve.drain import DEFAULT_GRACE_S
-from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.model_loading import DEFAULT_MODEL
-from specserve.service_main import DRAFTER_PORT, LOOPBACK
+from specserve.service_main import DEFAULT_MAX_HEALTH_WATCHES, DRAFTER_PORT, LOOPBACK
 
 # The committed head for the packaged target (`make train-draft` writes it; it ships as package data).
 DEFAULT_DRAFT_HEAD = Path(__file__).resolve().parent / "weights" / "smollm2-draft-head.pt"

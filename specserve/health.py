@@ -25,8 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Gauge
 
-DEFAULT_MAX_HEALTH_WATCHES = 64
-"""Open ``Health/Watch`` streams a server serves at once (``--max-health-watches``)."""
+from specserve.service_main import DEFAULT_MAX_HEALTH_WATCHES
 
 ServingStatus = Any  # health_pb2.HealthCheckResponse.ServingStatus (an int enum)
 

@@ -15,6 +15,9 @@ DRAFTER_PORT = 50052
 VERIFIER_PORT = 50053
 HTTP_PORT = 8000  # the coordinator's OpenAI-compatible HTTP API
 """The services' default ports: their config dataclasses, the coordinator's default targets and the local cluster."""
+DEFAULT_MAX_HEALTH_WATCHES = 64
+"""Open ``Health/Watch`` streams a server serves at once (``--max-health-watches``; ``specserve.health``). Here,
+not there, so that a config dataclass imports no gRPC package (the engine alone runs without them)."""
 
 
 class ServerDefaults(Protocol):

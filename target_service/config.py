@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 
 from specserve.auth.config import ServerSecurity
 from specserve.drain import DEFAULT_GRACE_S
-from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.model_loading import DEFAULT_MODEL
-from specserve.service_main import LOOPBACK, VERIFIER_PORT
+from specserve.service_main import DEFAULT_MAX_HEALTH_WATCHES, LOOPBACK, VERIFIER_PORT
 
 
 @dataclass(frozen=True)

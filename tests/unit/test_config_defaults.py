@@ -25,8 +25,8 @@ from coordinator.ports import VerifierInfo
 from coordinator.rounds import RoundPolicy
 from draft_service import main as drafter_main
 from draft_service.config import DrafterConfig
-from specserve.health import DEFAULT_MAX_HEALTH_WATCHES
 from specserve.local_cluster import LocalCluster
+from specserve.service_main import DEFAULT_MAX_HEALTH_WATCHES
 from target_service import main as verifier_main
 from target_service.config import VerifierConfig
 

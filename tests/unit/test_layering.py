@@ -2,7 +2,9 @@
 
 The three tiers (coordinator, draft_service, target_service) are siblings over specserve/: each imports
 specserve/ and none imports another; specserve/ imports no tier; the client SDK imports specserve/ alone.
-The coordinator runs without torch: importing any of its modules loads none.
+The coordinator runs without torch: importing any of its modules loads none. The verifier's engine runs
+without the services' gRPC extras: ``make test-gpu`` runs ``tests/gpu`` on a lent device machine that has
+PyTorch and transformers but not grpcio-health-checking or the generated protos.
 """
 
 from __future__ import annotations
@@ -103,3 +105,15 @@ def test_the_coordinator_imports_no_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"the coordinator's modules load {done.stdout.strip()[:300]}"
+
+
+def test_the_verifier_engine_imports_without_grpc_health_or_generated_protos() -> None:
+    """A subprocess, so that this process's already-imported modules cannot hide a new import."""
+    script = (
+        "import sys\n"
+        "for name in ('grpc_health', 'grpc_reflection', 'specserve.v1'):\n"
+        "    sys.modules[name] = None  # importing it now raises ImportError\n"
+        "import target_service.verifier, target_service.config, tests.gpu.test_cuda_graphs\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
