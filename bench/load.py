@@ -462,8 +462,8 @@ def run_levels(
     cpus: dict[str, frozenset[int]] = {}
     drafter_args = list(args.drafter_args)
     if pinning is not None:
-        cpus = {"verifier": pinning.verifier, "drafter": pinning.others, "coordinator": pinning.others}
-        drafter_args = ["--torch-threads", str(len(pinning.others)), *drafter_args]
+        cpus = pinning.services()
+        drafter_args = [*pinning.drafter_args(), *drafter_args]
         pin_this_process(pinning.others)  # the client too
     cluster = start_cluster(
         target.name,

@@ -37,6 +37,14 @@ class Pinning:
             raise ValueError("--pin-verifier-cpus leaves no CPU for the drafter and coordinator")
         return Pinning(verifier, others)
 
+    def services(self) -> dict[str, frozenset[int]]:
+        """Each cluster service's CPUs (``start_cluster``'s ``cpus``): the verifier's own, the others for the rest."""
+        return {"verifier": self.verifier, "drafter": self.others, "coordinator": self.others}
+
+    def drafter_args(self) -> list[str]:
+        """The drafter's command-line torch threads, as many as its CPUs."""
+        return ["--torch-threads", str(len(self.others))]
+
     def describe(self) -> str:
         return f"verifier on CPUs {_cpus(self.verifier)}, drafter and coordinator on CPUs {_cpus(self.others)}"
 

@@ -277,8 +277,8 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             drafter_args: list[str] = ["--head-matmul", args.head_matmul]
             drafter_args += ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
             if pinning is not None:
-                cpus = {"verifier": pinning.verifier, "drafter": pinning.others, "coordinator": pinning.others}
-                drafter_args += ["--torch-threads", str(len(pinning.others))]
+                cpus = pinning.services()
+                drafter_args += pinning.drafter_args()
             # Each distributed mode learns into a pool of its own: one must not draft from the other's outputs.
             own_pool = pool if name == "distributed" else other_database(pool, name)
             cluster = start_cluster(

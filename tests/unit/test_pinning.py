@@ -47,3 +47,9 @@ def test_pinning_moves_every_thread_of_the_process() -> None:
     finally:
         pin_this_process(available)
     assert os.sched_getaffinity(0) == available
+
+
+def test_a_cluster_gets_the_verifier_its_cpus_and_the_others_the_rest() -> None:
+    pinning = Pinning(frozenset({0}), frozenset({1, 2}))
+    assert pinning.services() == {"verifier": {0}, "drafter": {1, 2}, "coordinator": {1, 2}}
+    assert pinning.drafter_args() == ["--torch-threads", "2"]
