@@ -26,10 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from specserve.local_cluster import LocalCluster, free_port
+from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.model_loading import DEFAULT_MODEL
 
 from . import machine
@@ -39,17 +36,6 @@ from .target import progress
 _NOTABLE = re.compile(r"converting|cost curve|engine step|captured|listening", re.IGNORECASE)
 _LEVEL = re.compile(r" (?:DEBUG|INFO|WARNING|ERROR) ")  # what precedes it is the timestamp and the process
 _PATH = re.compile(r"/\S*/(?=[^/\s]+\.gguf)")  # where the GGUF lies on this machine
-
-
-def serving(address: str) -> bool:
-    """One health check on a fresh channel: a channel kept across refused connections backs off for up to
-    two minutes between attempts, which would time the backoff, not the start."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
-            return False
-    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def start_once(cache: Path, log_dir: Path, timeout_s: float, model: str) -> dict[str, Any]:
@@ -76,12 +62,11 @@ def start_once(cache: Path, log_dir: Path, timeout_s: float, model: str) -> dict
     ready: dict[str, float] = {}
 
     def watch(name: str, address: str) -> None:
-        deadline = started + timeout_s
-        while time.monotonic() < deadline and not failure:
-            if serving(address):
-                ready[name] = round(time.monotonic() - started, 1)
-                return
-            time.sleep(0.2)
+        try:
+            wait_serving(address, timeout_s)
+        except (TimeoutError, RuntimeError):  # not recorded: reported below
+            return
+        ready[name] = round(time.monotonic() - started, 1)
 
     watchers = [
         threading.Thread(target=watch, args=(name, address), daemon=True)
@@ -96,7 +81,7 @@ def start_once(cache: Path, log_dir: Path, timeout_s: float, model: str) -> dict
             watcher.start()
         thread.join(timeout_s)
         for watcher in watchers:
-            watcher.join(10.0)  # each checks every 0.2 s, a check waiting up to 1 s
+            watcher.join(10.0)  # each checks every 0.3 s, a check waiting up to 2 s
         if failure or thread.is_alive() or len(ready) < len(watchers):
             raise RuntimeError(f"the cluster did not start: {failure[0] if failure else 'timed out'}")
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import grpc
 import numpy as np
@@ -59,22 +58,6 @@ _VERIFIER_REFUSALS: dict[grpc.StatusCode, tuple[type[errors.SpecserveError], str
         "the verifier has no room for this request now: retry later",
     ),
 }
-
-
-def reconnect_options(probe_interval_s: float) -> list[tuple[str, Any]]:
-    """Channel options that keep gRPC's reconnect backoff within half of ``probe_interval_s``.
-
-    By default a channel whose peer went away waits 1 s, then 1.6 times longer after each failed attempt, up to
-    120 s, and gives each attempt at least 20 s: a drafter restarted after a while down was reconnected only tens
-    of seconds later, and until then every probe of the circuit breaker failed at once. With attempts at least
-    twice per probe interval (``--drafter-backoff-ms``), a probe finds a restarted drafter connected.
-    """
-    bound_ms = max(100, round(probe_interval_s * 1000 / 2))
-    return [
-        ("grpc.initial_reconnect_backoff_ms", min(1000, bound_ms)),
-        ("grpc.max_reconnect_backoff_ms", bound_ms),
-        ("grpc.min_reconnect_backoff_ms", bound_ms),  # the least time an attempt is given to connect
-    ]
 
 
 RELEASE_TIMEOUT_S = 5.0

@@ -41,7 +41,7 @@ from coordinator.discovery import (
 from coordinator.drafter_health import HealthCheckedDrafter
 from coordinator.drafter_pool import DrafterPool
 from coordinator.frontend import GenerationBackend, GenerationFrontend
-from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier, reconnect_options
+from coordinator.grpc_clients import GrpcDrafter, GrpcVerifier
 from coordinator.k8s_watch import ApiServerError, EndpointSliceWatch, api_client_from_environment, own_zone
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.openai_api.app import create_app
@@ -66,7 +66,15 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, channel_options, mark_draining, mark_serving, serve_until_signal, server_options
+from specserve.rpc import (
+    add_health,
+    channel_options,
+    mark_draining,
+    mark_serving,
+    reconnect_options,
+    serve_until_signal,
+    server_options,
+)
 from specserve.rpc_errors import AioErrorInterceptor
 from specserve.service_main import add_common_flags, env, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specserve.model_loading import DEFAULT_MODEL
+from specserve.rpc import reconnect_options
 from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, VERIFIER_PORT
 
 
@@ -48,7 +49,14 @@ def wait_serving(
     for a TLS server (health checks need no API key or token).
     """
     deadline = time.monotonic() + timeout_s
-    channel = grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
+    # A server not yet listening refuses the connection, and gRPC's default backoff then waits up to two minutes
+    # between attempts: this would time the backoff, not the start. Attempts at least every 0.3 s.
+    options = reconnect_options(0.6)
+    channel = (
+        grpc.insecure_channel(address, options)
+        if credentials is None
+        else grpc.secure_channel(address, credentials, options)
+    )
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

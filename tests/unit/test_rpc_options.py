@@ -7,9 +7,8 @@ import pytest
 
 import coordinator.main as coordinator_main
 from coordinator.config import CoordinatorConfig
-from coordinator.grpc_clients import reconnect_options
 from coordinator.ports import VerifierInfo
-from specserve.rpc import channel_options, server_options
+from specserve.rpc import channel_options, reconnect_options, server_options
 
 
 def test_servers_accept_the_keepalive_pings_that_clients_send() -> None:
