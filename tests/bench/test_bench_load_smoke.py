@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from bench import load
-from specserve.model_loading import ModelNotFoundError, resolve_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -24,11 +23,7 @@ MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory, smoke_redis_url: str) -> Path:
-    try:
-        resolve_model("smollm2")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+def out_dir(tmp_path_factory: pytest.TempPathFactory, smoke_redis_url: str, packaged_model: None) -> Path:
     out = tmp_path_factory.mktemp("bench-load")
     started = time.monotonic()
     code = load.main(

@@ -19,7 +19,6 @@ import pytest
 from bench import run
 from bench.dataset import load_questions
 from bench.modes import FP32_BASELINE, default_modes
-from specserve.model_loading import ModelNotFoundError, resolve_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -30,11 +29,7 @@ DEFAULT_MODES = default_modes("float32")
 
 
 @pytest.fixture(scope="module")
-def out_dir(tmp_path_factory: pytest.TempPathFactory, smoke_redis_url: str) -> Path:
-    try:
-        resolve_model("smollm2")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+def out_dir(tmp_path_factory: pytest.TempPathFactory, smoke_redis_url: str, packaged_model: None) -> Path:
     out = tmp_path_factory.mktemp("bench")
     code = run.main(
         [

@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 
 from bench import coupling
-from specserve.model_loading import ModelNotFoundError, resolve_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_the_coupling_report_holds_rates_between_zero_and_one(tmp_path: Path) -> None:
-    try:
-        resolve_model("smollm2")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+def test_the_coupling_report_holds_rates_between_zero_and_one(tmp_path: Path, packaged_model: None) -> None:
     args = ["--temperatures", "1.0", "--categories", "writing", "--max-new-tokens", "8", "--out-dir", str(tmp_path)]
     assert coupling.main(args) == 0
     (row,) = json.loads((tmp_path / "coupling.json").read_text())["summary"]

@@ -12,16 +12,13 @@ from pathlib import Path
 import pytest
 
 from bench import sampling
-from specserve.model_loading import ModelNotFoundError, resolve_model
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_the_sampling_benchmark_reports_every_drafter_and_temperature(tmp_path: Path, smoke_redis_url: str) -> None:
-    try:
-        resolve_model("smollm2")
-    except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+def test_the_sampling_benchmark_reports_every_drafter_and_temperature(
+    tmp_path: Path, smoke_redis_url: str, packaged_model: None
+) -> None:
     code = sampling.main(
         [
             "--temperatures",
