@@ -39,6 +39,7 @@ MAX_CHAT_MESSAGES = 8  # small, so a chat "at the limit" is a cheap prefill
 GENERATE = "/specserve.v1.GenerationService/Generate"
 DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 BATCH = 8
+STALL_CAP_S = 5.0  # longest health check allowed while a huge request is refused (a loop blocked by it: far longer)
 EXAMPLES = 130
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>system\n", "<repo_name>"]
@@ -339,7 +340,11 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
         gaps = background.gaps.within(start, end)
         print(f"during the {name} ({end - start:.1f} s): stream gaps {describe(gaps)}; health checks {describe(pings)}")
         assert pings, name
-        assert max(pings) < 1.0, name
+        # A loop that tokenized on itself would freeze for the whole window (tens of seconds for 4 MB). One check
+        # in 30 s may still take over a second: this test's own threads share two cores with the three services
+        # (CI once saw one 1.6 s check in a 60 s window, the stream's chunks stalled 1.8 s at once, p99 16 ms).
+        assert max(pings) < STALL_CAP_S, name
+        assert len([ping for ping in pings if ping >= 1.0]) <= (end - start) // 30, name
         if len(pings) >= 50:  # a window of a few health checks (the refused chat: 0.1 s) has no p99 to speak of
             assert quantile(pings, 0.99) - quantile(base_pings, 0.99) <= 0.050, name
     start, end = windows["4 MB prompt"]
