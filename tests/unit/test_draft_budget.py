@@ -149,9 +149,55 @@ def test_guard_judges_the_arms_on_the_same_sessions_only() -> None:
     run_guard(guard, clock, 8, {True: 2, False: 2}, sessions=("cold",))  # the exploit arm, on one request
     run_guard(guard, clock, 3.5, {True: 20, False: 20}, sessions=("warm",))  # the probe (off), on another
     assert guard.speculate and guard.num_switches == 0 and guard.num_unpaired == 1
-    # A session in both stretches is judged: here drafting costs it half its rate.
-    run_guard(guard, clock, 12, {True: 5, False: 10}, sessions=("warm", "next"))
+    # A session in both stretches is judged: here drafting costs it half its rate (the next probe comes after
+    # 16 s: the unjudged one doubled the wait).
+    run_guard(guard, clock, 20, {True: 5, False: 10}, sessions=("warm", "next"))
     assert not guard.speculate and guard.num_switches == 1
+
+
+def probe_starts(
+    guard: ThroughputGuard, clock: FakeClock, seconds: float, rate: dict[bool, int], sessions: str = "abcd"
+) -> list[float]:
+    """When each probe began, over ``seconds`` of steps of 1/8 s (exact in floats), each committing
+    rate[arm] tokens for every one of ``sessions``."""
+    starts = []
+    for _ in range(int(seconds * 8)):
+        probing = guard.arm_now != guard.speculate
+        clock.now += 0.125
+        guard.observe(dict.fromkeys(sessions, rate[guard.arm_now]))
+        if guard.arm_now != guard.speculate and not probing:
+            starts.append(clock.now)
+    return starts
+
+
+def test_probes_that_confirm_the_arm_come_ever_less_often_and_a_switch_brings_them_back() -> None:
+    """A probe serves the arm that loses: while probes keep confirming the arm, each doubles the wait for the
+    next, up to ``max_exploit_s``; once a probe switches, the guard probes at its first pace again."""
+    clock = FakeClock()
+    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3, max_exploit_s=32)
+    # Drafting pays: every probe (no drafts) loses. Waits of 8, 16, 32, 32 s, each followed by a 3 s probe.
+    assert probe_starts(guard, clock, 105, {True: 30, False: 20}) == [8, 27, 62, 97]
+    assert guard.speculate and guard.num_switches == 0
+    # Now drafting costs: the probe due 32 s after the last switches drafting off; the next comes 8 s after it.
+    assert probe_starts(guard, clock, 45, {True: 10, False: 20}) == [132, 143]
+    assert not guard.speculate and guard.num_switches == 1
+    with pytest.raises(ValueError, match="exploit"):
+        ThroughputGuard(clock, exploit_s=80, max_exploit_s=64)
+
+
+def test_a_change_of_load_brings_the_first_pace_back() -> None:
+    """Probes confirmed drafting for one session; sixteen arrive, and at that load drafting costs: the next
+    probe comes 8 s after they did, not at the end of the backed-off wait, and switches drafting off."""
+    clock = FakeClock()
+    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3, max_exploit_s=64)
+    assert probe_starts(guard, clock, 40, {True: 30, False: 20}, sessions="a") == [8, 27]  # then a 32 s wait
+    sixteen = "abcdefghijklmnop"
+    assert probe_starts(guard, clock, 12, {True: 10, False: 20}, sessions=sixteen) == [48.125]
+    assert not guard.speculate and guard.num_switches == 1
+    # Small swings of load (here 12 to 16 sessions) do not reset the wait a confirming probe doubled.
+    steady = ThroughputGuard(clock, exploit_s=8, probe_s=3, max_exploit_s=64)
+    assert probe_starts(steady, clock, 40, {True: 30, False: 20}, sessions=sixteen[:12]) == [60, 79]
+    assert probe_starts(steady, clock, 40, {True: 30, False: 20}, sessions=sixteen) == [114]  # 32 s after 82
 
 
 def test_a_size_timed_while_the_cores_were_taken_is_timed_again() -> None:
