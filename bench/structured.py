@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,14 +305,17 @@ def write_report(results: list[ModeResult], out_dir: Path, meta: dict[str, Any])
     print("\n".join(lines))
 
 
-def machine_line(host: dict[str, Any], verifier_args: list[str]) -> str:
-    """The report's one line on where it ran: CPU, the CPUs this process may use, the load when it started."""
+def machine_line(host: dict[str, Any], verifier_args: Sequence[str], drafter_args: Sequence[str] = ()) -> str:
+    """The report's one line on where it ran: CPU, the CPUs this process may use, the load when it started, and
+    the services' extra flags."""
     load = host.get("load_average_at_start")
     line = f"{host['cpu_model']}, {host['cpus_available']} CPUs available"
     if load:
         line += f", load {load[0]:.1f} at the start"
     if verifier_args:
         line += f", verifier {' '.join(verifier_args)}"
+    if drafter_args:
+        line += f", drafter {' '.join(drafter_args)}"
     return line
 
 
@@ -321,10 +325,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/out/structured"))
     parser.add_argument("--verifier-arg", action="append", default=[], help="extra verifier flag (repeatable)")
+    parser.add_argument("--drafter-arg", action="append", default=[], help="extra drafter flag (repeatable)")
     args = parser.parse_args()
     items = prompts(args.prompts)
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=args.out_dir / "tmp" / "logs")
     cluster.extra_verifier_args = args.verifier_arg
+    cluster.extra_drafter_args = args.drafter_arg
     with cluster:
         # Warm-up (each mode's step sizes, the grammar engine's tokenizer), then the three modes.
         for mode in MODES:
@@ -333,8 +339,9 @@ def main() -> None:
     host = machine.describe()
     meta = {
         "machine": host,
-        "machine_line": machine_line(host, args.verifier_arg),
+        "machine_line": machine_line(host, args.verifier_arg, args.drafter_arg),
         "verifier_args": args.verifier_arg,
+        "drafter_args": args.drafter_arg,
         "prompts": len(items),
         "max_new_tokens": args.max_new_tokens,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

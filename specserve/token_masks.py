@@ -52,6 +52,15 @@ class TokenMasks:
         """bool ``[rows, vocab_size]``: True where the token is allowed."""
         return np.unpackbits(self.bits, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
 
+    def forced_tokens(self, vocab_size: int) -> np.ndarray:
+        """int64 ``[rows]``: the one token a row allows, -1 where it allows more than one (or none).
+
+        A row that allows one token needs no logits: greedy and sampling alike can only pick that token.
+        """
+        allowed = self.allowed(vocab_size)
+        forced = np.where(allowed.sum(axis=1) == 1, allowed.argmax(axis=1), -1)
+        return forced.astype(np.int64)
+
     def allows(self, row: int, token: int) -> bool:
         return bool(self.bits[row, token >> 3] >> (token & 7) & 1)
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
 from specserve.errors import SpecserveError
@@ -57,10 +59,19 @@ class VerifyCall(Call):
     return_features: bool = False
     score_only: bool = False  # answer the fp32 logits and leave the session as it was
     token_masks: TokenMasks | None = None  # structured output: allowed tokens per scored row (None: all)
+    # Per row, the one token its mask allows (-1: more than one); those rows skip the head (None: none do).
+    forced_tokens: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return 1 + len(self.tree)
+
+    @cached_property
+    def head_rows(self) -> list[int]:
+        """The rows whose logits the head computes: all but the forced ones."""
+        if self.forced_tokens is None:
+            return list(range(self.num_tokens))
+        return [int(row) for row in np.flatnonzero(self.forced_tokens < 0)]
 
 
 @dataclass(eq=False)

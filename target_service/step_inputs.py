@@ -3,7 +3,9 @@
 A Verify feeds its session's pending token followed by its tree's nodes, at
 the positions of their depths, with a mask that lets each node see the cached
 context, the pending token and its own ancestors; every one of its rows is
-scored. A prefill chunk feeds the next tokens of its prompt, causally. The
+scored, except a row whose token mask (structured output) allows one token:
+the head is the priciest product of a row, and that row can only pick its
+token. A prefill chunk feeds the next tokens of its prompt, causally. The
 rows a head asked for (``return_features``) come back as hidden states.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.tree_masks import ancestor_matrix
@@ -59,7 +62,7 @@ def pack(work: StepWork, arena: KVArena, device: torch.device) -> StepInputs:
         positions.append(cached + depths)
         mask = tree_mask(call.tree.parents, depths, cached).to(device) if len(call.tree) else None
         plan.segments.append(Segment(session.region, cached, slice(start, start + n), mask))
-        score.extend(range(start, start + n))
+        score.extend(start + row for row in call.head_rows)
         if call.return_features:
             feature.extend(range(start, start + n))
     for prefill, tokens in work.prefills:
@@ -87,11 +90,26 @@ def verify_rows(
     score_at = feature_at = 0
     for call, session in work.verifies:
         n = call.num_tokens
-        logits = out.logits[score_at : score_at + n]
-        score_at += n
+        scored = len(call.head_rows)
+        logits = out.logits[score_at : score_at + scored]
+        score_at += scored
+        if call.forced_tokens is not None and scored < n:
+            logits = with_forced_rows(logits, call.forced_tokens)
         hidden = out.features[feature_at : feature_at + n] if call.return_features else None
         feature_at += n if call.return_features else 0
         yield call, session, logits, hidden
+
+
+def with_forced_rows(scored: torch.Tensor, forced: np.ndarray) -> torch.Tensor:
+    """[len(forced), vocab] logits: the head's rows in order, and for each row with a forced token (``forced`` >=
+    0) 0 at that token and -inf elsewhere, the row's masked logits whatever the head would have said."""
+    full = scored.new_full((len(forced), scored.shape[-1]), float("-inf"))
+    tokens = torch.from_numpy(forced).to(scored.device)
+    by_head = tokens < 0
+    full[by_head] = scored
+    rows = torch.nonzero(~by_head).squeeze(1)
+    full[rows, tokens[rows]] = 0.0
+    return full
 
 
 def prefill_rows(work: StepWork, out: StepOutput) -> Iterator[tuple[PrefillCall, int, torch.Tensor | None]]:

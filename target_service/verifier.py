@@ -331,6 +331,7 @@ class Verifier:
             num_successors=num_successors,
             return_features=return_features,
             token_masks=token_masks,
+            forced_tokens=token_masks.forced_tokens(self.vocab_size) if token_masks is not None else None,
         )
         return self._submit(call)
 

@@ -257,6 +257,63 @@ def test_masks_on_the_wire_are_checked() -> None:
     assert verifier.verify("s", 2, TokenTree(), token_masks=only_three).bonus_token == 3
 
 
+def test_a_row_that_allows_one_token_is_forced() -> None:
+    bits = np.zeros((3, 4), dtype=np.uint8)
+    bits[0, 1] = 0b100  # token 10 alone
+    bits[1, 0] = 0b11  # tokens 0 and 1
+    bits[2, 1] = 0b1  # token 8, and a padding bit past the 14-token vocabulary that does not count
+    bits[2, 3] = 0b1000_0000
+    assert TokenMasks(bits).forced_tokens(14).tolist() == [10, -1, 8]
+
+
+def _counting_head_rows(verifier: Verifier) -> list[int]:
+    """The rows the head computes in each of ``verifier``'s steps, from now on."""
+    counts: list[int] = []
+    forward = verifier._runner.forward
+
+    def counted(plan, input_ids, positions, score_rows, feature_rows):  # type: ignore[no-untyped-def]
+        counts.append(int(score_rows.numel()))
+        return forward(plan, input_ids, positions, score_rows, feature_rows)
+
+    verifier._runner.forward = counted  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)])
+def test_rows_with_one_allowed_token_skip_the_head_and_keep_their_token(sampling: SamplingParams) -> None:
+    """A forced row's logits are not computed, yet its token is what the row picks (greedy and sampled), and the
+    rows the head did compute give what a verifier scoring every row gives."""
+    state = compiled().new_state()
+    state.commit([4, 1])  # "[a"
+    # "]" then EOS: after "]" the grammar allows EOS alone; a drafted "," branch beside it keeps its own rows.
+    fitted = state.fit(TokenTree.from_paths([[5, 0], [6, 2]]), max_nodes=8, max_depth=4)
+    forced = fitted.masks.forced_tokens(VOCAB)
+    assert (forced >= 0).sum() >= 1 and (forced < 0).sum() >= 1
+    prompt = [4, 1]
+    skipping = Verifier(MODEL, "tiny")
+    skipping.prefill("s", prompt, sampling)
+    counts = _counting_head_rows(skipping)
+    result = skipping.verify("s", len(prompt), fitted.tree, num_successors=2, token_masks=fitted.masks)
+    assert counts == [int((forced < 0).sum())]
+    reference = Verifier(MODEL, "tiny")
+    reference.prefill("s", prompt, sampling)
+    logits = masked_logits(reference.score("s", fitted.tree), fitted.masks)
+    picks = logits.argmax(dim=-1).tolist()
+    for row, token in enumerate(forced.tolist()):
+        if token >= 0:
+            assert picks[row] == token and result.successors[row][0] == token
+        elif sampling.greedy:
+            assert result.successors[row] == logits[row].topk(2).indices.tolist()
+    path = [ROOT, *result.accepted_nodes]
+    for node in path[1:]:  # every accepted node was its parent row's pick
+        parent_row = 0 if fitted.tree.parents[node] == ROOT else fitted.tree.parents[node] + 1
+        assert fitted.masks.allows(parent_row, fitted.tree.token_ids[node])
+    check_forced_accepted(fitted, result.accepted_nodes)
+    last_row = 0 if path[-1] == ROOT else path[-1] + 1
+    if forced[last_row] >= 0:
+        assert result.bonus_token == forced[last_row]
+
+
 def test_bad_constraints_are_invalid_argument_naming_the_problem() -> None:
     for constraint, words in [
         (Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "strin"}'), "strin"),
