@@ -1,10 +1,13 @@
-"""The draft head's step with its products by ``F.linear`` against prepacked weights, side by side.
+"""The draft head's step three ways, side by side: transformers' layer with its products by ``F.linear``,
+the same layer on prepacked weights, and the layer the drafter serves (``head_layer.HeadStep``).
 
 A dynamic-tree round runs the head over 1 row (the newest committed token) and then over the beam's
-rows (4 by default) at each level. This times both row counts on a cached context, alternating
-``--head-matmul linear`` (``F.linear`` everywhere) with ``auto`` (the fc, the layer's linears and the draft
-logits on weights prepacked for the CPU's GEMM kernel) step by step, in each dtype asked for, and reports
-medians per round, each round's ratio and the median ratio.
+rows (4 by default) at each level. This times both row counts on a cached context, alternating the arms
+step by step: ``F.linear`` (``DraftHead.forward``, ``--head-matmul linear``), ``packed`` (``forward`` with
+the fc, the layer's linears and the draft logits on weights prepacked for the CPU's GEMM kernel,
+``--head-matmul auto``: what the drafter served before ``HeadStep``) and ``served`` (``DraftHead.step``:
+fused, prepacked products and an in-place cache), in each dtype asked for, and reports medians per round,
+each round's ratios and the median ratios.
 
     python -m bench.draft_step [--dtypes float32,bfloat16] [--context 300] [--rounds 3] [--reps 30]
         [--out-dir bench/out/draft-step]
@@ -27,13 +30,15 @@ import torch
 from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, truncate_cache
+from draft_service.head_layer import HeadCache
 from specserve.model_loading import DEFAULT_MODEL
 
 from . import machine
 from .target import Target, load_head, load_target, quiet_libraries
 
 ROWS = (1, 4)
-ARMS = {"F.linear": "linear", "packed": "auto"}  # arm -> --head-matmul
+ARMS = {"F.linear": "linear", "packed": "auto", "served": "auto"}  # arm -> --head-matmul
+SERVED = "served"  # the arm that runs DraftHead.step; the others run DraftHead.forward
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -65,21 +70,28 @@ def time_steps(head: DraftHead, context: int, rounds: int, reps: int) -> dict[st
     dtype = head.draft_lm_head.dtype
     generator = torch.Generator().manual_seed(0)
     heads = {arm: copy.deepcopy(head) for arm in ARMS}
-    caches = {arm: DynamicCache() for arm in ARMS}
+    caches: dict[str, Any] = {arm: HeadCache() if arm == SERVED else DynamicCache() for arm in ARMS}
     times: dict[str, dict[int, list[float]]] = {arm: {rows: [] for rows in ROWS} for arm in ARMS}
     features = torch.randn(1, context, hidden, generator=generator).to(dtype)
     tokens = torch.randint(0, int(head.draft_vocab.max()), (1, context), generator=generator)
+
+    def run(arm: str, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        if arm == SERVED:
+            heads[arm].step(features[0], tokens[0], positions, caches[arm])
+        else:
+            heads[arm](features, tokens, position_ids=positions[None], past_key_values=caches[arm])
+
     with torch.inference_mode():
         for arm, choice in ARMS.items():
             heads[arm].pack_products(choice)
-            heads[arm](features, tokens, position_ids=torch.arange(context)[None], past_key_values=caches[arm])
+            run(arm, features, tokens, torch.arange(context))
 
         def step(arm: str, rows: int) -> float:
             features = torch.randn(1, rows, hidden, generator=generator).to(dtype)
             tokens = torch.randint(0, int(head.draft_vocab.max()), (1, rows), generator=generator)
-            positions = torch.full((1, rows), context)
+            positions = torch.full((rows,), context)
             start = time.perf_counter()
-            heads[arm](features, tokens, position_ids=positions, past_key_values=caches[arm])
+            run(arm, features, tokens, positions)
             elapsed = time.perf_counter() - start
             truncate_cache(caches[arm], context)
             return elapsed
@@ -99,16 +111,18 @@ def time_steps(head: DraftHead, context: int, rounds: int, reps: int) -> dict[st
 
 
 def markdown(meta: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
-    """``runs``: per dtype, ``products`` (what the packed arm ran) and ``times_ms`` (``time_steps``)."""
+    """``runs``: per dtype, ``products`` (what the packed arms ran) and ``times_ms`` (``time_steps``)."""
     m = meta["machine"]
     lines = [
-        "# Draft head step: F.linear against prepacked weights",
+        "# Draft head step: transformers' layer on F.linear and on prepacked weights, and the served layer",
         "",
         f"{meta['measured_at']}; {m['cpu_model']}, {m['torch_threads']} threads (native bf16: "
         f"{', '.join(m.get('cpu_bf16_flags') or []) or 'no'}), torch {m['torch_version']}; "
         f"{meta['context']}-token cached context. Median of {meta['reps']} steps per arm and round, "
-        f"{meta['rounds']} rounds; the arms' steps interleave one by one (`--head-matmul linear` and `auto`, "
-        "each a copy of the head with its own cache).",
+        f"{meta['rounds']} rounds; the arms' steps interleave one by one, each a copy of the head with its own "
+        "cache: `F.linear` and `packed` run `DraftHead.forward` (transformers' layer and `DynamicCache`) with "
+        "`--head-matmul linear` and `auto`; `served` runs `DraftHead.step` (the drafter's own layer: fused, "
+        "prepacked products, an in-place cache).",
     ]
     for dtype, run in runs.items():
         times = run["times_ms"]
@@ -116,19 +130,26 @@ def markdown(meta: dict[str, Any], runs: dict[str, dict[str, Any]]) -> str:
             "",
             f"## {dtype}",
             "",
-            f"Packed arm: {run['products']}.",
+            f"Packed arms: {run['products']}.",
             "",
-            "| rows | F.linear ms (per round) | packed ms (per round) | packed / F.linear (per round) | median |",
-            "|---|---|---|---|---|",
+            "| rows | F.linear ms (per round) | packed ms | served ms | packed / F.linear (per round) | median "
+            "| served / packed (per round) | median |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for rows in ROWS:
-            base, new = times["F.linear"][rows], times["packed"][rows]
-            ratios = [n / b for n, b in zip(new, base, strict=True)]  # the arms of one round share its load
+            base, packed, served = (times[arm][rows] for arm in ("F.linear", "packed", SERVED))
+            # The arms of one round share its load: ratios are taken within a round.
+            packing = [n / b for n, b in zip(packed, base, strict=True)]
+            serving = [n / b for n, b in zip(served, packed, strict=True)]
             lines.append(
-                f"| {rows} | {', '.join(f'{t:.2f}' for t in base)} | {', '.join(f'{t:.2f}' for t in new)} "
-                f"| {', '.join(f'{r:.2f}' for r in ratios)} | {statistics.median(ratios):.2f} |"
+                f"| {rows} | {_listed(base)} | {_listed(packed)} | {_listed(served)} | {_listed(packing)} "
+                f"| {statistics.median(packing):.2f} | {_listed(serving)} | {statistics.median(serving):.2f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _listed(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
 
 
 def fp32_head(target: Target) -> DraftHead:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
+from draft_service.head_layer import HeadCache, HeadStep
 from draft_service.head_products import WeightPack, describe, head_packing, pack_linears, pack_of, product
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.packed_linear import Packing
@@ -121,6 +122,7 @@ class DraftHead(nn.Module):
         self.packing: Packing = "none"
         self.head_matmul = "linear"  # --head-matmul of the last pack_products
         self._logits_pack: WeightPack | None = None
+        self._step: HeadStep | None = None  # the serving layer: built by ``pack_products``, again if weights change
 
     def forward(
         self,
@@ -144,6 +146,27 @@ class DraftHead(nn.Module):
         scored = predicted[:, -1:] if last_logits_only else predicted
         return HeadOutput(predicted, product(scored, self.draft_lm_head, None, self._logits_pack), out.past_key_values)
 
+    def step(
+        self,
+        features: torch.Tensor,  # [n, hidden]: f_t
+        next_tokens: torch.Tensor,  # [n]: x_{t+1}
+        positions: torch.Tensor,  # [n]
+        cache: HeadCache,
+        allowed: torch.Tensor | None = None,  # [n, cached + n] bool, True: may attend; None: causal
+        last_logits_only: bool = False,
+    ) -> HeadOutput:
+        """What ``forward`` computes for one session's rows, on the serving path (``head_layer.HeadStep``:
+        fused, prepacked products and an in-place cache); outputs carry a batch dimension of 1."""
+        if self._step is None or not self._step.serves(self):
+            self._step = self._new_step()
+        predicted, logits = self._step(features, next_tokens, positions, cache, allowed, last_logits_only)
+        return HeadOutput(predicted[None], logits[None], cache)
+
+    @property
+    def logits_pack(self) -> WeightPack | None:
+        """The draft logits' packed weight (``pack_products``); None: F.linear."""
+        return self._logits_pack
+
     def pack_products(self, head_matmul: str = "auto") -> None:
         """Run the fc, the layer's linears and the draft logits on weights prepacked now, in the head's current
         dtype, where ``head_matmul`` is "auto" and a packed kernel exists; else (and for "linear") on F.linear.
@@ -155,6 +178,11 @@ class DraftHead(nn.Module):
         self.head_matmul = head_matmul
         pack_linears(self, self.packing)
         self._logits_pack = pack_of(weight, None, self.packing)
+        self._step = self._new_step()  # fused and packed now, not in a request's first draft
+
+    def _new_step(self) -> HeadStep:
+        with torch.inference_mode(False):  # its packs check their weights' versions: inference tensors have none
+            return HeadStep(self)
 
     @property
     def products(self) -> str:

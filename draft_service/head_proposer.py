@@ -50,15 +50,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
+from draft_service.head_layer import HeadCache
 from specserve.keyed_noise import PositionNoise
 from specserve.probs import target_probs
 from specserve.results import DraftFeedback
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import ROOT, TokenTree
-from specserve.tree_masks import additive_mask, ancestor_matrix
+from specserve.tree_masks import ancestor_matrix
 
 
 class FeatureLog:
@@ -125,7 +125,7 @@ class HeadProposer:
         self._dtype = head.draft_lm_head.dtype  # the target's features arrive in fp32
         self.features = FeatureLog()  # the target's features at the committed positions, as reported
         self._shape = shape
-        self._cache = DynamicCache()
+        self._cache = HeadCache()
         self._fed = 0  # committed positions fed to the head with the target's own features
         # Head outputs (feature [hidden], draft logits) at the last position fed with a real feature, then at
         # each speculative one: the last entry predicts the token after the context.
@@ -136,9 +136,7 @@ class HeadProposer:
     @property
     def nbytes(self) -> int:
         """The head's KV cache, the features not fed yet, the outputs kept."""
-        tensors = [getattr(layer, name, None) for layer in self._cache.layers for name in ("keys", "values")]
-        # Storage, not shape: a cropped cache is a view of its longer past.
-        cached = sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
+        cached = self._cache.nbytes  # its buffers' storage, positions cropped included
         kept = sum(f.untyped_storage().nbytes() + logits.untyped_storage().nbytes() for f, logits in self._outputs)
         return cached + kept + self.features.nbytes
 
@@ -150,7 +148,7 @@ class HeadProposer:
         only waste the verifier's time on poor trees.
         """
         self.forgotten = True
-        self._cache = DynamicCache()
+        self._cache = HeadCache()
         self.features = FeatureLog()
         self._outputs = []
         self._speculative = []
@@ -190,12 +188,10 @@ class HeadProposer:
             return
         truncate_cache(self._cache, self._fed)  # speculative entries go: real features follow the committed ones
         rows = self.features.since(self._fed)[: upto - self._fed]
-        features = torch.from_numpy(rows.astype(np.float32))[None].to(self._dtype)
-        next_tokens = torch.tensor([list(tokens[self._fed + 1 : upto + 1])])
-        positions = torch.arange(self._fed, upto)[None]
-        out = self._head(
-            features, next_tokens, position_ids=positions, past_key_values=self._cache, last_logits_only=True
-        )
+        features = torch.from_numpy(rows.astype(np.float32)).to(self._dtype)
+        next_tokens = torch.tensor(list(tokens[self._fed + 1 : upto + 1]))
+        positions = torch.arange(self._fed, upto)
+        out = self._head.step(features, next_tokens, positions, self._cache, last_logits_only=True)
         self._fed = upto
         # Copies: views would keep the whole forward's outputs (every fed position's) alive.
         self._outputs = [(out.features[0, -1].clone(), out.logits[0, -1].clone())]
@@ -210,9 +206,9 @@ class HeadProposer:
         del self._speculative[shared:], self._outputs[shared + 1 :]
         for token in tokens[shared:]:
             # The feature predicted at the previous position stands in for the target's (EAGLE's self-feeding).
-            feature = self._outputs[-1][0][None, None]
-            position = torch.tensor([[self._fed + len(self._speculative)]])
-            out = self._head(feature, torch.tensor([[token]]), position_ids=position, past_key_values=self._cache)
+            feature = self._outputs[-1][0][None]
+            position = torch.tensor([self._fed + len(self._speculative)])
+            out = self._head.step(feature, torch.tensor([token]), position, self._cache)
             self._outputs.append((out.features[0, -1], out.logits[0, -1]))
             self._speculative.append(token)
 
@@ -279,9 +275,9 @@ class HeadProposer:
         context: int,
     ) -> None:
         """Run the head on ``level``'s nodes at once; each sees the ``context`` entries and its own ancestors."""
-        features = torch.stack([outputs[nodes[i].parent][0] for i in level])[None]
-        tokens = torch.tensor([[nodes[i].token for i in level]])
-        positions = torch.tensor([[context + nodes[i].depth - 1 for i in level]])
+        features = torch.stack([outputs[nodes[i].parent][0] for i in level])
+        tokens = torch.tensor([nodes[i].token for i in level])
+        positions = torch.tensor([context + nodes[i].depth - 1 for i in level])
         cached = context + len(tree_entries)
         allowed = torch.zeros(len(level), cached + len(level), dtype=torch.bool)
         allowed[:, :context] = True
@@ -290,8 +286,7 @@ class HeadProposer:
             ancestors = ancestor_matrix(parents, max(node.depth for node in nodes))
             allowed[:, context:cached] = ancestors[level][:, tree_entries]
         allowed[:, cached:] = torch.eye(len(level), dtype=torch.bool)
-        mask = additive_mask(allowed, features.dtype)
-        out = self._head(features, tokens, position_ids=positions, past_key_values=self._cache, attention_mask=mask)
+        out = self._head.step(features, tokens, positions, self._cache, allowed)
         for row, node in enumerate(level):
             outputs[node] = (out.features[0, row], out.logits[0, row])
         tree_entries.extend(level)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
 from specserve.packed_linear import PackedLinear, Packing
 
 # Attention for one layer: (layer, q [T, heads, d], k and v [T, kv_heads, d], scaling) -> [T, heads, d]; it also
@@ -83,19 +84,6 @@ class LlamaShape:
             rms_norm_eps=float(config.rms_norm_eps),
             max_positions=int(getattr(config, "max_position_embeddings", 2048)),
         )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: statistics in fp32, scaled in the input's dtype.
-
-    On a GPU, torch's fused kernel instead: one kernel where this is seven, which is what a captured step's
-    time goes to. Its fp32 result is the same math; in bf16 it scales before rounding (one rounding where
-    transformers has two), alike for every step of the engine.
-    """
-    if x.is_cuda:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def check_supported(config: Any) -> None:
@@ -159,27 +147,12 @@ class LlamaForward:
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
 
-    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin [T, 1, head_dim], computed as transformers does (fp32, then ``dtype``).
-
-        ``rotate_half(x) * sin`` is ``x.roll(d/2) * (sin with its first half negated)``, exactly: negating
-        a factor is exact in floating point, and it saves a slice, a negation and a concatenation per use.
-        """
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(dtype)
-        sin = (emb.sin() * self.rope_scaling).to(dtype)
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        return cos[:, None, :], signed_sin[:, None, :]
-
     def __call__(self, attend: Attend, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows ``attend`` gives no segment (padding) are computed and never read back."""
         s = self.shape
         rows = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary(positions, x.dtype)
-        half = s.head_dim // 2
+        cos, sin = rotary_tables(positions, self.inv_freq, self.rope_scaling, x.dtype)
         q_heads = s.num_heads
         for index, block in enumerate(self.blocks):
             qkv = block.qkv(rms_norm(x, block.attn_norm, s.rms_norm_eps))
@@ -189,7 +162,7 @@ class LlamaForward:
                 q_norm, k_norm = block.qk_norms
                 q = rms_norm(qk[:, :q_heads], q_norm, s.rms_norm_eps)
                 qk = torch.cat((q, rms_norm(qk[:, q_heads:], k_norm, s.rms_norm_eps)), dim=1)
-            qk = qk * cos + qk.roll(half, dims=-1) * sin
+            qk = apply_rotary(qk, cos, sin)
             attended = attend(index, qk[:, :q_heads], qk[:, q_heads:], v, self.scaling)
             x = x + block.o(attended.reshape(rows, s.q_size))
             gate, up = block.gate_up(rms_norm(x, block.mlp_norm, s.rms_norm_eps)).split(block.intermediate, dim=-1)

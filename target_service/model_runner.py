@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specserve.llama_ops import rms_norm
 from specserve.packed_linear import (
     PackedLinear,
     Packing,
@@ -44,7 +45,6 @@ from target_service.llama_forward import (
     LlamaForward,
     LlamaShape,
     UnsupportedModelError,
-    rms_norm,
 )
 from target_service.ragged_attention import StepPlan, attend_segments
 from target_service.static_steps import STARTUP_WINDOW, StaticSteps, windows_up_to

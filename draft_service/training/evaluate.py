@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, truncate_cache
+from draft_service.head_layer import HeadCache
 from draft_service.head_proposer import HeadProposer, TreeShape
 from specserve.results import DraftFeedback
 from specserve.token_tree import ROOT, TokenTree
@@ -171,14 +172,17 @@ def held_out_figures(head: DraftHead, sequences: Sequence[dict[str, Any]], posit
 
 @torch.inference_mode()
 def draft_step_ms(head: DraftHead, context: int = 256, repeats: int = 30) -> float:
-    """Median time of one draft step (one token) on top of ``context`` cached positions."""
+    """Median time of one draft step (one token) on top of ``context`` cached positions, as the drafter
+    serves it (``DraftHead.step``)."""
     hidden, dtype = head.config.hidden_size, head.draft_lm_head.dtype
-    cache = DynamicCache()
-    head(torch.randn(1, context, hidden, dtype=dtype), torch.zeros(1, context, dtype=torch.long), past_key_values=cache)
+    cache = HeadCache()
+    head.step(
+        torch.randn(context, hidden, dtype=dtype), torch.zeros(context, dtype=torch.long), torch.arange(context), cache
+    )
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        head(torch.randn(1, 1, hidden, dtype=dtype), torch.zeros(1, 1, dtype=torch.long), past_key_values=cache)
+        head.step(torch.randn(1, hidden, dtype=dtype), torch.zeros(1, dtype=torch.long), torch.tensor([context]), cache)
         times.append((time.perf_counter() - start) * 1000)
         truncate_cache(cache, context)
     return sorted(times)[len(times) // 2]

@@ -1,0 +1,153 @@
+"""The draft head's decoder layer on a compact forward of its own, for serving.
+
+The head trains as a transformers ``LlamaModel`` of one layer, and that is
+what ``DraftHead.forward`` runs. Served, much of its time was overhead:
+on a 2-core Xeon a 4-row draft step took 5.5 ms, of which the products (the
+fc, the layer's seven linears and the draft logits) took 2-3.4 ms; the
+rest was transformers' machinery around one layer (a ``DynamicCache`` that
+concatenates its whole past on every step, mask and rotary building, module
+dispatch). ``HeadStep`` runs the same math as the verifier's engine runs its
+layers: fused QKV and gate-up products on prepacked weights, the rotary and
+RMSNorm of ``specserve.llama_ops``, SDPA over a ``HeadCache`` whose buffers
+grow by doubling and are written in place. It reads the head's own
+parameters, so it computes what ``DraftHead.forward`` does (a unit test holds
+the two together), and drafts stay guesses the verifier checks either way.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from draft_service.head_products import pack_of, product
+from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
+
+if TYPE_CHECKING:
+    from draft_service.draft_head import DraftHead
+
+
+class HeadCache:
+    """One session's keys and values for the head's layer: [kv_heads, capacity, head_dim] buffers, in place.
+
+    ``get_seq_length`` and ``crop`` behave as transformers' ``DynamicCache``'s (``draft_head.truncate_cache``
+    serves both); cropping keeps the buffers, so the positions it drops are written over next.
+    """
+
+    def __init__(self) -> None:
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._length = 0
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` positions (a negative count: drop that many from the end)."""
+        keep = self._length + max_length if max_length < 0 else max_length
+        self._length = max(0, min(self._length, keep))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in (self._keys, self._values) if t is not None)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``keys`` and ``values`` [kv_heads, n, head_dim] after the cached ones; every position's, as views."""
+        end = self._length + keys.shape[1]
+        if self._keys is None or self._values is None or end > self._keys.shape[1]:
+            capacity = max(64, end, 2 * (0 if self._keys is None else self._keys.shape[1]))
+            grown_keys = keys.new_empty(keys.shape[0], capacity, keys.shape[2])
+            grown_values = values.new_empty(grown_keys.shape)
+            if self._keys is not None and self._values is not None:
+                grown_keys[:, : self._length] = self._keys[:, : self._length]
+                grown_values[:, : self._length] = self._values[:, : self._length]
+            self._keys, self._values = grown_keys, grown_values
+        self._keys[:, self._length : end] = keys
+        self._values[:, self._length : end] = values
+        self._length = end
+        return self._keys[:, :end], self._values[:, :end]
+
+
+class HeadStep:
+    """The head's fc, decoder layer, final norm and draft logits over rows of one session."""
+
+    def __init__(self, head: DraftHead) -> None:
+        layer: Any = head.body.layers[0]  # transformers' LlamaDecoderLayer
+        attn, mlp = layer.self_attn, layer.mlp
+        self._fused_from = _sources(head)
+        self._head = head
+        config = head.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = int(attn.head_dim)
+        self.eps = config.rms_norm_eps
+        self.scaling = float(attn.scaling)
+        self.intermediate = config.intermediate_size
+        with torch.no_grad():
+            self.qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+            self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        self._qkv_pack = pack_of(self.qkv, None, head.packing)
+        self._gate_up_pack = pack_of(self.gate_up, None, head.packing)
+        self._o, self._down = attn.o_proj, mlp.down_proj
+        self._attn_norm, self._mlp_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self._norm = head.body.norm.weight
+        rotary = head.body.rotary_emb
+        self._inv_freq = rotary.inv_freq.detach().float()
+        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        # A copied head has copies of its weights, which this step's fused ones are not: it builds its own.
+        return None
+
+    def serves(self, head: DraftHead) -> bool:
+        """Whether this step was built over ``head``'s current weights and packing."""
+        return self._head is head and _sources(head) == self._fused_from
+
+    def __call__(
+        self,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HeadCache,
+        allowed: torch.Tensor | None = None,
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (f_t [n, hidden], x_{t+1} [n], position [n]) -> (f^_{t+1} [n, hidden], draft logits [n, vocab]).
+
+        ``allowed`` [n, cached + n] (True: may attend) masks the attention; None: every cached position and
+        the new rows causally. ``last_logits_only``: logits of the last row only ([1, vocab]).
+        """
+        head = self._head
+        rows = features.shape[0]
+        embedded = head.embedding[next_tokens].to(features.dtype)
+        x = head.fc(torch.cat([features, embedded], dim=-1))
+        qkv = product(rms_norm(x, self._attn_norm, self.eps), self.qkv, None, self._qkv_pack)
+        heads = self.num_heads + 2 * self.num_kv_heads
+        q, k, v = qkv.view(rows, heads, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
+        cos, sin = rotary_tables(positions, self._inv_freq, self._rope_scaling, x.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
+        if allowed is None and rows > 1:
+            allowed = torch.ones(rows, keys.shape[1], dtype=torch.bool, device=keys.device)
+            allowed[:, -rows:] = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).tril()
+        attended = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=allowed, scale=self.scaling, enable_gqa=True
+        )
+        x = x + self._o(attended[0].transpose(0, 1).reshape(rows, -1))
+        gate, up = product(rms_norm(x, self._mlp_norm, self.eps), self.gate_up, None, self._gate_up_pack).split(
+            self.intermediate, dim=-1
+        )
+        x = x + self._down(F.silu(gate) * up)
+        predicted = rms_norm(x, self._norm, self.eps)
+        scored = predicted[-1:] if last_logits_only else predicted
+        return predicted, product(scored, head.draft_lm_head, None, head.logits_pack)
+
+
+def _sources(head: DraftHead) -> tuple[Any, ...]:
+    """What a ``HeadStep``'s fused weights were made from: the projections' tensors (storage, dtype, in-place
+    version) and the packing."""
+    layer: Any = head.body.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    return (head.packing, *((m.weight.data_ptr(), m.weight.dtype, m.weight._version) for m in weights))
