@@ -260,14 +260,15 @@ class InProcessMode:
         throughput_guard: bool = VerifierConfig().throughput_guard,
         flat_verify_cost: bool = False,
         weights: str = "dtype",
+        compile: str = "auto",
     ) -> None:
         """``flat_verify_cost``: size trees as if extra draft nodes cost nothing (``flattened``), not at the
-        curve the verifier measures here; ``weights``: the verifier's --weights."""
+        curve the verifier measures here; ``weights`` and ``compile``: the verifier's --weights and --compile."""
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
         self._head = head
-        config = VerifierConfig(throughput_guard=throughput_guard, weights=weights)
+        config = VerifierConfig(throughput_guard=throughput_guard, weights=weights, compile=compile)
         self._verifier = Verifier.from_config(model, fingerprint, config)
         if flat_verify_cost:
             self._verifier.use_cost_curve(flattened(self._verifier.cost_curve))

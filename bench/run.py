@@ -33,7 +33,7 @@ from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
-from target_service.model_runner import WEIGHTS_CHOICES
+from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 
 from . import machine
 from .aggregate import summarize_all
@@ -152,6 +152,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "weights); baseline-eager and the transformers modes keep the float weights",
     )
     parser.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="auto",
+        help="the verifier's --compile in baseline, inproc and distributed (inductor: the whole step compiled, "
+        "CPU); baseline-eager runs --compile off whatever this says",
+    )
+    parser.add_argument(
         "--head-matmul",
         choices=HEAD_MATMUL_CHOICES,
         default=DrafterConfig().head_logits_matmul,
@@ -191,6 +198,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--device cuda runs greedy decoding only (the harness's keyed sampling draws on the CPU)")
     if args.device != "cpu" and args.weights != "dtype":
         parser.error("--weights int8 runs on the CPU's packed kernels: use it with --device cpu")
+    if args.compile == "inductor" and (args.device != "cpu" or args.weights != "dtype"):
+        parser.error(
+            "--compile inductor compiles the CPU's step over the model's own weights: --device cpu, no --weights"
+        )
     args.dtype_choice = choose_dtype(args.dtype, args.device)
     modes = args.modes if args.modes is not None else ",".join(default_modes(args.dtype_choice.dtype))
     args.modes = [m.strip() for m in modes.split(",") if m.strip()]
@@ -247,7 +258,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
         mode: Mode
         if name in (BASELINE, EAGER_BASELINE, FP32_BASELINE):
             model = fp32 if name == FP32_BASELINE else target.model
-            compile = "off" if name == EAGER_BASELINE else "auto"
+            compile = "off" if name == EAGER_BASELINE else args.compile if name == BASELINE else "auto"
             weights = args.weights if name == BASELINE else "dtype"
             mode = EnginePlainMode(model, target.fingerprint, target.eos_ids, name, compile, weights)
         elif name == HF_PLAIN:
@@ -267,10 +278,12 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 args.throughput_guard,
                 args.flat_verify_cost,
                 args.weights,
+                args.compile,
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
             dtype_args = ["--dtype", target.dtype, "--weights", args.weights, "--device", args.device]
+            dtype_args += ["--compile", args.compile]
             dtype_args += [] if args.throughput_guard else ["--no-throughput-guard"]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
@@ -454,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "throughput_guard": args.throughput_guard,
             "flat_verify_cost": args.flat_verify_cost,
             "weights": args.weights,
+            "compile": args.compile,
             "head_matmul": args.head_matmul,
             "draft_head": describe_draft_head(draft_head_path()) if uses_head(args.modes) else None,
         },

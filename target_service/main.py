@@ -6,7 +6,7 @@ import argparse
 import hashlib
 import logging
 from concurrent import futures
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
@@ -98,7 +98,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         choices=COMPILE_CHOICES,
         default=env("SPECSERVE_COMPILE", defaults.compile),
         help="auto: the step's weights prepacked for the CPU's GEMM kernels at static row counts (a verify of "
-        "2-8 rows then costs about one row); off: eager F.linear, for debugging and comparison",
+        "2-8 rows then costs about one row); off: eager F.linear, for debugging and comparison; inductor (CPU, "
+        "opt-in): the whole step compiled as one graph by torch.compile at start-up (about 90 s cold, cached)",
     )
     parser.add_argument(
         "--weights",
@@ -122,6 +123,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
     args = parser.parse_args(argv)
     if args.weights == "int8" and (args.compile != "auto" or not args.device.startswith("cpu")):
         parser.error("--weights int8 runs on the CPU's packed kernels: use it with --device cpu and --compile auto")
+    if args.compile == "inductor" and not args.device.startswith("cpu"):
+        parser.error("--compile inductor compiles the CPU's step: on a GPU, --compile auto captures CUDA graphs")
     try:
         args.security = security_from_args(args)
     except ValueError as exc:
@@ -134,8 +137,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
 def build_verifier(config: VerifierConfig) -> Verifier:
     import torch
 
+    from specserve.torch_threads import serve_on_this_thread
+
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
+    # The engine thread computes on every torch thread; this one (gRPC, model loading) on one, so that the
+    # process holds one OpenMP team and its workers keep spin-waiting (specserve.torch_threads).
+    config = replace(config, torch_threads=serve_on_this_thread())
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
     dtype = choose_dtype(config.dtype, config.device)

@@ -20,6 +20,10 @@ with a mask), captured per shape on first use.
 
 ``compile="off"`` runs the same forward with ``F.linear``, no padding and
 per-segment attention: the eager baseline the benchmarks compare with.
+
+``compile="inductor"`` (CPU, opt-in) runs steps of 2-256 rows as one graph
+compiled by inductor with its weights frozen (``inductor_steps``), compiled
+at start-up; longer steps run the prepacked eager step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from specserve.packed_linear import (
     bucket_for,
     invariant_rows,
 )
+from target_service.inductor_steps import InductorSteps
 from target_service.kv_arena import BLOCK_TOKENS, KVArena, bytes_per_token
 from target_service.llama_forward import (
     SUPPORTED_MODEL_TYPES,
@@ -49,7 +54,7 @@ from target_service.llama_forward import (
 from target_service.ragged_attention import StepPlan, attend_segments
 from target_service.static_steps import STARTUP_WINDOW, StaticSteps, windows_up_to
 
-COMPILE_CHOICES = ("auto", "off")
+COMPILE_CHOICES = ("auto", "off", "inductor")
 # --weights: the layers' products read the model's weights in its dtype, or int8 copies of them (opt-in).
 WEIGHTS_CHOICES = ("dtype", "int8")
 
@@ -67,6 +72,10 @@ __all__ = [
 class StepOutput:
     logits: torch.Tensor  # [len(score_rows), vocab] float32
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
+
+
+def kernels_name(packing: Packing) -> str:
+    return {"mkl": "MKL", "onednn": "oneDNN", "int8": "int8"}.get(packing, "eager")
 
 
 def _row_counts(rows: tuple[int, ...]) -> str:
@@ -100,13 +109,16 @@ class ModelRunner:
         weight = model.lm_head.weight.detach()
         self.dtype: torch.dtype = weight.dtype
         self.device: torch.device = weight.device
-        packing: Packing = available_packing(self.dtype, self.device) if compile == "auto" else "none"
+        packing: Packing = available_packing(self.dtype, self.device) if compile != "off" else "none"
+        inductor = compile == "inductor"
+        if inductor and (self.device.type != "cpu" or static is not None):
+            raise ValueError("--compile inductor compiles the CPU's step: it runs on a CPU, with no static flag")
         if weights == "int8":
             if compile != "auto" or self.device.type != "cpu" or static:
                 raise ValueError("int8 weights run on the CPU's packed kernels: --compile auto on a CPU")
             packing = "int8"
         # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
-        head_packing = available_packing(torch.float32, self.device) if compile == "auto" else "none"
+        head_packing = available_packing(torch.float32, self.device) if compile != "off" else "none"
         shape = LlamaShape.of(model.config)
         layer_products = {
             (shape.q_size + 2 * shape.kv_size, shape.hidden_size),
@@ -133,15 +145,28 @@ class ModelRunner:
         if static is None:
             static = compile == "auto" and cuda
         group = shape.num_heads // shape.num_kv_heads
-        self._static = StaticSteps(self._forward, capture=cuda, group=group) if static else None
+        self._static: StaticSteps | None = None
+        if inductor:
+            self._static = InductorSteps(model, group)
+        elif static:
+            self._static = StaticSteps(self._forward, capture=cuda, group=group)
         # Ragged steps on a CPU attend in fp32 (``ragged_attention``): a bf16 model's keys and values are kept
         # in fp32 there, so that no layer of any step converts the whole context again (that took 7 of a
         # 40 ms bf16 step on an AVX512 EPYC). Exact: a bf16 value is stored unchanged in fp32. The cache
         # holds half the tokens per byte.
-        self.kv_dtype: torch.dtype = torch.float32 if self.device.type == "cpu" and not static else self.dtype
+        self.kv_dtype: torch.dtype = (
+            torch.float32 if self.device.type == "cpu" and (inductor or not static) else self.dtype
+        )
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
+        if isinstance(self._static, InductorSteps):
+            return (
+                f"one inductor-compiled graph (weights frozen) at rows padded to {list(self._static.row_buckets)}, "
+                f"attention over one gathered window of at most {self._static.max_window} slots; beyond, "
+                f"{kernels_name(self.packing)}-prepacked eager; fp32 head {kernels_name(self.head_packing)} at rows "
+                f"{_row_counts(self._head.buckets)}"
+            )
         if self._static is not None:
             how = "CUDA graphs" if self._static.capture else "uncaptured static steps"
             return (
@@ -168,10 +193,19 @@ class ModelRunner:
         """Whether steps run as CUDA graphs (captured per shape)."""
         return self._static is not None and self._static.capture
 
+    @property
+    def compiles_steps(self) -> bool:
+        """Whether steps run as an inductor-compiled graph (compiled by ``prepare_steps``)."""
+        return isinstance(self._static, InductorSteps)
+
     def prepare_steps(self, arena: KVArena, max_rows: int, max_context: int) -> int:
         """Capture every step shape of up to ``max_rows`` rows and ``max_context`` context slots (at most
         ``STARTUP_WINDOW``) on ``arena`` now, not in a request's round (``StaticSteps.prepare``); returns the
         shapes captured (0 without graphs)."""
+        if isinstance(self._static, InductorSteps):
+            with torch.inference_mode():
+                self._static.prepare_graph(arena)
+            return 1
         if self._static is None or not self._static.capture:
             return 0
         with torch.inference_mode():

@@ -119,23 +119,24 @@ def attend_window(
     Grouped-query attention without copying keys per query head: the ``heads / kv_heads`` query heads that
     share a key head are stacked as rows of that key head (transformers' ``repeat_kv`` order: query head h
     uses key head h // group), with ``mask`` [group * T, window] repeated to match (once a step, by
-    ``StaticSteps``, not once a layer).
+    ``StaticSteps``, not once a layer). An arena kept in another dtype than the model's (fp32 on a CPU, as
+    ``ragged_attention`` keeps it) attends in the arena's dtype.
     """
     keys, values = arena.keys[layer], arena.values[layer]
-    keys.index_copy_(1, slots, k.transpose(0, 1))
-    values.index_copy_(1, slots, v.transpose(0, 1))
+    keys.index_copy_(1, slots, k.transpose(0, 1).to(keys.dtype))
+    values.index_copy_(1, slots, v.transpose(0, 1).to(values.dtype))
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     grouped = q.reshape(rows, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * rows, dim)
     attended = F.scaled_dot_product_attention(
-        grouped[None],
+        grouped[None].to(keys.dtype),
         keys.index_select(1, window)[None],
         values.index_select(1, window)[None],
         attn_mask=mask[None, None],
         scale=scaling,
     )
-    return attended[0].view(kv_heads, group, rows, dim).permute(2, 0, 1, 3).reshape(rows, heads, dim)
+    return attended[0].view(kv_heads, group, rows, dim).permute(2, 0, 1, 3).reshape(rows, heads, dim).to(q.dtype)
 
 
 class StaticSteps:

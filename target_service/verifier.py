@@ -56,6 +56,7 @@ from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import InvalidTokenMasksError, TokenMasks
 from specserve.token_tree import InvalidTreeError, TokenTree
+from specserve.torch_threads import compute_on_this_thread
 from target_service import step_inputs
 from target_service.config import VerifierConfig
 from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
@@ -128,7 +129,11 @@ class Verifier:
         throughput_guard: bool = True,
         compile: str = "auto",
         weights: str = "dtype",
+        engine_threads: int = 0,
     ) -> None:
+        """``engine_threads``: the torch threads the engine's steps run on (0: torch's count now). The engine
+        thread sets them for itself (``specserve.torch_threads``)."""
+        self._engine_threads = engine_threads or torch.get_num_threads()
         self._runner = ModelRunner(model, compile, weights=weights)
         self.model_name = model_name
         self.vocab_fingerprint = vocab_fingerprint
@@ -146,10 +151,6 @@ class Verifier:
             max_batch_sessions=max_batch_sessions,
         )
         self._arena: KVArena = self._runner.new_arena(kv_cache_bytes // self._runner.kv_bytes_per_token)
-        if self._runner.captures_steps:
-            started = time.perf_counter()
-            shapes = self._runner.prepare_steps(self._arena, max_batch_tokens, self.limits.max_session_tokens)
-            log.info("captured %d step shapes as CUDA graphs in %.1f s", shapes, time.perf_counter() - started)
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self._budget = DraftBudget(cost_curve or flat_curve(), max_tree_nodes)
         self._admission_timeout_ns = int(admission_timeout_s * 1e9)
@@ -173,8 +174,10 @@ class Verifier:
         self._guard = ThroughputGuard() if throughput_guard else _NeverProbe()
         self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
         self._step_observers: list[Callable[[EngineStep], None]] = []
-        self._thread = threading.Thread(target=self._loop, name="verifier-engine", daemon=True)
+        self._started: Future[None] = Future()
+        self._thread = threading.Thread(target=self._engine, name="verifier-engine", daemon=True)
         self._thread.start()
+        self._started.result()  # the step's graphs are captured or compiled on the engine thread, before any call
 
     @classmethod
     def from_config(cls, model: Any, vocab_fingerprint: str, config: VerifierConfig, profile: bool = True) -> Verifier:
@@ -200,6 +203,7 @@ class Verifier:
             throughput_guard=config.throughput_guard,
             compile=config.compile,
             weights=config.weights,
+            engine_threads=config.torch_threads,
         )
         if profile and config.profile_cost:
             verifier.profile_cost()
@@ -451,6 +455,29 @@ class Verifier:
         return call.future
 
     # ---- the engine thread ----
+
+    def _engine(self) -> None:
+        """The engine thread: its torch threads, the step prepared (on the thread that will run it), the loop."""
+        try:
+            compute_on_this_thread(self._engine_threads)
+            self._prepare_steps()
+        except BaseException as exc:
+            self._started.set_exception(exc)
+            return
+        self._started.set_result(None)
+        self._loop()
+
+    def _prepare_steps(self) -> None:
+        """Capture (CUDA graphs) or compile (inductor) the step's shapes now, not in a request's round."""
+        if not (self._runner.captures_steps or self._runner.compiles_steps):
+            return
+        started = time.perf_counter()
+        shapes = self._runner.prepare_steps(self._arena, self.limits.max_batch_tokens, self.limits.max_session_tokens)
+        took = time.perf_counter() - started
+        if self._runner.captures_steps:
+            log.info("captured %d step shapes as CUDA graphs in %.1f s", shapes, took)
+        else:
+            log.info("compiled the step with inductor in %.1f s", took)
 
     def _loop(self) -> None:
         while True:
