@@ -47,6 +47,7 @@ from specserve.model_loading import DEFAULT_MODEL
 from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
+from specserve.torch_threads import serve_on_this_thread
 from target_service.kv_arena import bytes_per_token
 from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 from target_service.verifier import Verifier
@@ -127,6 +128,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions per size first")
     parser.add_argument(
         "--torch-threads", type=int, default=len(os.sched_getaffinity(0)), help="default: the CPUs available"
+    )
+    parser.add_argument(
+        "--dedicated-cores",
+        action="store_true",
+        help="as the verifier's --dedicated-cores: this thread runs torch on one thread, the engine's on all",
     )
     parser.add_argument(
         "--compile",
@@ -382,6 +388,7 @@ def build_verifier(model: Any, label: str, args: argparse.Namespace, compile: st
         max_batch_sessions=max(64, batch),
         compile=compile,
         weights=weights,
+        engine_threads=args.engine_threads,
     )
 
 
@@ -404,6 +411,9 @@ def summarize(times: dict[int, list[float]]) -> list[dict[str, float]]:
     return rows
 
 
+DEDICATED_NOTE = "The engine thread alone runs torch on every thread (`--dedicated-cores`). "
+
+
 def markdown(label: str, meta: dict[str, Any], rows: list[dict[str, float]], batched: list[dict[str, Any]]) -> str:
     settings, m = meta["settings"], meta["machine"]
     where = m["cuda"] if settings["device"].startswith("cuda") else f"{m['cpu_model']}, {m['torch_threads']} threads"
@@ -416,6 +426,7 @@ def markdown(label: str, meta: dict[str, Any], rows: list[dict[str, float]], bat
         f"{settings['context']}-token context (grows by one per repetition, up to {settings['max_context']}); "
         f"median of {settings['reps']} after {settings['warmup']} warm-up repetitions; {meta['measured_at']}. "
         f"CPU flags: {', '.join(m.get('cpu_flags', [])) or 'not recorded'}. "
+        f"{DEDICATED_NOTE if settings.get('dedicated_cores') else ''}"
         f"Engine step: {settings.get('step_form', 'not recorded')} (`--compile {settings.get('compile', '?')}`, "
         f"`--weights {settings.get('weights', 'dtype')}`).",
         "",
@@ -526,6 +537,7 @@ def measure_step(
             "compile": compile,
             "weights": weights,
             "step_form": step_form,
+            "dedicated_cores": args.dedicated_cores,
         },
         "machine": machine.describe(),
     }
@@ -544,6 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.torch_threads)
+    # As the verifier serves with --dedicated-cores: its engine thread computes on the threads, this one on one.
+    args.engine_threads = serve_on_this_thread() if args.dedicated_cores else 0
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes:
         model, label = model_to_measure(args, dtype)  # once per dtype: every step form measures the same weights

@@ -13,9 +13,16 @@ on the engine thread against 42 ms on the main thread, and fifty one-row
 products of its gate/up projection 15.6 ms against 9.6 ms once the main
 thread ran one region on one thread instead of two.
 
-So a process whose heavy work runs on one thread calls ``serve_on_this_thread``
-on its main thread before any torch work (model loading then runs on one
-core), and ``compute_on_this_thread`` on the thread that computes.
+So a process whose heavy work runs on one thread may call
+``serve_on_this_thread`` on its main thread before any torch work (model
+loading then runs on one core), and the thread that computes calls
+``compute_on_this_thread``. Spinning workers hold their core between
+regions, though, and where the drafter and coordinator share the machine
+they need it. On that Xeon, Spec-Bench's 13-prompt `distributed` run (the
+three processes on its 2 cores), in turn without and with the verifier so
+set: 82 and 110 ms a verify round, then 92 and 85 (1.40x, 1.06x, 1.37x and
+1.36x plain decoding): no gain shown, one bad run. The verifier therefore
+does it only with ``--dedicated-cores`` (a machine of its own).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ pieces does not pay: a compiled function's guards and wrapper cost about
 (measured on an AMX Xeon). Compiling the *whole* step, 30 layers in one
 graph, pays the call once: the glue fuses into a few C++ loops and the
 products become oneDNN calls on weights inductor prepacks once
-("freezing"). Measured on that Xeon in bf16, one run, the step without the
-head: 30 ms against 39 ms prepacked eager at 2 rows, 33 against 43 at 8.
+("freezing"). Measured on that Xeon in bf16 through the verifier, one run:
+a 1-token verify 43 ms against 66 ms prepacked eager, 8 tokens 51 against 72
+(bench/README, "An AMX Xeon").
 
 The compiled step is ``static_steps``' static shape (rows padded to a
 bucket, attention over one gathered window with an additive mask), run
@@ -21,10 +22,13 @@ inductor sees them as parameters to freeze. Shapes are dynamic (one graph
 for every row bucket and window), and the one-row bucket is left out: a
 one-token step runs as two rows, so that dynamo never specialises a graph
 for size one (two graphs, rounding apart) and plain decoding shares the
-kernels of every tree. The graph is compiled at start-up (``prepare``,
-about 90 s cold on 2 cores); inductor's cache lives under
-``~/.cache/specserve/inductor`` (``TORCHINDUCTOR_CACHE_DIR`` overrides), so
-a restart reads it.
+kernels of every tree. The graph is compiled at start-up, on the engine thread
+(``prepare_graph``; 90-130 s on 2 cores at every start: inductor's FX graph
+cache bypasses graphs with frozen weights); inductor's kernel cache lives
+under ``~/.cache/specserve/inductor`` (``TORCHINDUCTOR_CACHE_DIR``
+overrides). Its many small parallel regions need the OpenMP workers awake:
+run it with ``--dedicated-cores`` (``specserve.torch_threads``), without
+which it measured slower than the prepacked step.
 
 Steps beyond the largest bucket or window run the ragged eager step.
 """

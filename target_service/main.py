@@ -99,7 +99,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         default=env("SPECSERVE_COMPILE", defaults.compile),
         help="auto: the step's weights prepacked for the CPU's GEMM kernels at static row counts (a verify of "
         "2-8 rows then costs about one row); off: eager F.linear, for debugging and comparison; inductor (CPU, "
-        "opt-in): the whole step compiled as one graph by torch.compile at start-up (about 90 s cold, cached)",
+        "opt-in): the whole step compiled as one graph by torch.compile at every start-up (90-130 s on 2 cores); "
+        "use with --dedicated-cores",
     )
     parser.add_argument(
         "--weights",
@@ -118,6 +119,14 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
     )
     parser.add_argument(
         "--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", str(defaults.torch_threads)))
+    )
+    parser.add_argument(
+        "--dedicated-cores",
+        action=argparse.BooleanOptionalAction,
+        default=env("SPECSERVE_DEDICATED_CORES", "0") not in ("0", "", "false"),
+        help="the machine's cores are this verifier's alone: its gRPC thread runs torch on one thread, so the "
+        "process holds one OpenMP team whose workers spin-wait between regions (what --compile inductor needs); "
+        "off where the drafter and coordinator share the cores, whose time the spinning may take",
     )
     parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
     args = parser.parse_args(argv)
@@ -141,9 +150,15 @@ def build_verifier(config: VerifierConfig) -> Verifier:
 
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
-    # The engine thread computes on every torch thread; this one (gRPC, model loading) on one, so that the
-    # process holds one OpenMP team and its workers keep spin-waiting (specserve.torch_threads).
-    config = replace(config, torch_threads=serve_on_this_thread())
+    if config.compile == "inductor" and not config.dedicated_cores:
+        log.warning(
+            "--compile inductor without --dedicated-cores: its many small parallel regions run with sleeping "
+            "OpenMP workers here (measured slower than --compile auto so)"
+        )
+    if config.dedicated_cores:
+        # The engine thread computes on every torch thread; this one (gRPC, model loading) on one, so that the
+        # process holds one OpenMP team and its workers keep spin-waiting (specserve.torch_threads).
+        config = replace(config, torch_threads=serve_on_this_thread())
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
     dtype = choose_dtype(config.dtype, config.device)

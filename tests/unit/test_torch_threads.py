@@ -1,0 +1,34 @@
+"""The verifier's thread layout: the serving thread on one torch thread, the engine's on the rest."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from specserve.torch_threads import compute_on_this_thread, serve_on_this_thread
+from target_service.main import parse_config
+
+
+def test_the_serving_thread_gives_its_threads_to_the_computing_one() -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    try:
+        threads = serve_on_this_thread()
+        assert threads == before and torch.get_num_threads() == 1
+
+        def engine() -> None:
+            compute_on_this_thread(threads)
+            seen.append(torch.get_num_threads())
+
+        worker = threading.Thread(target=engine)
+        worker.start()
+        worker.join()
+        assert seen == [before]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_dedicated_cores_is_off_unless_asked() -> None:
+    assert not parse_config(["--model", "tiny"])[0].dedicated_cores
+    assert parse_config(["--model", "tiny", "--dedicated-cores", "--compile", "inductor"])[0].dedicated_cores
