@@ -107,10 +107,11 @@ class _Step(nn.Module):
 class InductorSteps(StaticSteps):
     """``StaticSteps`` whose step runs as one inductor-compiled graph (CPU), compiled by ``prepare``."""
 
-    def __init__(self, model: Any, group: int, max_window: int | None = None) -> None:
-        forward = LlamaForward(model, "none", ())  # unpacked: inductor packs the weights it freezes
-        kwargs = {} if max_window is None else {"max_window": max_window}
-        super().__init__(forward, INDUCTOR_ROW_BUCKETS, capture=False, group=group, **kwargs)
+    def __init__(self, model: Any, group: int) -> None:
+        # Unpacked: inductor packs the weights it freezes. (Its fused QKV and gate-up weights are copies, beside
+        # the prepacked eager step's for longer steps: about three times the model's weights in all.)
+        forward = LlamaForward(model, "none", ())
+        super().__init__(forward, INDUCTOR_ROW_BUCKETS, capture=False, group=group)
         use_cache_dir()
         self._step = _Step(forward).eval()
         self._compiled = torch.compile(self._step, dynamic=True)
