@@ -126,12 +126,22 @@ class EnginePlainMode:
     learns = False
 
     def __init__(
-        self, model: Any, fingerprint: str, eos_ids: frozenset[int], name: str, compile: str, weights: str = "dtype"
+        self,
+        model: Any,
+        fingerprint: str,
+        eos_ids: frozenset[int],
+        name: str,
+        compile: str,
+        weights: str = "dtype",
+        threads: int = 0,
     ) -> None:
+        """``threads``: the engine thread's torch threads (0: torch's count when it starts)."""
         self.name = name
         self.dtype = model_dtype(model)
         self._eos_ids = eos_ids
-        config = VerifierConfig(compile=compile, weights=weights, profile_cost=False, throughput_guard=False)
+        config = VerifierConfig(
+            compile=compile, weights=weights, profile_cost=False, throughput_guard=False, torch_threads=threads
+        )
         self._verifier = Verifier.from_config(model, fingerprint, config, profile=False)
 
     def run(self, prompt: Prompt) -> Outcome:
@@ -261,6 +271,7 @@ class InProcessMode:
         flat_verify_cost: bool = False,
         weights: str = "dtype",
         compile: str = "auto",
+        threads: int = 0,
     ) -> None:
         """``flat_verify_cost``: size trees as if extra draft nodes cost nothing (``flattened``), not at the
         curve the verifier measures here; ``weights`` and ``compile``: the verifier's --weights and --compile."""
@@ -268,7 +279,9 @@ class InProcessMode:
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
         self._head = head
-        config = VerifierConfig(throughput_guard=throughput_guard, weights=weights, compile=compile)
+        config = VerifierConfig(
+            throughput_guard=throughput_guard, weights=weights, compile=compile, torch_threads=threads
+        )
         self._verifier = Verifier.from_config(model, fingerprint, config)
         if flat_verify_cost:
             self._verifier.use_cost_curve(flattened(self._verifier.cost_curve))

@@ -33,6 +33,7 @@ from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
+from specserve.torch_threads import serve_on_this_thread
 from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 
 from . import machine
@@ -159,6 +160,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "CPU); baseline-eager runs --compile off whatever this says",
     )
     parser.add_argument(
+        "--dedicated-cores",
+        action="store_true",
+        help="the verifier's --dedicated-cores in distributed, and the same thread layout here: in-process "
+        "verifiers compute on their engine threads, this process's own torch work (transformers' modes, the "
+        "checks) on one thread",
+    )
+    parser.add_argument(
         "--head-matmul",
         choices=HEAD_MATMUL_CHOICES,
         default=DrafterConfig().head_logits_matmul,
@@ -260,7 +268,9 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             model = fp32 if name == FP32_BASELINE else target.model
             compile = "off" if name == EAGER_BASELINE else args.compile if name == BASELINE else "auto"
             weights = args.weights if name == BASELINE else "dtype"
-            mode = EnginePlainMode(model, target.fingerprint, target.eos_ids, name, compile, weights)
+            mode = EnginePlainMode(
+                model, target.fingerprint, target.eos_ids, name, compile, weights, args.engine_threads
+            )
         elif name == HF_PLAIN:
             mode = HfPlainMode(target.model, target.eos_ids)
         elif name == "hf-pld":
@@ -279,11 +289,12 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 args.flat_verify_cost,
                 args.weights,
                 args.compile,
+                args.engine_threads,
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
             dtype_args = ["--dtype", target.dtype, "--weights", args.weights, "--device", args.device]
-            dtype_args += ["--compile", args.compile]
+            dtype_args += ["--compile", args.compile] + (["--dedicated-cores"] if args.dedicated_cores else [])
             dtype_args += [] if args.throughput_guard else ["--no-throughput-guard"]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
@@ -419,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pinning is not None:
         pin_this_process(args.pinning.verifier)
     torch.set_num_threads(args.torch_threads)
+    # --dedicated-cores: as the verifier runs with it, the engine threads compute and this one (transformers'
+    # modes and checks included) runs torch on one thread (specserve.torch_threads).
+    args.engine_threads = serve_on_this_thread() if args.dedicated_cores else args.torch_threads
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     all_questions = load_questions()
@@ -468,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "flat_verify_cost": args.flat_verify_cost,
             "weights": args.weights,
             "compile": args.compile,
+            "dedicated_cores": args.dedicated_cores,
             "head_matmul": args.head_matmul,
             "draft_head": describe_draft_head(draft_head_path()) if uses_head(args.modes) else None,
         },
