@@ -74,7 +74,8 @@ class StepOutput:
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
 
 
-def kernels_name(packing: Packing) -> str:
+def _kernels_name(packing: Packing) -> str:
+    """The packed kernel's name in ``describe``; "eager" where nothing is packed."""
     return {"mkl": "MKL", "onednn": "oneDNN", "int8": "int8"}.get(packing, "eager")
 
 
@@ -164,7 +165,7 @@ class ModelRunner:
             return (
                 f"one inductor-compiled graph (weights frozen) at rows padded to {list(self._static.row_buckets)}, "
                 f"attention over one gathered window of at most {self._static.max_window} slots; beyond, "
-                f"{kernels_name(self.packing)}-prepacked eager; fp32 head {kernels_name(self.head_packing)} at rows "
+                f"{_kernels_name(self.packing)}-prepacked eager; fp32 head {_kernels_name(self.head_packing)} at rows "
                 f"{_row_counts(self._head.buckets)}"
             )
         if self._static is not None:
@@ -175,16 +176,15 @@ class ModelRunner:
             )
         if self.packing == "none":
             return "eager F.linear products (--compile off or no packed kernel here)"
-        kernels = {"mkl": "MKL", "onednn": "oneDNN"}
         if self.packing == "int8":
             return (
                 f"int8 weight-only products (bf16 activations, {str(self.dtype).removeprefix('torch.')} between "
-                f"them) at rows {_row_counts(self.buckets)}, fp32 head {kernels.get(self.head_packing, 'eager')} at "
+                f"them) at rows {_row_counts(self.buckets)}, fp32 head {_kernels_name(self.head_packing)} at "
                 f"rows {_row_counts(self._head.buckets)}"
             )
         return (
-            f"{kernels[self.packing]}-prepacked {str(self.dtype).removeprefix('torch.')} products at rows "
-            f"{_row_counts(self.buckets)}, fp32 head {kernels.get(self.head_packing, 'eager')} at rows "
+            f"{_kernels_name(self.packing)}-prepacked {str(self.dtype).removeprefix('torch.')} products at rows "
+            f"{_row_counts(self.buckets)}, fp32 head {_kernels_name(self.head_packing)} at rows "
             f"{_row_counts(self._head.buckets)}"
         )
 
