@@ -33,7 +33,7 @@ from draft_service.head_proposer import HeadProposer
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.sampling import SamplingParams
-from specserve.torch_threads import serve_on_this_thread
+from target_service.engine_threads import serve_on_this_thread
 from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 
 from . import machine
@@ -431,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pin_this_process(args.pinning.verifier)
     torch.set_num_threads(args.torch_threads)
     # --dedicated-cores: as the verifier runs with it, the engine threads compute and this one (transformers'
-    # modes and checks included) runs torch on one thread (specserve.torch_threads).
+    # modes and checks included) runs torch on one thread (target_service.engine_threads).
     args.engine_threads = serve_on_this_thread() if args.dedicated_cores else args.torch_threads
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

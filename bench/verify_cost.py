@@ -47,7 +47,7 @@ from specserve.model_loading import DEFAULT_MODEL
 from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
-from specserve.torch_threads import serve_on_this_thread
+from target_service.engine_threads import serve_on_this_thread
 from target_service.kv_arena import bytes_per_token
 from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 from target_service.verifier import Verifier

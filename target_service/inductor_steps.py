@@ -27,7 +27,7 @@ kernels of every tree. The graph is compiled at start-up, on the engine thread
 cache bypasses graphs with frozen weights); inductor's kernel cache lives
 under ``~/.cache/specserve/inductor`` (``TORCHINDUCTOR_CACHE_DIR``
 overrides). Its many small parallel regions need the OpenMP workers awake:
-run it with ``--dedicated-cores`` (``specserve.torch_threads``), without
+run it with ``--dedicated-cores`` (``target_service.engine_threads``), without
 which it measured slower than the prepacked step.
 
 Steps beyond the largest bucket or window run the ragged eager step.

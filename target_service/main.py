@@ -146,7 +146,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
 def build_verifier(config: VerifierConfig) -> Verifier:
     import torch
 
-    from specserve.torch_threads import serve_on_this_thread
+    from target_service.engine_threads import serve_on_this_thread
 
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
@@ -157,7 +157,7 @@ def build_verifier(config: VerifierConfig) -> Verifier:
         )
     if config.dedicated_cores:
         # The engine thread computes on every torch thread; this one (gRPC, model loading) on one, so that the
-        # process holds one OpenMP team and its workers keep spin-waiting (specserve.torch_threads).
+        # process holds one OpenMP team and its workers keep spin-waiting (target_service.engine_threads).
         config = replace(config, torch_threads=serve_on_this_thread())
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)

@@ -56,11 +56,11 @@ from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_masks import InvalidTokenMasksError, TokenMasks
 from specserve.token_tree import InvalidTreeError, TokenTree
-from specserve.torch_threads import compute_on_this_thread
 from target_service import step_inputs
 from target_service.config import VerifierConfig
 from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
 from target_service.engine_calls import Call, PrefillCall, ReleaseCall, StepWork, VerifyCall, fail, resolve
+from target_service.engine_threads import compute_on_this_thread
 from target_service.kv_arena import KVArena
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
@@ -132,7 +132,7 @@ class Verifier:
         engine_threads: int = 0,
     ) -> None:
         """``engine_threads``: the torch threads the engine's steps run on (0: torch's count now). The engine
-        thread sets them for itself (``specserve.torch_threads``)."""
+        thread sets them for itself (``target_service.engine_threads``)."""
         self._engine_threads = engine_threads or torch.get_num_threads()
         self._runner = ModelRunner(model, compile, weights=weights)
         self.model_name = model_name

@@ -1,4 +1,4 @@
-"""One OpenMP team per process: the thread that computes gets the cores, the thread that serves gets one.
+"""The verifier's threads: one OpenMP team per process, the engine thread computing, the serving thread on one.
 
 torch's OpenMP runtime (libgomp) keeps a team of worker threads for every
 thread that has run a parallel region, and workers of a team wait for the

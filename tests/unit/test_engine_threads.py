@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from specserve.torch_threads import compute_on_this_thread, serve_on_this_thread
+from target_service.engine_threads import compute_on_this_thread, serve_on_this_thread
 from target_service.main import parse_config
 
 
