@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from draft_service.config import DrafterConfig
 from specserve.local_cluster import LocalCluster, free_port
 from specserve.model_loading import default_cache_root, load_model, load_tokenizer, materialize, resolve_model
 from specserve.sampling import SamplingParams
@@ -91,6 +92,9 @@ def cluster(cluster_redis_url: str | None, tmp_path_factory: pytest.TempPathFact
     logs = tmp_path_factory.mktemp("cluster-logs")
     cluster = LocalCluster(free_port(), free_port(), free_port(), redis_url=cluster_redis_url, log_dir=logs)
     cluster.extra_verifier_args = EVERY_ROUND_DRAFTS
+    # Pre-drafting, which a cluster on one machine turns off, on: its path (trees ready before they are asked
+    # for) must stay token-identical too, as where the drafter has hardware of its own.
+    cluster.extra_drafter_args = ["--predraft-outcomes", str(DrafterConfig().predraft_outcomes)]
     # Tests here kill the drafter and restart it: a short backoff has the coordinator use it again within seconds.
     cluster.extra_coordinator_args = ["--drafter-backoff-ms", "500", "--drafter-max-backoff-ms", "2000"]
     with cluster as c:
