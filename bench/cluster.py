@@ -41,11 +41,15 @@ def choose_pool(redis_url: str) -> PoolBackend:
     return PoolBackend(redis_url, f"redis {redis_url}")
 
 
+# Redis databases of the distributed modes after the first (the benchmark's own is 15, the smoke tests' 14).
+OTHER_DATABASES = {"distributed-no-predraft": 13, "distributed-predraft": 12}
+
+
 def other_database(pool: PoolBackend, mode: str) -> PoolBackend:
-    """The same Redis server, database 13 (the benchmark's own is 15, the smoke tests' 14), for a second mode."""
+    """The same Redis server, a database of ``mode``'s own (``OTHER_DATABASES``), for a second distributed mode."""
     if pool.redis_url is None:
         return pool
-    url = urlsplit(pool.redis_url)._replace(path="/13").geturl()
+    url = urlsplit(pool.redis_url)._replace(path=f"/{OTHER_DATABASES[mode]}").geturl()
     return PoolBackend(url, f"redis {url} (`{mode}`'s own)")
 
 

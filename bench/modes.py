@@ -53,9 +53,11 @@ COMPARED_MODES = ("hf-pld", "inproc", "distributed")
 # Draft sources alone or combined, in process: `inproc:prompt_lookup`, `inproc:draft_model`,
 # `inproc:prompt_lookup+ngram_pool+token_recycling` (any `+`-joined set of sources) and so on.
 SOURCE_MODES = (*(f"inproc:{source}" for source in ALL_SOURCES), "inproc:" + "+".join(NGRAM_SOURCES))
-# The distributed mode with the drafter's pre-drafting off: what drafting ahead adds, measured side by side.
+# The distributed mode with the drafter's pre-drafting off, and on: what drafting ahead adds, measured side by
+# side (`distributed` itself runs the cluster's default: off where the drafter shares the verifier's CPUs).
 NO_PREDRAFT = "distributed-no-predraft"
-MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, *SOURCE_MODES)
+PREDRAFT = "distributed-predraft"
+MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, PREDRAFT, *SOURCE_MODES)
 
 
 def default_modes(dtype: str) -> tuple[str, ...]:

@@ -58,6 +58,7 @@ from .modes import (
     MODES,
     NO_PREDRAFT,
     PLAIN_MODES,
+    PREDRAFT,
     DistributedMode,
     EnginePlainMode,
     HfPlainMode,
@@ -299,7 +300,9 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}
             drafter_args: list[str] = ["--head-matmul", args.head_matmul]
-            drafter_args += ["--predraft-outcomes", "0"] if name == NO_PREDRAFT else []
+            if name in (NO_PREDRAFT, PREDRAFT):
+                outcomes = 0 if name == NO_PREDRAFT else DrafterConfig().predraft_outcomes
+                drafter_args += ["--predraft-outcomes", str(outcomes)]
             if pinning is not None:
                 cpus = pinning.services()
                 drafter_args += pinning.drafter_args()
