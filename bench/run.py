@@ -162,7 +162,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--dedicated-cores",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="the verifier's --dedicated-cores in distributed, and the same thread layout here: in-process "
         "verifiers compute on their engine threads, this process's own torch work (transformers' modes, the "
         "checks) on one thread",
@@ -295,7 +296,11 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
             dtype_args = ["--dtype", target.dtype, "--weights", args.weights, "--device", args.device]
-            dtype_args += ["--compile", args.compile] + (["--dedicated-cores"] if args.dedicated_cores else [])
+            dtype_args += [
+                "--compile",
+                args.compile,
+                "--dedicated-cores" if args.dedicated_cores else "--no-dedicated-cores",
+            ]
             dtype_args += [] if args.throughput_guard else ["--no-throughput-guard"]
             pinning: Pinning | None = args.pinning
             cpus: dict[str, frozenset[int]] = {}

@@ -131,7 +131,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--dedicated-cores",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="as the verifier's --dedicated-cores: this thread runs torch on one thread, the engine's on all",
     )
     parser.add_argument(

@@ -33,8 +33,8 @@ class VerifierConfig:
     compile: str = "auto"  # auto: prepacked products at static row buckets where the CPU has them; off: eager
     weights: str = "dtype"  # "int8": the layers' products on int8 copies of the weights (CPU, compile auto; opt-in)
     torch_threads: int = 0  # 0: torch's default
-    # The machine's cores are the verifier's alone: torch off the gRPC thread, the engine's OpenMP workers spin-wait
-    dedicated_cores: bool = False
+    # One OpenMP team: torch off the gRPC thread, the engine's workers spin-wait (target_service.engine_threads)
+    dedicated_cores: bool = True
     max_workers: int = 256  # concurrent RPCs (they wait on the engine; forwards are batched)
     metrics_port: int = 0  # 0: no Prometheus endpoint
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS/mTLS, the internal token callers send

@@ -24,7 +24,11 @@ one-token step runs as two rows, so that dynamo never specialises a graph
 for size one (two graphs, rounding apart) and plain decoding shares the
 kernels of every tree. The graph is compiled at start-up, on the engine thread
 (``prepare_graph``; 90-130 s on 2 cores at every start: inductor's FX graph
-cache bypasses graphs with frozen weights); inductor's kernel cache lives
+cache refuses the graph, "mkldnn tensors unpickleable", since the weights it
+prepacks are oneDNN tensors; products left to the prepacked eager kernels as
+a custom op made the graph cacheable, 6 s warm, but the step slower than the
+prepacked one through the verifier, 33-35 ms against 25-27 at one token on an
+AVX512-BF16 EPYC); inductor's kernel cache lives
 under ``~/.cache/specserve/inductor`` (``TORCHINDUCTOR_CACHE_DIR``
 overrides). Its many small parallel regions need the OpenMP workers awake:
 run it with ``--dedicated-cores`` (``target_service.engine_threads``), without

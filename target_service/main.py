@@ -123,10 +123,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
     parser.add_argument(
         "--dedicated-cores",
         action=argparse.BooleanOptionalAction,
-        default=env("SPECSERVE_DEDICATED_CORES", "0") not in ("0", "", "false"),
-        help="the machine's cores are this verifier's alone: its gRPC thread runs torch on one thread, so the "
-        "process holds one OpenMP team whose workers spin-wait between regions (what --compile inductor needs); "
-        "off where the drafter and coordinator share the cores, whose time the spinning may take",
+        default=env("SPECSERVE_DEDICATED_CORES", "1" if defaults.dedicated_cores else "0") not in ("0", "", "false"),
+        help="on by default: the gRPC thread runs torch on one thread and the engine thread on all, so the process "
+        "holds one OpenMP team whose workers spin-wait between regions (with two, libgomp puts them to sleep and "
+        "every parallel region waits for a wake-up); --no-dedicated-cores keeps torch's threads on both",
     )
     parser.add_argument("--max-workers", type=int, default=defaults.max_workers)
     args = parser.parse_args(argv)

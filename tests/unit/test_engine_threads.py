@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from target_service.engine_threads import compute_on_this_thread, serve_on_this_thread
@@ -29,6 +30,10 @@ def test_the_serving_thread_gives_its_threads_to_the_computing_one() -> None:
         torch.set_num_threads(before)
 
 
-def test_dedicated_cores_is_off_unless_asked() -> None:
+def test_one_openmp_team_is_the_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPECSERVE_DEDICATED_CORES", raising=False)
+    assert parse_config(["--model", "tiny"])[0].dedicated_cores
+    assert not parse_config(["--model", "tiny", "--no-dedicated-cores"])[0].dedicated_cores
+    monkeypatch.setenv("SPECSERVE_DEDICATED_CORES", "0")
     assert not parse_config(["--model", "tiny"])[0].dedicated_cores
     assert parse_config(["--model", "tiny", "--dedicated-cores", "--compile", "inductor"])[0].dedicated_cores
