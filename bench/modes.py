@@ -145,6 +145,7 @@ class EnginePlainMode:
             compile=compile, weights=weights, profile_cost=False, throughput_guard=False, torch_threads=threads
         )
         self._verifier = Verifier.from_config(model, fingerprint, config, profile=False)
+        self._verifier.park()  # one engine thread (one OpenMP team) in the process at a time: Verifier.park
 
     def run(self, prompt: Prompt) -> Outcome:
         start = time.perf_counter_ns()
@@ -163,6 +164,7 @@ class EnginePlainMode:
             tokens.append(result.bonus_token)
         self._verifier.release("plain")
         wall_ns = time.perf_counter_ns() - start
+        self._verifier.park()
         return Outcome(tokens, eos, wall_ns, len(tokens) + eos, 0, 0, draft_ns=0, verify_ns=verify_ns)
 
     def reset(self) -> None:
@@ -297,9 +299,13 @@ class InProcessMode:
         self.verify_cost = info.verify_cost  # the verifier's measured curve, as a coordinator sends it
         self._drafter = InProcessDrafter(build_drafter(self._drafter_config, head)[0], verify_cost=self.verify_cost)
         self._loop = asyncio.Runner()
+        self._verifier.park()  # one engine thread (one OpenMP team) in the process at a time: Verifier.park
 
     def run(self, prompt: Prompt) -> Outcome:
-        return self._loop.run(self._generate(prompt))
+        try:
+            return self._loop.run(self._generate(prompt))
+        finally:
+            self._verifier.park()
 
     async def _generate(self, prompt: Prompt) -> Outcome:
         start = time.perf_counter_ns()

@@ -164,6 +164,7 @@ class PlainEngine:
 
     def __init__(self, model: Any, fingerprint: str, eos_ids: frozenset[int]) -> None:
         self._verifier = Verifier(model, fingerprint)
+        self._verifier.park()  # one engine thread (one OpenMP team) in the process at a time: Verifier.park
         self.dtype = self._verifier.dtype
         self.name = f"plain-{self.dtype}"
         self._eos_ids = eos_ids
@@ -184,6 +185,7 @@ class PlainEngine:
             total_ns = time.perf_counter_ns() - start
         finally:
             self._verifier.release(session_id)
+            self._verifier.park()
         return Run(out.tokens, out.eos, total_ns, prompt_ns, forwards)
 
     def close(self) -> None:

@@ -433,7 +433,14 @@ def write_outputs(out_dir: Path, records: list[Record], modes: Sequence[str], me
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    try:
+        return _run(parse_args(argv))
+    finally:
+        torch.set_num_threads(threads)  # a caller in this process (the smoke tests) keeps its own thread count
+
+
+def _run(args: argparse.Namespace) -> int:
     quiet_libraries()
     if args.pinning is not None:
         pin_this_process(args.pinning.verifier)

@@ -165,6 +165,8 @@ class Verifier:
         self._queue: deque[Call] = deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._parking = False  # park(): the engine thread ends once it has no work
+        self._parked = False  # it has ended; the next call starts another
         self._paused = False
         self._busy = False  # a step is being built or run
         self._num_steps = 0
@@ -439,6 +441,22 @@ class Verifier:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
+    def park(self) -> None:
+        """End the engine thread once it has no work (waits for it); the next call starts a new one.
+
+        For a process that holds several verifiers (the benchmarks' in-process modes): every thread that has
+        computed keeps an OpenMP team, and with more team threads than CPUs libgomp puts every worker to sleep
+        between parallel regions, which slowed plain decoding from 31-37 to 24 tok/s on a 2-core EPYC
+        (``target_service.engine_threads``). A thread's team ends with it, so parked verifiers cost the
+        running one nothing. A service holds one verifier and never parks it.
+        """
+        with self._cond:
+            if self._stopping or self._parked:
+                return
+            self._parking = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+
     def _check_tokens(self, token_ids: list[int], what: str) -> None:
         array = np.asarray(token_ids, dtype=np.int64)
         bad = np.flatnonzero((array < 0) | (array >= self.vocab_size))
@@ -452,6 +470,10 @@ class Verifier:
                 raise Unavailable("the verifier is shutting down; retry on another replica")
             self._queue.append(call)
             self._cond.notify()
+            if self._parked:
+                self._parked = False
+                self._thread = threading.Thread(target=self._resume, name="verifier-engine", daemon=True)
+                self._thread.start()
         return call.future
 
     # ---- the engine thread ----
@@ -465,6 +487,11 @@ class Verifier:
             self._started.set_exception(exc)
             return
         self._started.set_result(None)
+        self._loop()
+
+    def _resume(self) -> None:
+        """A parked verifier's new engine thread: the step was prepared by the first."""
+        compute_on_this_thread(self._engine_threads)
         self._loop()
 
     def _prepare_steps(self) -> None:
@@ -485,6 +512,9 @@ class Verifier:
                 self._busy = False
                 self._cond.notify_all()
                 while (not self._queue or self._paused) and not self._stopping:
+                    if self._parking and not self._queue:
+                        self._parking, self._parked = False, True
+                        return
                     self._cond.wait(timeout=5.0)
                     if not self._paused:
                         self._sessions.expire()

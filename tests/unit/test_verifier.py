@@ -286,3 +286,26 @@ def test_tree_rows_equal_sequential_decoding_of_each_path() -> None:
         with torch.inference_mode():
             expected = MODEL(input_ids=torch.tensor([prompt + path])).logits[0, -1]
         torch.testing.assert_close(rows[node + 1], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_parked_verifier_ends_its_engine_thread_and_the_next_call_starts_another() -> None:
+    """``park``: the benchmarks' in-process modes park their verifiers between prompts, so that one process
+    holds one OpenMP team (``target_service.engine_threads``); nothing a session had is lost."""
+    prompt = [3, 1, 4, 1, 5]
+    reference = plain_greedy(MODEL, prompt, 6)
+    verifier = new_verifier()
+    try:
+        verifier.prefill("s", prompt, SamplingParams())
+        first = verifier._thread
+        verifier.park()
+        assert not first.is_alive()
+        committed = verifier.verify("s", len(prompt), TokenTree.chain(reference[:2])).committed
+        assert committed == reference[:3]
+        assert verifier._thread is not first and verifier._thread.is_alive()
+        verifier.park()
+        verifier.park()  # parked already: nothing to wait for
+        committed += verifier.verify("s", len(prompt) + 3, TokenTree.chain([])).committed
+        assert committed == reference[:4]
+    finally:
+        verifier.close()
+    assert not verifier._thread.is_alive()
