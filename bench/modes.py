@@ -22,8 +22,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+
+import torch
 
 from bench.inproc import InProcessDrafter, InProcessVerifier, verifier_info
 from client.sdk import GenerationParams, SpecserveClient, Stats
@@ -39,10 +42,13 @@ from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.config import VerifierConfig
 from target_service.draft_budget import flattened
+from target_service.engine_threads import compute_on_this_thread
 from target_service.verifier import Verifier
 
 from .decoding import Fp32Head, hf_generate, plain_decode
 from .target import FLOAT32, model_dtype
+
+T = TypeVar("T")
 
 BASELINE = "baseline"  # plain decoding through the engine (--compile auto)
 EAGER_BASELINE = "baseline-eager"  # plain decoding through the engine with --compile off
@@ -118,6 +124,20 @@ class Mode(Protocol):
     def close(self) -> None: ...
 
 
+def on_a_thread_of_its_own(threads: int, work: Callable[[], T]) -> T:
+    """``work``'s result, computed on a new thread with ``threads`` torch threads (0: this thread's count) that
+    ends before this returns: its OpenMP team ends with it, as a parked verifier's does (``Verifier.park``), so
+    transformers' modes use every core and leave no second team behind to slow the engines' steps."""
+    threads = threads or torch.get_num_threads()
+
+    def compute() -> T:
+        compute_on_this_thread(threads)
+        return work()
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-mode") as thread:
+        return thread.submit(compute).result()
+
+
 class EnginePlainMode:
     """Plain decoding through the verifier's engine: one forward per token, a tree of size zero each round.
 
@@ -179,17 +199,22 @@ class HfPlainMode:
 
     learns = False
 
-    def __init__(self, model: Any, eos_ids: frozenset[int], name: str = HF_PLAIN) -> None:
+    def __init__(self, model: Any, eos_ids: frozenset[int], name: str = HF_PLAIN, threads: int = 0) -> None:
+        """``threads``: torch threads of the thread each prompt runs on (0: this thread's count)."""
         self.name = name
         self.dtype = model_dtype(model)
         self._model = model
         self._head = Fp32Head(model)
         self._eos_ids = eos_ids
+        self._threads = threads
 
     def run(self, prompt: Prompt) -> Outcome:
         start = time.perf_counter_ns()
-        decoded = plain_decode(
-            self._model, prompt.token_ids, prompt.max_new_tokens, self._eos_ids, prompt.sampling, self._head
+        decoded = on_a_thread_of_its_own(
+            self._threads,
+            lambda: plain_decode(
+                self._model, prompt.token_ids, prompt.max_new_tokens, self._eos_ids, prompt.sampling, self._head
+            ),
         )
         wall_ns = time.perf_counter_ns() - start
         return Outcome(
@@ -209,21 +234,26 @@ class HfPromptLookupMode:
     name = "hf-pld"
     learns = False
 
-    def __init__(self, model: Any, eos_ids: frozenset[int], num_tokens: int = 10) -> None:
+    def __init__(self, model: Any, eos_ids: frozenset[int], num_tokens: int = 10, threads: int = 0) -> None:
+        """``threads``: torch threads of the thread each prompt runs on (0: this thread's count)."""
         self.dtype = model_dtype(model)
         self._model = model
         self._eos_ids = eos_ids
         self._num_tokens = num_tokens
+        self._threads = threads
 
     def run(self, prompt: Prompt) -> Outcome:
         start = time.perf_counter_ns()
-        decoded = hf_generate(
-            self._model,
-            prompt.token_ids,
-            prompt.max_new_tokens,
-            self._eos_ids,
-            prompt.sampling,
-            prompt_lookup_num_tokens=self._num_tokens,
+        decoded = on_a_thread_of_its_own(
+            self._threads,
+            lambda: hf_generate(
+                self._model,
+                prompt.token_ids,
+                prompt.max_new_tokens,
+                self._eos_ids,
+                prompt.sampling,
+                prompt_lookup_num_tokens=self._num_tokens,
+            ),
         )
         wall_ns = time.perf_counter_ns() - start
         # Every forward commits its accepted candidates and one token of its own.

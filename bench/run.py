@@ -274,9 +274,9 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 model, target.fingerprint, target.eos_ids, name, compile, weights, args.engine_threads
             )
         elif name == HF_PLAIN:
-            mode = HfPlainMode(target.model, target.eos_ids)
+            mode = HfPlainMode(target.model, target.eos_ids, threads=args.engine_threads)
         elif name == "hf-pld":
-            mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens)
+            mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens, args.engine_threads)
         elif name == "inproc" or name.startswith("inproc:"):
             sources = mode_sources(name) or DrafterConfig().sources
             head = draft_head(target, fp32, args.head_matmul) if HeadProposer.name in sources else None
