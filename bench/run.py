@@ -70,6 +70,7 @@ from .modes import (
     cluster_modes,
     default_modes,
     mode_sources,
+    on_a_thread_of_its_own,
 )
 from .pinning import PinnedMode, Pinning, pin_this_process, read_pinning
 from .records import Record, first_divergence, make_record
@@ -238,19 +239,22 @@ def make_prompt(target: Target, text: str, max_new_tokens: int, sampling: Sampli
     return Prompt(text, chat_ids(target.tokenizer, text), max_new_tokens, sampling)
 
 
-def check_baseline(model: Any, target: Target, prompt: Prompt) -> dict[str, Any]:
+def check_baseline(model: Any, target: Target, prompt: Prompt, threads: int = 0) -> dict[str, Any]:
     """Does plain decoding through the engine (``baseline``) produce exactly what transformers' greedy generate does?
+    (Both on ``threads`` torch threads, off this thread: ``on_a_thread_of_its_own``.)
 
     Checked on the fp32 ``model``, where they must agree token for token: in bf16 the engine's fp32 head
     (the verifier's numerics) and transformers' bf16 head part at near-ties.
     """
     greedy = Prompt(prompt.text, prompt.token_ids, prompt.max_new_tokens, SamplingParams())
-    engine = EnginePlainMode(model, target.fingerprint, target.eos_ids, BASELINE, "auto")
+    engine = EnginePlainMode(model, target.fingerprint, target.eos_ids, BASELINE, "auto", threads=threads)
     try:
         ours = engine.run(greedy)
     finally:
         engine.close()
-    theirs = hf_generate(model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
+    theirs = on_a_thread_of_its_own(
+        threads, lambda: hf_generate(model, greedy.token_ids, greedy.max_new_tokens, target.eos_ids)
+    )
     mismatch = first_divergence(ours.tokens, ours.eos, theirs.tokens, theirs.eos, target.eos_id)
     return {
         "baseline_matches_hf_generate": mismatch is None,
@@ -463,7 +467,7 @@ def _run(args: argparse.Namespace) -> int:
         return SamplingParams(temperature=args.temperature, seed=args.seed + question_id)
 
     prompts = [make_prompt(target, q.text, args.max_new_tokens, sampling(q.question_id)) for q in questions]
-    checks = check_baseline(fp32, target, prompts[0])
+    checks = check_baseline(fp32, target, prompts[0], args.engine_threads)
     if not checks["baseline_matches_hf_generate"]:
         print(f"warning: the baseline loop differs from transformers' generate: {checks}", file=sys.stderr)
     pool = choose_pool(args.redis_url) if cluster_modes(args.modes) else PoolBackend(None, "not used")
