@@ -31,7 +31,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -247,7 +247,10 @@ class Generation:
         if self._draft_budget is not None and self._draft_budget < max_nodes:
             max_nodes = self._draft_budget
             self.stats.num_rounds_budget_off += max_nodes == 0
-        tree, drafted = await self._propose(max_nodes)
+        prefix = self._forced_prefix(max_nodes, remaining, room)
+        if prefix:  # the drafter drafts after what the constraint forces next; its tree starts with it
+            max_nodes = min(len(prefix) + max_nodes, self._tree_caps(remaining, room)[0])
+        tree, drafted = await self._propose(max_nodes, prefix)
         fitted = self._fit(tree, remaining, room)
         pending = self._committed[-1]
         # The drafter hears of the fitted tree while the verifier works (it must before the next proposal).
@@ -280,17 +283,33 @@ class Generation:
         self._keep_features(result.features, len(self._committed) - before)
         return chunk
 
-    def _fit(self, tree: TokenTree, remaining: int, room: int) -> FittedTree | None:
-        """With a constraint: the drafter's tree pruned to what the grammar allows, forced tokens added, and
-        each row's mask (None without a constraint). Forced tokens are certain, so they go in whatever the
-        load budget says, within the verifier's limits; with speculation off there are none (plain decoding)."""
-        if self._grammar is None:
-            return None
+    def _tree_caps(self, remaining: int, room: int) -> tuple[int, int]:
+        """The most nodes, and the deepest depth, of a constrained round's tree. Forced tokens are certain, so
+        they go in whatever the load budget says, within the verifier's limits; with speculation off there are
+        none (plain decoding)."""
         limits = self.policy.tree_limits
         cap = max(0, min(remaining - 1, room, limits.max_nodes if limits else self.policy.max_draft_tokens))
         if self.request.speculation.mode is SpeculationMode.OFF:
             cap = 0
-        depth = (limits.max_depth if limits and limits.max_depth else cap) or cap
+        return cap, (limits.max_depth if limits and limits.max_depth else cap) or cap
+
+    def _forced_prefix(self, budget: int, remaining: int, room: int) -> tuple[int, ...]:
+        """What the constraint forces right after the committed tokens, for the drafter to draft after (empty
+        without a constraint, a drafter or a draft budget). Left at least one node and one level of the tree,
+        for a drafted token."""
+        if self._grammar is None or self._draft is None or budget <= 0:
+            return ()
+        if self.request.speculation.mode is SpeculationMode.OFF:
+            return ()
+        cap, depth = self._tree_caps(remaining, room)
+        return self._grammar.forced_next(min(cap, depth) - 1)
+
+    def _fit(self, tree: TokenTree, remaining: int, room: int) -> FittedTree | None:
+        """With a constraint: the drafter's tree pruned to what the grammar allows, forced tokens added, and
+        each row's mask (None without a constraint)."""
+        if self._grammar is None:
+            return None
+        cap, depth = self._tree_caps(remaining, room)
         before = self._grammar.mask_ns
         fitted = self._grammar.fit(tree, cap, depth)
         self.stats.mask_ns_per_round.append(self._grammar.mask_ns - before)
@@ -348,28 +367,30 @@ class Generation:
         finally:
             self.stats.draft_ns += time.perf_counter_ns() - started
 
-    async def _propose(self, max_nodes: int) -> tuple[TokenTree, bool]:
-        """The round's tree, and whether it is the drafter's (an empty tree when there is none)."""
+    async def _propose(self, max_nodes: int, prefix: tuple[int, ...] = ()) -> tuple[TokenTree, bool]:
+        """The round's tree, and whether it is the drafter's (an empty tree when there is none).
+
+        ``prefix``: tokens the constraint forces next; the drafter's tree starts with them."""
         if self.request.speculation.mode is SpeculationMode.OFF:
             return TokenTree(), False
         if max_nodes == 0 and self._draft is not None:
             # Nothing to draft this round: the commit report waits for the next request (or the final one).
             return TokenTree(), False
-        tree = await self._ask_drafter(max_nodes) if self._draft is not None else None
+        tree = await self._ask_drafter(max_nodes, prefix) if self._draft is not None else None
         if tree is None:
             self.stats.num_rounds_without_drafter += 1
             return TokenTree(), False
         self.stats.num_drafter_trees += 1
         return tree, True
 
-    async def _ask_drafter(self, max_nodes: int) -> TokenTree | None:
+    async def _ask_drafter(self, max_nodes: int, prefix: tuple[int, ...] = ()) -> TokenTree | None:
         """Send the last round's report and get a tree; None (and the drafter dropped) on failure."""
         assert self._draft is not None
         started = time.perf_counter_ns()
         timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
-                reply = await self._draft.propose(self._feedback(), max_nodes)
+                reply = await self._draft.propose(self._feedback(prefix), max_nodes)
             self._count_predraft(reply)
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's
@@ -378,6 +399,10 @@ class Generation:
         finally:
             self.stats.draft_ns += time.perf_counter_ns() - started
         limits = self.policy.tree_limits
+        if limits is not None and self._grammar is not None:
+            # The fit cuts a constrained tree to the verifier's depth; a drafter told a forced prefix cannot know
+            # how deep its draft under it may go.
+            limits = replace(limits, max_depth=0)
         problem = tree_problem(reply.tree, limits, max_nodes) if limits is not None else None
         if problem is not None:
             # Sent on, it would make the verifier refuse the round: the round goes on with an empty tree.
@@ -405,11 +430,15 @@ class Generation:
             return
         self._unreported_features.append(features[:rows])
 
-    def _feedback(self) -> DraftFeedback:
+    def _feedback(self, forced_prefix: tuple[int, ...] = ()) -> DraftFeedback:
         """The last round's report for the drafter; taking it marks it as sent."""
         features = np.concatenate(self._unreported_features) if self._unreported_features else None
         feedback = DraftFeedback(
-            tuple(self._unreported), tuple(self._successors), features, accepted_node_indices=self._accepted_nodes
+            tuple(self._unreported),
+            tuple(self._successors),
+            features,
+            accepted_node_indices=self._accepted_nodes,
+            forced_prefix=forced_prefix,
         )
         self._unreported, self._successors, self._unreported_features = [], [], []
         self._accepted_nodes = ()

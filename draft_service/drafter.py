@@ -101,6 +101,38 @@ def _scored(own: DraftTree, verified: VerifiedTree) -> DraftTree:
     return DraftTree(verified.tree, tuple(frozenset[str]() for _ in scores), tuple(scores))
 
 
+def _after(draft: DraftTree, path: Sequence[int]) -> DraftTree | None:
+    """The subtree of ``draft`` under the node ``path`` reaches, rooted there; None when it has no such node."""
+    node = ROOT
+    children = draft.tree.children()
+    for token in path:
+        node = next((c for c in children[node] if draft.tree.token_ids[c] == token), -2)
+        if node == -2:
+            return None
+    anchor = 1.0 if node == ROOT else draft.scores[node]
+    new_index = {node: ROOT}
+    kept: list[int] = []
+    for child in range(node + 1, len(draft.tree)):  # parents precede children: one pass finds the descendants
+        if draft.tree.parents[child] in new_index:
+            new_index[child] = len(kept)
+            kept.append(child)
+    tree = TokenTree(
+        tuple(draft.tree.token_ids[c] for c in kept), tuple(new_index[draft.tree.parents[c]] for c in kept)
+    )
+    scores = tuple(draft.scores[c] / anchor if anchor > 0 else 0.0 for c in kept)
+    return DraftTree(tree, tuple(draft.sources[c] for c in kept), scores)
+
+
+def _graft(prefix: Sequence[int], draft: DraftTree) -> DraftTree:
+    """``prefix`` as a chain from the root (certain nodes, credited to no source) with ``draft`` under its end."""
+    if not prefix:
+        return draft
+    k = len(prefix)
+    parents = (*range(-1, k - 1), *(k - 1 if p == ROOT else p + k for p in draft.tree.parents))
+    tree = TokenTree((*prefix, *draft.tree.token_ids), parents)
+    return DraftTree(tree, (*(frozenset[str]() for _ in prefix), *draft.sources), (*(1.0,) * k, *draft.scores))
+
+
 def _node_at(tree: TokenTree, path: Sequence[int]) -> int:
     """The node that ``path`` (tokens from the root) reaches in ``tree``; ROOT for the empty path."""
     node = ROOT
@@ -139,6 +171,10 @@ class DraftSession:
         self._proposers = proposers
         self._builder = builder
         self._last: DraftTree = EMPTY
+        # The last tree is a forced prefix (structured output: the coordinator's, often empty) with the sources'
+        # draft under it.
+        self._prefix_len = 0
+        self._drafted: DraftTree = EMPTY
         self._max_nodes = 0  # the size asked for last: pre-drafted trees are drafted to it
         self._predraft_outcomes = predraft_outcomes
         # Outcomes of the last tree not pre-drafted yet: (accepted path, which bonus guess: 0 the likeliest).
@@ -206,16 +242,27 @@ class DraftSession:
         self._predrafts.clear()
         self._max_nodes = max(0, max_nodes)
         self._verified = None
+        self._prefix_len, self._drafted = 0, EMPTY
         if max_nodes <= 0:
             self._pool.flush()
             self._last = EMPTY
             self._pending_outcomes = []
             return DraftReply(TokenTree(), time.perf_counter_ns() - start)
-        if ready is not None:
+        # A constraint forces these next: draft after them, and hang the draft under them.
+        prefix = feedback.forced_prefix[:max_nodes]
+        room = max_nodes - len(prefix)
+        if ready is not None and prefix:  # usable only where it drafted the forced tokens too
+            under = _after(ready.tree, prefix)
+            ready = _Predraft(under, ready.draft_ns) if under is not None and len(under.tree) else None
+        if room <= 0:
+            ready, drafted = None, EMPTY
+        elif ready is not None:
             self._predraft_counts.used += 1
-            self._last = _cut(ready.tree, max_nodes)
+            drafted = _cut(ready.tree, room)
         else:
-            self._last = self._draft(self.tokens, max_nodes)
+            drafted = self._draft([*self.tokens, *prefix], room)
+        self._last = _graft(prefix, drafted)
+        self._prefix_len, self._drafted = len(prefix), drafted
         # With a constraint the tree verified is not this one: its outcomes come with it (``verified``).
         outcomes = [] if self._sends_verified else likely_outcomes(self._last, self._predraft_outcomes)
         self._pending_outcomes = [(path, 0) for path in outcomes]
@@ -287,6 +334,13 @@ class DraftSession:
         guesses += [token for token in left or () if token not in guesses]
         return guesses[guess] if guess < len(guesses) else None
 
+    def _learn(self, accepted: Sequence[int]) -> None:
+        """Credit the sources for the last tree; its forced prefix is not theirs, and their draft under it is
+        credited at its own depths (as drafted after the prefix), which is what their statistics estimate."""
+        k = self._prefix_len
+        if len(accepted) >= k:  # the prefix is certain: a shorter path means the round was cut (length, EOS)
+            learn_from_acceptance(self._builder.stats, self._drafted, [node - k for node in accepted[k:]])
+
     def _draft(self, tokens: list[int], max_nodes: int) -> DraftTree:
         return self._builder.build(self._proposals(tokens, max_nodes), max_nodes)
 
@@ -302,7 +356,7 @@ class DraftSession:
             accepted = feedback.accepted_node_indices
             # The verifier's indices refer to the tree it checked: learn only if that was our last tree.
             if is_accepted_path(self._last.tree, accepted, feedback.new_tokens):
-                learn_from_acceptance(self._builder.stats, self._last, accepted)
+                self._learn(accepted)
             previous = len(self.tokens)
             self.tokens.extend(feedback.new_tokens)
             # Only generated output teaches the shared pool; a window's key may reach into the prompt.

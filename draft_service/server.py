@@ -83,6 +83,18 @@ class FeaturesAhead:
             )
 
 
+def _check_forced_prefix(prefix: tuple[int, ...], max_nodes: int, vocab_size: int) -> None:
+    """INVALID_ARGUMENT for a forced prefix the tree cannot hold or with ids outside the session's vocabulary."""
+    if len(prefix) > max(0, max_nodes):
+        raise errors.InvalidArgument(
+            f"propose.forced_prefix: {len(prefix)} tokens, more than the {max_nodes} nodes the tree may have"
+        )
+    limit = vocab_size or 2**31
+    bad = next((token for token in prefix if not 0 <= token < limit), None)
+    if bad is not None:
+        raise errors.InvalidArgument(f"propose.forced_prefix: token id {bad} outside the vocabulary [0, {limit})")
+
+
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
 
 
@@ -233,6 +245,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 except ValueError as exc:
                     raise errors.InvalidArgument(f"propose.features: {exc}") from exc
                 feedback = feedback_from_proto(propose, features)
+                _check_forced_prefix(feedback.forced_prefix, propose.max_nodes, start.vocab_size)
                 if work is not None:  # the report is here: drop the work if queued, else finish its step in hand
                     if await self.work_ahead.stop(work, stop_ahead):
                         self._drafter.predraft_counts.dropped += 1

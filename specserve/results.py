@@ -57,6 +57,9 @@ class DraftFeedback:
     features: np.ndarray | None = None
     # Indices into the previous tree of the nodes the verifier accepted, root to leaf (empty: none, or no tree).
     accepted_node_indices: tuple[int, ...] = ()
+    # Tokens a constraint forces right after the committed ones: the next tree starts with them as a chain and
+    # the drafter drafts after them (structured output; empty otherwise).
+    forced_prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,7 @@ def feedback_to_proto(feedback: DraftFeedback, max_nodes: int, features: np.ndar
         ],
         features=features_to_proto(features),
         accepted_node_indices=feedback.accepted_node_indices,
+        forced_prefix=feedback.forced_prefix,
     )
 
 
@@ -166,6 +167,7 @@ def feedback_from_proto(message: drafter_pb2.ProposeTree, features: np.ndarray |
         tuple((s.token_id, tuple(s.next_token_ids)) for s in message.successors),
         features,
         tuple(message.accepted_node_indices),
+        tuple(message.forced_prefix),
     )
 
 

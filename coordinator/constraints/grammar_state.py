@@ -100,6 +100,22 @@ class GrammarState:
         walk.visit(ROOT, ROOT, walk.first_row, 0)
         return walk.result()
 
+    def forced_next(self, at_most: int) -> tuple[int, ...]:
+        """The tokens the grammar forces right after the committed ones, in order, at most ``at_most``: each
+        the only token its row allows. An EOS ends the chain unconsumed (generation would stop there)."""
+        chain: list[int] = []
+        try:
+            while len(chain) < at_most:
+                token = single_token(self.row())
+                if token is None or token in self.eos_token_ids:
+                    break
+                self._consume(token)
+                chain.append(token)
+        finally:
+            if chain:
+                self._matcher.rollback(len(chain))
+        return tuple(chain)
+
     def few_allowed(self, fitted: FittedTree, at_most: int) -> dict[int, tuple[int, ...]]:
         """Node (ROOT: the committed tokens) -> the tokens its row allows, for the rows that allow at most
         ``at_most`` (and at least one): whatever the target picks after a path that ends there is one of them."""

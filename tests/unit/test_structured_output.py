@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import random
@@ -457,11 +458,13 @@ def test_the_compiler_and_a_constrained_generation_feed_the_metrics() -> None:
 class WatchedStream:
     """A draft stream that notes, per round, whether the accepted path ended in a forced token and whether the
     drafter had the round's tree ready; ``tell``: False keeps the verified tree from the drafter (as before);
-    ``fail_on``: the verified tree whose sending fails like a lost connection (0: none)."""
+    ``fail_on``: the verified tree whose sending fails like a lost connection (0: none); ``sees_prefix``: False
+    keeps the forced prefix from it (a drafter from before prefixes: it drafts after the committed tokens)."""
 
-    def __init__(self, inner: DraftStream, tell: bool, fail_on: int = 0) -> None:
+    def __init__(self, inner: DraftStream, tell: bool, fail_on: int = 0, sees_prefix: bool = True) -> None:
         self._inner = inner
         self._tell = tell
+        self._sees_prefix = sees_prefix
         self._fail_on = fail_on
         self._told = 0
         self.wants_features = inner.wants_features
@@ -475,6 +478,9 @@ class WatchedStream:
             for token in feedback.new_tokens[:-1]:  # the accepted path; the bonus token follows it
                 node = next(c for c in children[node] if verified.tree.token_ids[c] == token)
             ended_forced = node != ROOT and verified.is_forced(node)
+        if not self._sees_prefix and feedback.forced_prefix:
+            max_nodes -= len(feedback.forced_prefix)
+            feedback = dataclasses.replace(feedback, forced_prefix=())
         reply = await self._inner.propose(feedback, max_nodes)
         if feedback.new_tokens and max_nodes:
             self.rounds.append((ended_forced, reply.predrafted))
@@ -493,7 +499,7 @@ class WatchedStream:
 
 
 class WatchedDrafter:
-    def __init__(self, tell: bool, fail_on: int = 0) -> None:
+    def __init__(self, tell: bool, fail_on: int = 0, sees_prefix: bool = True) -> None:
         # Prompt lookup alone (it follows the output's repeats), every node kept, three outcomes pre-drafted.
         drafter = Drafter(
             lambda *_: InMemoryNgramPool(),
@@ -504,24 +510,27 @@ class WatchedDrafter:
         self._inner = InProcessDrafter(drafter, predraft=True)
         self._tell = tell
         self._fail_on = fail_on
+        self._sees_prefix = sees_prefix
         self.streams: list[WatchedStream] = []
 
     async def open(self, *args: object, **kwargs: object) -> DraftStream:
         inner = await self._inner.open(*args, **kwargs)  # type: ignore[arg-type]
-        self.streams.append(WatchedStream(inner, self._tell, self._fail_on))
+        self.streams.append(WatchedStream(inner, self._tell, self._fail_on, self._sees_prefix))
         return self.streams[-1]
 
 
 def test_predrafts_hit_after_rounds_that_end_in_forced_tokens_once_the_drafter_is_told_the_verified_tree() -> None:
     """The drafter keys a pre-draft by the path it expects accepted plus a guessed bonus token. Under a
     constraint most paths end in tokens the grammar forced, which the drafter never drafted: told only of its
-    own tree, it pre-drafts for paths that cannot be the whole acceptance."""
+    own tree, it pre-drafts for paths that cannot be the whole acceptance. The forced prefix is kept from it: it
+    puts a round's first forced tokens in the drafter's own tree (``test_forced_prefix``), and the verified tree
+    is what tells it of the others."""
     grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'))
     prompt = [1, 2, 3]
     reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
     hits, hits_after_forced = {}, {}
     for tell in (False, True):
-        drafter = WatchedDrafter(tell)
+        drafter = WatchedDrafter(tell, sees_prefix=False)
         generation = Generation(
             GenerationRequest(prompt, 40, constraint=grammar),
             InProcessVerifier(Verifier(MODEL, "tiny")),
