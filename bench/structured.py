@@ -1,10 +1,10 @@
 """Structured output with speculation (issue #33): validity, speed and tau through the three processes.
 
 30 extraction and function-argument prompts, each with its own JSON schema (flat objects, nested arrays, enums,
-numbers, free strings), greedy, in three modes over gRPC: constrained speculative, constrained plain (speculation
-off: the baseline), unconstrained speculative (the same prompts, no schema). For each: outputs that validate with
-``jsonschema`` (those cut by max tokens counted apart), tokens/s, tau, the share of tokens the grammar forced, and
-the mask time per round.
+numbers, free strings), greedy, in three modes over gRPC, taking turns prompt by prompt: constrained speculative,
+constrained plain (speculation off: the baseline), unconstrained speculative (the same prompts, no schema). For
+each: outputs that validate with ``jsonschema`` (those cut by max tokens counted apart), tokens/s, tau, the share
+of tokens the grammar forced, and the mask time per round.
 
 Two rates: tok/s over each request's whole time, and decode tok/s from its first chunk on. The prefill is a fixed
 cost per request, and a constrained answer (a short JSON object) is a few times shorter than the free text the
@@ -243,8 +243,15 @@ class ModeResult:
         self.mask_share = self.mask_ns / 1e9 / self.seconds if self.seconds else 0.0
 
 
-def run_mode(address: str, mode: str, items: list[tuple[str, dict[str, Any]]], max_new_tokens: int) -> ModeResult:
-    result = ModeResult(mode)
+def run_mode(
+    address: str,
+    mode: str,
+    items: list[tuple[str, dict[str, Any]]],
+    max_new_tokens: int,
+    result: ModeResult | None = None,
+) -> ModeResult:
+    """Run ``items`` in ``mode``, one request at a time, adding to ``result`` (a new one when None)."""
+    result = result if result is not None else ModeResult(mode)
     constrained = mode != "unconstrained speculative"
     with SpecserveClient(address, timeout_s=600) as client:
         for prompt, schema in items:
@@ -269,6 +276,18 @@ def run_mode(address: str, mode: str, items: list[tuple[str, dict[str, Any]]], m
             result.add(text, stats, schema if constrained else None, round(stats.mask_s * 1e9), timing)
     result.finish()
     return result
+
+
+def interleaved(address: str, items: list[tuple[str, dict[str, Any]]], max_new_tokens: int) -> list[ModeResult]:
+    """Each prompt in every mode before the next prompt, the order rotating so that each mode goes first as
+    often as the others: a host that slows down for a while (a shared machine) slows every mode alike, where
+    running the modes one after the other charged it to whichever ran then."""
+    results = {mode: ModeResult(mode) for mode in MODES}
+    for index, item in enumerate(items):
+        turn = index % len(MODES)
+        for mode in (*MODES[turn:], *MODES[:turn]):
+            run_mode(address, mode, [item], max_new_tokens, results[mode])
+    return [results[mode] for mode in MODES]
 
 
 def write_report(results: list[ModeResult], out_dir: Path, meta: dict[str, Any]) -> None:
@@ -335,7 +354,7 @@ def main() -> None:
         # Warm-up (each mode's step sizes, the grammar engine's tokenizer), then the three modes.
         for mode in MODES:
             run_mode(cluster.coordinator_address, mode, items[:1], 16)
-        results = [run_mode(cluster.coordinator_address, mode, items, args.max_new_tokens) for mode in MODES]
+        results = interleaved(cluster.coordinator_address, items, args.max_new_tokens)
     host = machine.describe()
     meta = {
         "machine": host,

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import jsonschema
+import pytest
 
+from bench import structured
 from bench.structured import ModeResult, Timing, prompts, write_report
 from client import Stats
 
@@ -42,3 +44,21 @@ def test_report_counts_validity_and_speed(tmp_path: Path) -> None:
     write_report([spec, plain, free], tmp_path, {"machine_line": "m", "prompts": 2, "max_new_tokens": 8, "date": "d"})
     table = (tmp_path / "structured.md").read_text()
     assert "| constrained speculative | 1/2 | 1 | 0 | 17 | 8.5 | 0.85 | 10.0 | 0.67 | 2.83 | 47% |" in table
+
+
+def test_modes_take_turns_prompt_by_prompt_each_going_first_as_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str, ModeResult]] = []
+
+    def run_mode(address: str, mode: str, items: list, max_new_tokens: int, result: ModeResult) -> ModeResult:
+        (item,) = items
+        calls.append((item[0], mode, result))
+        return result
+
+    monkeypatch.setattr(structured, "run_mode", run_mode)
+    items = prompts(6)
+    results = structured.interleaved("addr", items, 8)
+    assert [r.mode for r in results] == list(structured.MODES)
+    assert [prompt for prompt, _, _ in calls] == [prompt for prompt, _ in items for _ in structured.MODES]
+    firsts = [calls[i][1] for i in range(0, len(calls), len(structured.MODES))]
+    assert sorted(firsts) == sorted(structured.MODES * 2)
+    assert all(result is results[structured.MODES.index(mode)] for _, mode, result in calls)
