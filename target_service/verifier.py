@@ -566,7 +566,7 @@ class Verifier:
             if hidden is not None:
                 prefill.features.append(hidden)
             self._advance_prefill(prefill, tokens)
-        self._guard.observe(committed)
+        self._guard.observe(committed, (time.perf_counter_ns() - started) / 1e9)
         step = EngineStep(num_segments, num_tokens, tuple(queued))
         for observer in self._step_observers:
             observer(step)
@@ -794,7 +794,7 @@ class _NeverProbe:
 
     arm_now = True
 
-    def observe(self, committed: Mapping[str, int]) -> None:
+    def observe(self, committed: Mapping[str, int], step_s: float = 0.0) -> None:
         return None
 
 

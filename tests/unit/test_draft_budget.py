@@ -143,16 +143,50 @@ def test_guard_keeps_the_arm_when_the_probe_does_not_win_clearly() -> None:
 
 
 def test_guard_judges_the_arms_on_the_same_sessions_only() -> None:
-    """A request whose drafts were all rejected ends; the next, with drafts that pay, must not be judged by it."""
+    """A request whose drafts were all rejected ends; the next, with drafts that pay, must not be judged by it.
+    A probe waits for a session it can be judged on (``min_tokens`` in the stretch's last ``probe_s``)."""
     clock = FakeClock()
-    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3)
-    run_guard(guard, clock, 8, {True: 2, False: 2}, sessions=("cold",))  # the exploit arm, on one request
-    run_guard(guard, clock, 3.5, {True: 20, False: 20}, sessions=("warm",))  # the probe (off), on another
-    assert guard.speculate and guard.num_switches == 0 and guard.num_unpaired == 1
-    # A session in both stretches is judged: here drafting costs it half its rate (the next probe comes after
-    # 16 s: the unjudged one doubled the wait).
-    run_guard(guard, clock, 20, {True: 5, False: 10}, sessions=("warm", "next"))
-    assert not guard.speculate and guard.num_switches == 1
+    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3, min_tokens=64)
+    run_guard(guard, clock, 8, {True: 2, False: 2}, sessions=("cold",))  # 58 tokens in its last 3 s: too few
+    costly = {True: 10, False: 20}  # on warm, drafting costs half the rate
+    run_guard(guard, clock, 0.3, costly, sessions=("warm",))  # 20 tokens after its first step
+    assert guard.arm_now and guard.num_unpaired == 0, "no probe before a session it can be judged on"
+    run_guard(guard, clock, 0.5, costly, sessions=("warm",))  # 70: enough
+    assert not guard.arm_now, "the probe (no drafts) began on warm"
+    run_guard(guard, clock, 3.2, costly, sessions=("warm",))  # judged on warm alone: drafting goes off
+    assert not guard.speculate and guard.num_switches == 1 and guard.num_unpaired == 0
+
+
+def run_requests(
+    guard: ThroughputGuard, clock: FakeClock, requests: int, steps: int, pause_s: float, rate: dict[bool, int]
+) -> tuple[list[tuple[int, int]], list[bool]]:
+    """``requests`` one after another, each ``steps`` steps of 0.1 s, after a pause of ``pause_s`` without
+    steps; the (request, step) where each probe began, and each request's first arm (True: drafting)."""
+    starts, first_arms = [], []
+    for request in range(requests):
+        clock.now += pause_s
+        for step in range(steps):
+            probing = guard.arm_now != guard.speculate
+            clock.now += 0.1
+            guard.observe({f"r{request}": rate[guard.arm_now]}, step_s=0.1)
+            if step == 0:
+                first_arms.append(guard.arm_now)
+            if guard.arm_now != guard.speculate and not probing:
+                starts.append((request, step))
+    return starts, first_arms
+
+
+def test_pauses_do_not_count_and_a_probe_ends_with_the_request_it_is_judged_on() -> None:
+    """Requests of 2 s (20 steps) one at a time, 10 s apart. On the wall clock the first probe would fall due in
+    the first pause and take the second request's start, which has no stretch before it to be judged against.
+    Counting busy time it falls due 7 s in, half-way through the fourth request, is judged on it (drafting
+    pays: kept), and ends with it: the fifth request opens with drafts."""
+    clock = FakeClock()
+    guard = ThroughputGuard(clock, exploit_s=7, probe_s=3, min_tokens=64)
+    starts, first_arms = run_requests(guard, clock, 6, 20, 10.0, {True: 30, False: 20})
+    assert starts == [(3, 9)]
+    assert all(first_arms)
+    assert guard.speculate and guard.num_switches == 0 and guard.num_unpaired == 0
 
 
 def probe_starts(
