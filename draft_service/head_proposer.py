@@ -44,6 +44,7 @@ verifier checks them against its own keyed sample, so output never changes.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -234,7 +235,9 @@ class HeadProposer:
                 children += self._expand(parent, outputs[parent][1], nodes, level, gumbel)
             if level == depth or not children:
                 break
-            frontier = sorted(children, key=lambda i: -nodes[i].log_prob)[:beam]
+            frontier = _can_place(nodes, sorted(children, key=lambda i: -nodes[i].log_prob)[:beam], budget)
+            if not frontier:
+                break  # no child of theirs could be among the best ``budget``: the forward would be wasted
             self._forward_level(frontier, nodes, outputs, tree_entries, context)
         truncate_cache(self._cache, context)
         return _best_subtree(nodes, budget)
@@ -290,6 +293,19 @@ class HeadProposer:
         for row, node in enumerate(level):
             outputs[node] = (out.features[0, row], out.logits[0, row])
         tree_entries.extend(level)
+
+
+def _can_place(nodes: list[_Node], frontier: list[int], budget: int) -> list[int]:
+    """The frontier nodes whose children could still be among the ``budget`` most probable nodes.
+
+    A child's path is no more probable than its parent's, and at equal probability the deeper node ranks
+    after (``_best_subtree``): a parent no more probable than the ``budget``-th best node has no child that
+    makes the cut, so expanding it (a head forward, when it is the whole frontier) changes no tree.
+    """
+    if len(nodes) < budget:
+        return frontier
+    kth = heapq.nlargest(budget, (node.log_prob for node in nodes))[-1]
+    return [i for i in frontier if nodes[i].log_prob > kth]
 
 
 def _best_subtree(nodes: list[_Node], budget: int) -> TokenTree:
