@@ -44,6 +44,7 @@ from specserve.hardware import choose_dtype
 from specserve.model_loading import DEFAULT_MODEL, ModelSource, resolve_model
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
+from target_service.engine_threads import serve_on_this_thread
 from target_service.verifier import Verifier
 
 from . import machine
@@ -162,8 +163,8 @@ class PlainEngine:
 
     engine = "specserve verifier, plain greedy (empty trees)"
 
-    def __init__(self, model: Any, fingerprint: str, eos_ids: frozenset[int]) -> None:
-        self._verifier = Verifier(model, fingerprint)
+    def __init__(self, model: Any, fingerprint: str, eos_ids: frozenset[int], threads: int = 0) -> None:
+        self._verifier = Verifier(model, fingerprint, engine_threads=threads)
         self._verifier.park()  # one engine thread (one OpenMP team) in the process at a time: Verifier.park
         self.dtype = self._verifier.dtype
         self.name = f"plain-{self.dtype}"
@@ -264,7 +265,7 @@ def gguf_path(source: ModelSource) -> Path:
 
 
 def speculative_engine(
-    model: Any, tokenizer: Any, fingerprint: str, eos_ids: frozenset[int], sources: tuple[str, ...]
+    model: Any, tokenizer: Any, fingerprint: str, eos_ids: frozenset[int], sources: tuple[str, ...], threads: int = 0
 ) -> SpeculativeEngine:
     try:
         # The head the drafter's config names by default (not $SPECSERVE_DRAFT_HEAD), in the dtype it would pick.
@@ -272,7 +273,8 @@ def speculative_engine(
         head = load_head(model, fingerprint, path) if HeadProposer.name in sources else None
     except DraftHeadError as exc:
         raise SystemExit(f"error: the draft_model source needs its head: {exc} (or pass --sources)") from exc
-    return SpeculativeEngine(InProcessMode(model, tokenizer, fingerprint, eos_ids, sources, head), model_dtype(model))
+    mode = InProcessMode(model, tokenizer, fingerprint, eos_ids, sources, head, threads=threads)
+    return SpeculativeEngine(mode, model_dtype(model))
 
 
 def measure(engines: Sequence[Engine], cases: Sequence[Case], max_new_tokens: int) -> tuple[dict[str, list[Run]], str]:
@@ -379,11 +381,15 @@ def build_engines(
     add(LlamaCppEngine(llama_cpp, gguf, args.threads, args.n_ctx, target.eos_ids))
     progress(f"loading {target.source.name} in {FLOAT32}" + ("" if dtype == FLOAT32 else f" and {dtype}"))
     fp32_model = target.load_model(FLOAT32)
-    add(PlainEngine(fp32_model, target.fingerprint, target.eos_ids))
+    add(PlainEngine(fp32_model, target.fingerprint, target.eos_ids, args.engine_threads))
     model = fp32_model if dtype == FLOAT32 else target.load_model(dtype)
     if model is not fp32_model:
-        add(PlainEngine(model, target.fingerprint, target.eos_ids))
-    add(speculative_engine(model, target.tokenizer, target.fingerprint, target.eos_ids, args.sources))
+        add(PlainEngine(model, target.fingerprint, target.eos_ids, args.engine_threads))
+    add(
+        speculative_engine(
+            model, target.tokenizer, target.fingerprint, target.eos_ids, args.sources, args.engine_threads
+        )
+    )
     return engines
 
 
@@ -431,6 +437,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     quiet_libraries()
     torch.set_num_threads(args.threads)
+    # One OpenMP team at a time, as a service runs: the engines' threads compute on --threads, this one (model
+    # loading, the in-process drafter's head) on one (target_service.engine_threads; bench.run does the same).
+    # With a team of its own here as well, every engine step ran about 1.5x slower.
+    args.engine_threads = serve_on_this_thread()
     started = time.monotonic()
     meta: dict[str, Any] = {
         "started_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
