@@ -5,7 +5,8 @@ that matters there. On the same Spec-Bench prompts (chat template applied, the
 same token ids into every engine), greedy, up to ``--max-new-tokens`` each,
 stopping at EOS, interleaved prompt by prompt (the order rotating):
 
-- ``llama.cpp``: llama-cpp-python on the GGUF the service loads (Q4_1 as shipped);
+- ``llama.cpp``: llama-cpp-python on the GGUF the service loads (Q4_1 as shipped), in a process of its
+  own (``LlamaCppProcess``);
 - ``plain-float32``: plain greedy decoding through specserve's verifier engine
   (``Verifier.verify`` with empty trees), the GGUF de-quantized to fp32;
 - ``plain-<dtype>``: the same in the dtype ``--dtype auto`` picks here (skipped when that is fp32);
@@ -24,11 +25,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import multiprocessing
 import re
 import sys
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -231,6 +234,56 @@ def gguf_quantization(gguf: Path) -> str:
 # ---- llama.cpp itself ----
 
 
+_CHILD_ENGINE: LlamaCppEngine | None = None  # in the llama.cpp process: its engine
+
+
+def _start_llama_cpp(gguf: Path, threads: int, n_ctx: int, eos_ids: frozenset[int]) -> None:
+    global _CHILD_ENGINE
+    _CHILD_ENGINE = LlamaCppEngine(importlib.import_module("llama_cpp"), gguf, threads, n_ctx, eos_ids)
+
+
+def _llama_cpp_call(method: str, *args: Any) -> Any:
+    assert _CHILD_ENGINE is not None
+    attribute = getattr(_CHILD_ENGINE, method)
+    return attribute(*args) if callable(attribute) else attribute
+
+
+class LlamaCppProcess:
+    """``LlamaCppEngine`` in a process of its own, as a CPU user runs llama.cpp.
+
+    In the benchmark's own process, llama.cpp's threads (its OpenMP runtime, not torch's) slowed every later
+    specserve step: plain bf16 decoding on a 2-core AVX512-BF16 EPYC took 12.3-12.9 ms a token before the
+    first llama.cpp generation in the process and 21.6-22.0 ms after it, a second later too. In a child
+    process each engine computes as it would alone; the child idles while the others run.
+    """
+
+    name = LLAMA_CPP
+    engine = LlamaCppEngine.engine
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, eos_ids: frozenset[int]) -> None:
+        self.dtype = gguf_quantization(gguf)
+        self._pool = ProcessPoolExecutor(
+            1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_llama_cpp,
+            initargs=(gguf, threads, n_ctx, eos_ids),
+        )
+        self.n_vocab: int = self._call("n_vocab")  # the model loads here, not in the first timed run
+
+    def _call(self, method: str, *args: Any) -> Any:
+        return self._pool.submit(_llama_cpp_call, method, *args).result()
+
+    def run(self, token_ids: list[int], max_new_tokens: int) -> Run:
+        run: Run = self._call("run", token_ids, max_new_tokens)
+        return run
+
+    def close(self) -> None:
+        try:
+            self._call("close")
+        finally:
+            self._pool.shutdown()
+
+
 def import_llama_cpp() -> Any | None:
     """The ``llama_cpp`` module, or None when llama-cpp-python is not installed (it is opt-in)."""
     try:
@@ -368,7 +421,7 @@ def select_cases(args: argparse.Namespace, target: TargetText) -> tuple[list[Cas
 
 
 def build_engines(
-    args: argparse.Namespace, llama_cpp: Any, gguf: Path, target: TargetText, dtype: str, stack: ExitStack
+    args: argparse.Namespace, gguf: Path, target: TargetText, dtype: str, stack: ExitStack
 ) -> list[Engine]:
     """llama.cpp, plain fp32, plain in ``dtype`` (unless fp32) and speculative in ``dtype``; the stack closes them."""
     engines: list[Engine] = []
@@ -378,7 +431,7 @@ def build_engines(
         engines.append(engine)
 
     progress(f"loading {gguf} into llama.cpp ({args.threads} threads)")
-    add(LlamaCppEngine(llama_cpp, gguf, args.threads, args.n_ctx, target.eos_ids))
+    add(LlamaCppProcess(gguf, args.threads, args.n_ctx, target.eos_ids))
     progress(f"loading {target.source.name} in {FLOAT32}" + ("" if dtype == FLOAT32 else f" and {dtype}"))
     fp32_model = target.load_model(FLOAT32)
     add(PlainEngine(fp32_model, target.fingerprint, target.eos_ids, args.engine_threads))
@@ -452,8 +505,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases, too_long = select_cases(args, target)
     dtype = choose_dtype(args.dtype, "cpu").dtype
     with ExitStack() as stack:
-        engines = build_engines(args, llama_cpp, gguf, target, dtype, stack)
-        meta["llama_cpp"]["n_vocab"] = next(e.n_vocab for e in engines if isinstance(e, LlamaCppEngine))
+        engines = build_engines(args, gguf, target, dtype, stack)
+        meta["llama_cpp"]["n_vocab"] = next(e.n_vocab for e in engines if isinstance(e, LlamaCppProcess))
         warm_up(engines, target.tokenizer)
         runs, error = measure(engines, cases, args.max_new_tokens)
     done = min(len(r) for r in runs.values())
