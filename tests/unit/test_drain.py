@@ -129,6 +129,27 @@ async def drafter_server(
     return server, address
 
 
+async def first_refusal(*requests: drafter_pb2.DraftRequest) -> grpc.aio.AioRpcError:
+    """The error a fresh n-gram drafter ends a Draft stream with: ``start("s")`` and then ``requests`` are sent,
+    each propose's answer read as it comes."""
+    server, address = await drafter_server(Drain())
+    try:
+        async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(30):
+            stream = Stream(drafter_pb2_grpc.DrafterServiceStub(channel))
+            await stream.send(start("s"))
+            try:
+                for request in requests:
+                    await stream.send(request)
+                    if request.WhichOneof("action") == "propose":
+                        await stream.call.read()
+                await stream.call.read()
+            except grpc.aio.AioRpcError as exc:
+                return exc
+            raise AssertionError("the drafter answered every request")
+    finally:
+        await server.stop(0)
+
+
 def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused() -> None:
     async def scenario() -> None:
         drain = Drain(grace_s=30, clock=FakeClock())  # a clock that stands still: the grace never runs out here

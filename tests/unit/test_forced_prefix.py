@@ -13,21 +13,17 @@ import asyncio
 import grpc
 import pytest
 
-from bench.inproc import InProcessVerifier
 from coordinator.constraints.grammar_state import GrammarState
 from coordinator.constraints.spec import Constraint, ConstraintKind
-from coordinator.rounds import Generation, GenerationRequest, RoundPolicy
 from draft_service.drafter import DraftSession
-from specserve.drain import Drain
 from specserve.results import DraftFeedback
 from specserve.token_tree import ROOT
-from specserve.v1 import drafter_pb2, drafter_pb2_grpc
+from specserve.v1 import drafter_pb2
 from specserve.wire import feedback_from_proto, feedback_to_proto
-from target_service.verifier import Verifier
-from tests.conftest import CharTokenizer, run_generation
-from tests.unit.test_drain import Stream, drafter_server, start
-from tests.unit.test_structured_output import EOS, MODEL, WatchedDrafter, compiled, masked_plain_greedy
-from tests.unit.test_work_ahead import GUARD_S, PROMPT, lookup_drafter, work_all_ahead
+from tests.conftest import run_generation
+from tests.unit.test_drain import first_refusal
+from tests.unit.test_structured_output import WatchedDrafter, compiled, repeating_generation
+from tests.unit.test_work_ahead import PROMPT, lookup_drafter, work_all_ahead
 
 
 def stats_of(session: DraftSession) -> dict[tuple[str, int], list[float]]:
@@ -101,22 +97,10 @@ def test_the_prefix_crosses_the_wire() -> None:
 def test_a_prefix_the_tree_cannot_hold_or_outside_the_vocabulary_is_invalid_argument(
     prefix: list[int], max_nodes: int, problem: str
 ) -> None:
-    async def scenario() -> None:
-        server, address = await drafter_server(Drain())
-        try:
-            async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(GUARD_S):
-                stream = Stream(drafter_pb2_grpc.DrafterServiceStub(channel))
-                await stream.send(start("s"))
-                propose = drafter_pb2.ProposeTree(max_nodes=max_nodes, forced_prefix=prefix)
-                await stream.send(drafter_pb2.DraftRequest(propose=propose))
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stream.call.read()
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert problem in (refused.value.details() or "")
-        finally:
-            await server.stop(0)
-
-    asyncio.run(scenario())
+    propose = drafter_pb2.ProposeTree(max_nodes=max_nodes, forced_prefix=prefix)
+    refused = asyncio.run(first_refusal(drafter_pb2.DraftRequest(propose=propose)))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert problem in (refused.details() or "")
 
 
 def test_forced_next_is_the_chain_the_grammar_forces_and_leaves_the_state_where_it_was() -> None:
@@ -135,21 +119,9 @@ def test_forced_next_is_the_chain_the_grammar_forces_and_leaves_the_state_where_
 def test_drafting_past_forced_tokens_keeps_the_output_and_accepts_more_drafted_tokens() -> None:
     """Items repeat in this grammar's output and ",xy," is forced after each: drafting after ",xy," is where
     prompt lookup finds the next item. The output is the same either way; only the rounds change."""
-    grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'))
-    prompt = [1, 2, 3]
-    reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
     drafted_accepted = {}
     for blind in (True, False):
-        drafter = WatchedDrafter(tell=True, sees_prefix=not blind)
-        generation = Generation(
-            GenerationRequest(prompt, 40, constraint=grammar),
-            InProcessVerifier(Verifier(MODEL, "tiny")),
-            drafter,  # type: ignore[arg-type]
-            CharTokenizer(),
-            frozenset({EOS}),
-            "tiny",
-            RoundPolicy(max_draft_tokens=6),
-        )
+        generation, reference = repeating_generation(WatchedDrafter(tell=True, sees_prefix=not blind))
         tokens, _, stats = run_generation(generation)
         assert tokens == reference
         assert stats.drafter_error == ""

@@ -519,27 +519,37 @@ class WatchedDrafter:
         return self.streams[-1]
 
 
+REPEATING = 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'  # items repeat, and ",xy," is forced after each
+
+
+def repeating_generation(drafter: WatchedDrafter) -> tuple[Generation, list[int]]:
+    """REPEATING's generation (40 tokens at most) through the tiny verifier with ``drafter``, and the tokens
+    masked plain decoding gives."""
+    grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, REPEATING))
+    prompt = [1, 2, 3]
+    reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
+    generation = Generation(
+        GenerationRequest(prompt, 40, constraint=grammar),
+        InProcessVerifier(Verifier(MODEL, "tiny")),
+        drafter,  # type: ignore[arg-type]
+        CharTokenizer(),
+        frozenset({EOS}),
+        "tiny",
+        RoundPolicy(max_draft_tokens=6),
+    )
+    return generation, reference
+
+
 def test_predrafts_hit_after_rounds_that_end_in_forced_tokens_once_the_drafter_is_told_the_verified_tree() -> None:
     """The drafter keys a pre-draft by the path it expects accepted plus a guessed bonus token. Under a
     constraint most paths end in tokens the grammar forced, which the drafter never drafted: told only of its
     own tree, it pre-drafts for paths that cannot be the whole acceptance. The forced prefix is kept from it: it
     puts a round's first forced tokens in the drafter's own tree (``test_forced_prefix``), and the verified tree
     is what tells it of the others."""
-    grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'))
-    prompt = [1, 2, 3]
-    reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
     hits, hits_after_forced = {}, {}
     for tell in (False, True):
         drafter = WatchedDrafter(tell, sees_prefix=False)
-        generation = Generation(
-            GenerationRequest(prompt, 40, constraint=grammar),
-            InProcessVerifier(Verifier(MODEL, "tiny")),
-            drafter,  # type: ignore[arg-type]
-            CharTokenizer(),
-            frozenset({EOS}),
-            "tiny",
-            RoundPolicy(max_draft_tokens=6),
-        )
+        generation, reference = repeating_generation(drafter)
         tokens, _, stats = run_generation(generation)
         assert tokens == reference  # what is pre-drafted changes the speed, never the output
         (stream,) = drafter.streams
@@ -551,18 +561,7 @@ def test_predrafts_hit_after_rounds_that_end_in_forced_tokens_once_the_drafter_i
 
 
 def test_a_drafter_lost_while_told_the_verified_tree_is_dropped_and_the_output_stays_the_same() -> None:
-    grammar = compiled(Constraint(ConstraintKind.LARK_GRAMMAR, 'start: (item ",xy,")+ "]"\nitem: /[abc]{1,4}/'))
-    prompt = [1, 2, 3]
-    reference = [t for t in masked_plain_greedy(prompt, grammar.new_state(), 40) if t != EOS]
-    generation = Generation(
-        GenerationRequest(prompt, 40, constraint=grammar),
-        InProcessVerifier(Verifier(MODEL, "tiny")),
-        WatchedDrafter(tell=True, fail_on=3),  # type: ignore[arg-type]
-        CharTokenizer(),
-        frozenset({EOS}),
-        "tiny",
-        RoundPolicy(max_draft_tokens=6),
-    )
+    generation, reference = repeating_generation(WatchedDrafter(tell=True, fail_on=3))
     tokens, _, stats = run_generation(generation)
     assert tokens == reference
     assert stats.drafter_error == "drafter dropped: connection lost"

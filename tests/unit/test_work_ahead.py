@@ -28,7 +28,7 @@ from specserve.results import DraftFeedback, VerifiedTree
 from specserve.token_tree import ROOT, TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specserve.wire import verified_tree_from_proto
-from tests.unit.test_drain import Stream, drafter_server, propose, start
+from tests.unit.test_drain import Stream, drafter_server, first_refusal, propose, start
 
 GUARD_S = 30  # a guard only: each wait ends on an event long before
 
@@ -222,24 +222,11 @@ def test_over_grpc_the_coordinator_tells_the_drafter_the_verified_tree_and_its_p
 
 
 def test_a_malformed_verified_tree_is_invalid_argument() -> None:
-    async def scenario() -> None:
-        server, address = await drafter_server(Drain())
-        try:
-            async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(GUARD_S):
-                stream = Stream(drafter_pb2_grpc.DrafterServiceStub(channel))
-                await stream.send(start("s"))
-                await stream.send(propose([]))
-                await stream.call.read()
-                tree = common_pb2.TokenTree(token_ids=[4, 5], parents=[1, ROOT])  # a child before its parent
-                await stream.send(drafter_pb2.DraftRequest(verified=drafter_pb2.VerifiedTree(tree=tree)))
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stream.call.read()
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                assert "verified: node 0 has parent 1" in (refused.value.details() or "")
-        finally:
-            await server.stop(0)
-
-    asyncio.run(scenario())
+    tree = common_pb2.TokenTree(token_ids=[4, 5], parents=[1, ROOT])  # a child before its parent
+    verified = drafter_pb2.DraftRequest(verified=drafter_pb2.VerifiedTree(tree=tree))
+    refused = asyncio.run(first_refusal(propose([]), verified))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "verified: node 0 has parent 1" in (refused.details() or "")
 
 
 class RecordingCall:
