@@ -30,19 +30,6 @@ from specserve.service_main import COORDINATOR_PORT, DRAFTER_PORT, HTTP_PORT, VE
 
 PREDRAFT_ENV = "SPECSERVE_PREDRAFT_OUTCOMES"  # the drafter's --predraft-outcomes, set by whoever starts us
 
-SPIN_ENV = "GOMP_SPINCOUNT"
-SHARED_CPUS_SPINCOUNT = 10_000
-"""libgomp's spin count for processes that share CPUs (``LocalCluster.child_env``).
-
-A torch process's OpenMP workers wait for the next parallel region by spinning, 300,000 pause loops by
-default (a few milliseconds), before they sleep. Inside a step the regions follow each other within
-microseconds, so a short spin loses nothing there; between steps the verifier's workers spun on the cores
-the drafter then drafted on, and the drafter's on the cores the verifier's next step needed. Spec-Bench on
-a 2-core AVX512-BF16 EPYC, 13 prompts, bf16, two pairs of runs in turn: a `distributed` round 31.0 and 30.9
-ms with 10,000 against 33.1 and 32.4 with the default (drafting 7.8/7.4 against 8.3/8.0 ms, the rest of the
-round 2.7/2.5 against 3.4/3.1 ms), plain decoding unchanged (bench/README, "OpenMP spinning on shared
-cores")."""
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -166,7 +153,7 @@ class LocalCluster:
         process = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             stderr=stderr,
-            env=self.child_env(),
+            env=os.environ.copy(),
             # Set in the child before exec, so every thread it ever starts inherits it.
             preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
@@ -180,14 +167,6 @@ class LocalCluster:
         if self.drafter_shares_verifier_cpus and PREDRAFT_ENV not in os.environ:
             args += ["--predraft-outcomes", "0"]  # extra_drafter_args, after it, may turn it back on
         self._spawn("drafter", "draft_service", [*args, *self.extra_drafter_args])
-
-    def child_env(self) -> dict[str, str]:
-        """The services' environment: ours, with a short OpenMP spin where the drafter and the verifier share
-        CPUs (``SHARED_CPUS_SPINCOUNT``) unless the caller set one."""
-        env = os.environ.copy()
-        if self.drafter_shares_verifier_cpus:
-            env.setdefault(SPIN_ENV, str(SHARED_CPUS_SPINCOUNT))
-        return env
 
     @property
     def drafter_shares_verifier_cpus(self) -> bool:

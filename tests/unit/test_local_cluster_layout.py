@@ -1,11 +1,10 @@
-"""How ``LocalCluster`` starts its services: pre-drafting off and a short OpenMP spin where the drafter shares the
-verifier's CPUs."""
+"""How ``LocalCluster`` starts its drafter: pre-drafting off where it shares the verifier's CPUs."""
 
 from __future__ import annotations
 
 import pytest
 
-from specserve.local_cluster import PREDRAFT_ENV, SHARED_CPUS_SPINCOUNT, SPIN_ENV, LocalCluster
+from specserve.local_cluster import PREDRAFT_ENV, LocalCluster
 
 
 def drafter_args(cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -29,7 +28,6 @@ def predraft_flag(args: list[str]) -> str | None:
 @pytest.fixture(autouse=True)
 def no_predraft_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(PREDRAFT_ENV, raising=False)
-    monkeypatch.delenv(SPIN_ENV, raising=False)
 
 
 def test_a_drafter_on_the_verifiers_cpus_starts_without_pre_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,11 +48,3 @@ def test_the_callers_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     assert predraft_flag(drafter_args(cluster, monkeypatch)) == "2"
     monkeypatch.setenv(PREDRAFT_ENV, "3")  # the drafter reads it: the cluster adds no flag over it
     assert predraft_flag(drafter_args(LocalCluster(), monkeypatch)) is None
-
-
-def test_services_on_shared_cpus_spin_briefly_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert LocalCluster().child_env()[SPIN_ENV] == str(SHARED_CPUS_SPINCOUNT)
-    apart = LocalCluster(cpus={"verifier": frozenset({0}), "drafter": frozenset({1})})
-    assert SPIN_ENV not in apart.child_env()  # its own cores: libgomp's default
-    monkeypatch.setenv(SPIN_ENV, "300000")
-    assert LocalCluster().child_env()[SPIN_ENV] == "300000"
