@@ -295,11 +295,9 @@ class Generation:
 
     def _forced_prefix(self, budget: int, remaining: int, room: int) -> tuple[int, ...]:
         """What the constraint forces right after the committed tokens, for the drafter to draft after (empty
-        without a constraint, a drafter or a draft budget). Left at least one node and one level of the tree,
-        for a drafted token."""
+        without a constraint, a drafter or a draft budget; with speculation off the caps are 0). Left at least
+        one node and one level of the tree, for a drafted token."""
         if self._grammar is None or self._draft is None or budget <= 0:
-            return ()
-        if self.request.speculation.mode is SpeculationMode.OFF:
             return ()
         cap, depth = self._tree_caps(remaining, room)
         return self._grammar.forced_next(min(cap, depth) - 1)

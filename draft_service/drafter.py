@@ -103,12 +103,9 @@ def _scored(own: DraftTree, verified: VerifiedTree) -> DraftTree:
 
 def _after(draft: DraftTree, path: Sequence[int]) -> DraftTree | None:
     """The subtree of ``draft`` under the node ``path`` reaches, rooted there; None when it has no such node."""
-    node = ROOT
-    children = draft.tree.children()
-    for token in path:
-        node = next((c for c in children[node] if draft.tree.token_ids[c] == token), -2)
-        if node == -2:
-            return None
+    node = _find_node(draft.tree, path)
+    if node is None:
+        return None
     anchor = 1.0 if node == ROOT else draft.scores[node]
     new_index = {node: ROOT}
     kept: list[int] = []
@@ -133,12 +130,23 @@ def _graft(prefix: Sequence[int], draft: DraftTree) -> DraftTree:
     return DraftTree(tree, (*(frozenset[str]() for _ in prefix), *draft.sources), (*(1.0,) * k, *draft.scores))
 
 
-def _node_at(tree: TokenTree, path: Sequence[int]) -> int:
-    """The node that ``path`` (tokens from the root) reaches in ``tree``; ROOT for the empty path."""
+def _find_node(tree: TokenTree, path: Sequence[int]) -> int | None:
+    """The node that ``path`` (tokens from the root) reaches in ``tree``; ROOT for the empty path, None when
+    ``tree`` does not spell it."""
     node = ROOT
     children = tree.children()
     for token in path:
-        node = next(c for c in children[node] if tree.token_ids[c] == token)
+        found = next((c for c in children[node] if tree.token_ids[c] == token), None)
+        if found is None:
+            return None
+        node = found
+    return node
+
+
+def _node_at(tree: TokenTree, path: Sequence[int]) -> int:
+    """The node that ``path`` reaches in ``tree``, which spells it."""
+    node = _find_node(tree, path)
+    assert node is not None, f"the tree does not spell {list(path)}"
     return node
 
 
