@@ -73,6 +73,7 @@ class _InProcessDraftStream:
         self._session = session
         self._predraft = predraft
         self.wants_features = session.wants_features
+        self.takes_verified_trees = predraft and session.predrafts
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         reply = self._session.propose(feedback, max_nodes)

@@ -325,6 +325,10 @@ class _HealthCheckedStream:
         self._answered = False  # once the drafter has answered, the session's state is there
         self._trees = 0
 
+    @property
+    def takes_verified_trees(self) -> bool:
+        return self._inner.takes_verified_trees  # the session may have opened again on another drafter
+
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         if self._owner.circuit_open:
             # Another session found the drafter failing: this one stops using it too.

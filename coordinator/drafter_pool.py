@@ -154,6 +154,7 @@ class _PooledStream:
         self._address = address
         self._inner = inner
         self.wants_features = inner.wants_features
+        self.takes_verified_trees = inner.takes_verified_trees
         self._closed = False
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:

@@ -192,7 +192,8 @@ class GrpcDraftStream:
         self._call = call
         self._target = target
         self.wants_features = wants_features
-        self._takes_verified_trees = takes_verified_trees  # else the drafter would refuse the message
+        # The drafter pre-drafts from the tree verified; one that does not would refuse the message or ignore it.
+        self.takes_verified_trees = takes_verified_trees
 
     async def _write(self, request: drafter_pb2.DraftRequest) -> None:
         try:
@@ -271,7 +272,7 @@ class GrpcDraftStream:
         return last
 
     async def verifying(self, verified: VerifiedTree) -> None:
-        if self._takes_verified_trees:
+        if self.takes_verified_trees:
             await self._write(drafter_pb2.DraftRequest(verified=verified_tree_to_proto(verified)))
 
     async def close(self) -> None:

@@ -67,6 +67,11 @@ class DraftStream(Protocol):
     # The drafter drafts from the target's features: the round loop asks the verifier for them and forwards them.
     wants_features: bool
 
+    @property
+    def takes_verified_trees(self) -> bool:
+        """Whether it pre-drafts from the tree verified (``verifying``): a constrained round tells it, else not."""
+        ...
+
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         """Report the last round and get a tree (max_nodes 0: report only)."""
         ...
@@ -74,7 +79,7 @@ class DraftStream(Protocol):
     async def verifying(self, verified: VerifiedTree) -> None:
         """Tell the drafter the tree verified for its last tree when it is not that tree (structured output:
         pruned to the grammar, forced tokens added), so that it pre-drafts for the outcomes that can happen.
-        No answer; a drafter that does not take these is not sent them."""
+        No answer; called only where ``takes_verified_trees``."""
         ...
 
     async def close(self) -> None: ...

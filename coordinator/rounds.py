@@ -253,8 +253,10 @@ class Generation:
         tree, drafted = await self._propose(max_nodes, prefix)
         fitted = self._fit(tree, remaining, room)
         pending = self._committed[-1]
-        # The drafter hears of the fitted tree while the verifier works (it must before the next proposal).
-        telling = asyncio.ensure_future(self._tell_verified(fitted)) if fitted is not None and drafted else None
+        # A drafter that pre-drafts hears of the fitted tree while the verifier works (before the next proposal).
+        telling = None
+        if fitted is not None and drafted and self._draft is not None and self._draft.takes_verified_trees:
+            telling = asyncio.ensure_future(self._tell_verified(fitted))
         try:
             result, tree = await self._verify(tree if fitted is None else fitted.tree, fitted)
         except BaseException:

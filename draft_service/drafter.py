@@ -202,6 +202,11 @@ class DraftSession:
         return any(proposer.wants_features for proposer in self._proposers)
 
     @property
+    def predrafts(self) -> bool:
+        """Whether it drafts ahead for the outcomes of the tree being verified (``work_ahead``)."""
+        return self._predraft_outcomes > 0
+
+    @property
     def nbytes(self) -> int:
         """Memory held for this session: its tokens (a list of ints) and its sources' own state."""
         return BYTES_PER_TOKEN * len(self.tokens) + sum(proposer.nbytes for proposer in self._proposers)

@@ -272,7 +272,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             sources=self._drafter.sources,
             num_active_sessions=self._num_active_sessions,
             wants_features=self._drafter.wants_features,
-            takes_verified_trees=True,
+            # Only a drafter that pre-drafts uses the tree verified; the others are spared a message a round.
+            takes_verified_trees=self._drafter.predraft_outcomes > 0,
         )
 
     async def PurgePool(

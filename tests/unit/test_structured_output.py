@@ -461,13 +461,16 @@ class WatchedStream:
     ``fail_on``: the verified tree whose sending fails like a lost connection (0: none); ``sees_prefix``: False
     keeps the forced prefix from it (a drafter from before prefixes: it drafts after the committed tokens)."""
 
-    def __init__(self, inner: DraftStream, tell: bool, fail_on: int = 0, sees_prefix: bool = True) -> None:
+    def __init__(
+        self, inner: DraftStream, tell: bool, fail_on: int = 0, sees_prefix: bool = True, takes: bool = True
+    ) -> None:
         self._inner = inner
         self._tell = tell
         self._sees_prefix = sees_prefix
         self._fail_on = fail_on
         self._told = 0
         self.wants_features = inner.wants_features
+        self.takes_verified_trees = takes  # True: it watches each verified tree, whether or not it passes it on
         self._verified: VerifiedTree | None = None
         self.rounds: list[tuple[bool, bool]] = []  # (the last path ended in a forced token, pre-drafted)
 
@@ -499,7 +502,7 @@ class WatchedStream:
 
 
 class WatchedDrafter:
-    def __init__(self, tell: bool, fail_on: int = 0, sees_prefix: bool = True) -> None:
+    def __init__(self, tell: bool, fail_on: int = 0, sees_prefix: bool = True, takes: bool = True) -> None:
         # Prompt lookup alone (it follows the output's repeats), every node kept, three outcomes pre-drafted.
         drafter = Drafter(
             lambda *_: InMemoryNgramPool(),
@@ -511,11 +514,12 @@ class WatchedDrafter:
         self._tell = tell
         self._fail_on = fail_on
         self._sees_prefix = sees_prefix
+        self._takes = takes
         self.streams: list[WatchedStream] = []
 
     async def open(self, *args: object, **kwargs: object) -> DraftStream:
         inner = await self._inner.open(*args, **kwargs)  # type: ignore[arg-type]
-        self.streams.append(WatchedStream(inner, self._tell, self._fail_on, self._sees_prefix))
+        self.streams.append(WatchedStream(inner, self._tell, self._fail_on, self._sees_prefix, self._takes))
         return self.streams[-1]
 
 
@@ -558,6 +562,17 @@ def test_predrafts_hit_after_rounds_that_end_in_forced_tokens_once_the_drafter_i
         hits_after_forced[tell] = sum(ended and hit for ended, hit in stream.rounds)
     assert hits_after_forced[True] > hits_after_forced[False]
     assert hits[True] > hits[False]
+
+
+def test_a_drafter_that_does_not_predraft_is_not_told_the_verified_tree() -> None:
+    """Only pre-drafting uses the verified tree: a drafter without it (one sharing the verifier's cores) is spared
+    the message and the coordinator the work of building it, each round."""
+    drafter = WatchedDrafter(tell=True, takes=False)
+    generation, reference = repeating_generation(drafter)
+    tokens, _, stats = run_generation(generation)
+    assert tokens == reference
+    (stream,) = drafter.streams
+    assert stream._told == 0 and stats.num_drafter_trees >= 3 and stats.num_forced_tokens > 0
 
 
 def test_a_drafter_lost_while_told_the_verified_tree_is_dropped_and_the_output_stays_the_same() -> None:

@@ -221,6 +221,22 @@ def test_over_grpc_the_coordinator_tells_the_drafter_the_verified_tree_and_its_p
     asyncio.run(scenario())
 
 
+def test_a_drafter_that_does_not_predraft_says_so_and_its_stream_sends_no_verified_tree() -> None:
+    async def scenario() -> None:
+        drafter = Drafter(lambda *_: InMemoryNgramPool(), sources=("prompt_lookup",), predraft_outcomes=0)
+        server, address = await drafter_server(Drain(), drafter=drafter)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(GUARD_S):
+                assert not (await GrpcDrafter(channel, address).info()).takes_verified_trees
+                stream = await GrpcDrafter(channel, address).open("s", PROMPT, "fp")
+                assert not stream.takes_verified_trees
+                await stream.close()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
 def test_a_malformed_verified_tree_is_invalid_argument() -> None:
     tree = common_pb2.TokenTree(token_ids=[4, 5], parents=[1, ROOT])  # a child before its parent
     verified = drafter_pb2.DraftRequest(verified=drafter_pb2.VerifiedTree(tree=tree))
