@@ -65,6 +65,7 @@ class Stats:
     num_forced_tokens: int = 0  # accepted draft tokens the constraint alone allowed
     constraint_complete: bool = False  # with a constraint: the output completed it
     mask_s: float = 0.0  # computing the constraint's token masks on the coordinator
+    prefill_s: float = 0.0  # of verify_s: the verifier prefilling the prompt (total_s - prefill_s: generating)
 
     @property
     def tau(self) -> float:
@@ -126,6 +127,7 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         num_forced_tokens=s.num_forced_tokens,
         constraint_complete=s.constraint_complete,
         mask_s=s.mask_ns / 1e9,
+        prefill_s=s.prefill_ns / 1e9,
     )
 
 

@@ -107,6 +107,7 @@ class GenerationStats:
     total_ns: int = 0
     draft_ns: int = 0
     verify_ns: int = 0
+    prefill_ns: int = 0  # of verify_ns: prefilling the prompt (re-prefills included)
     queue_ns: int = 0  # waiting for an admission slot before the stream started (not in total_ns)
     drafter_error: str = ""  # sent to the client: a short cause, no address or peer text
     drafter_error_detail: str = ""  # the whole story (addresses, the peer's words), for the log line only
@@ -455,6 +456,7 @@ class Generation:
                 self.stats.num_reprefills += 1
                 continue
             self.stats.verify_ns += prefill.prefill_ns
+            self.stats.prefill_ns += prefill.prefill_ns
             self._keep_features(prefill.features, len(self._committed) - 1)
             return
         raise self._lost_too_often()
@@ -473,6 +475,7 @@ class Generation:
                     # The drafter already has the features of these positions: none are asked for.
                     prefill = await self.verifier.prefill(self.session_id, self._committed, self._sampling)
                     self.stats.verify_ns += prefill.prefill_ns
+                    self.stats.prefill_ns += prefill.prefill_ns
                     lost = False
                 # Masks travel only with constrained requests: unconstrained calls stay as they were.
                 extra = {"token_masks": masks} if masks is not None else {}

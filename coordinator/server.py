@@ -58,6 +58,7 @@ def stats_to_proto(stats: GenerationStats, request_id: str = "") -> generation_p
         num_forced_tokens=stats.num_forced_tokens,
         constraint_complete=stats.constraint_complete,
         mask_ns=stats.mask_ns,
+        prefill_ns=stats.prefill_ns,
     )
 
 

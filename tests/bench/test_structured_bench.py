@@ -12,8 +12,25 @@ from bench.structured import ModeResult, Timing, prompts, write_report
 from client import Stats
 
 
-def _stats(tokens: int, rounds: int, forced: int, finish: str = "eos") -> Stats:
-    return Stats(finish, 10, tokens, rounds, 0, 0, 0, 0, 1.0, 0.0, 0.5, 0.1, "", num_forced_tokens=forced, mask_s=0.001)
+def _stats(tokens: int, rounds: int, forced: int, finish: str = "eos", prefill_s: float = 0.2) -> Stats:
+    return Stats(
+        finish,
+        10,
+        tokens,
+        rounds,
+        0,
+        0,
+        0,
+        0,
+        1.0,
+        0.0,
+        0.5,
+        0.1,
+        "",
+        num_forced_tokens=forced,
+        mask_s=0.001,
+        prefill_s=prefill_s,
+    )
 
 
 def test_thirty_prompts_with_valid_distinct_schemas() -> None:
@@ -33,7 +50,7 @@ def test_report_counts_validity_and_speed(tmp_path: Path) -> None:
     spec.add('{"name": "Al", "age": 3}', _stats(12, 4, 6), schema, 1_000_000, Timing(0.5, 0.5, 4))
     spec.add('{"name": "A', _stats(5, 2, 2, finish="length"), schema, 0, Timing(0.5, 0.5, 3))
     plain.add('{"name": 3}', _stats(10, 10, 0), schema, 0, Timing(0.4, 0.6, 1))
-    free.add("text", _stats(8, 4, 0), None, 0)
+    free.add("text", _stats(24, 8, 0, prefill_s=0.5), None, 0)
     for r in (spec, plain, free):
         r.finish()
     assert (spec.valid, spec.cut_by_length, plain.invalid) == (1, 1, 1)
@@ -41,9 +58,13 @@ def test_report_counts_validity_and_speed(tmp_path: Path) -> None:
     assert spec.mask_share == 0.001 / 2.0 and spec.ms_per_round == 2.0 / 6 * 1e3
     # After the first chunks: (12 - 4) + (5 - 3) tokens in 1 s, against plain's 9 in 0.6 s.
     assert (spec.decode_tokens_per_s, plain.decode_tokens_per_s) == (10.0, 15.0)
+    # Less the prefill: 17 tokens in 2 - 0.4 s, against plain's 10 in 1 - 0.2 s and the free text's 24 in 1 - 0.5 s.
+    assert spec.generation_tokens_per_s == 17 / 1.6 and free.generation_tokens_per_s == 48.0
     write_report([spec, plain, free], tmp_path, {"machine_line": "m", "prompts": 2, "max_new_tokens": 8, "date": "d"})
     table = (tmp_path / "structured.md").read_text()
-    assert "| constrained speculative | 1/2 | 1 | 0 | 17 | 8.5 | 0.85 | 10.0 | 0.67 | 2.83 | 47% |" in table
+    row = "| constrained speculative | 1/2 | 1 | 0 | 17 | 8.5 | 0.85 | 10.6 | 0.85 | 10.0 | 0.67 | 2.83 | 47% |"
+    assert row in table
+    assert "tok/s 0.35x, generation tok/s 0.22x, decode tok/s -." in table  # the free text had no client timing
 
 
 def test_modes_take_turns_prompt_by_prompt_each_going_first_as_often(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -116,6 +116,7 @@ def test_grpc_same_tokens_with_and_without_speculation(cluster: LocalCluster) ->
     jsonschema.validate(json.loads(text), SCHEMA)
     assert stats.finish_reason == "eos" and stats.constraint_complete
     assert stats.num_forced_tokens > 0  # keys and punctuation are forced
+    assert 0 < stats.prefill_s < stats.verify_s  # the prompt's prefill, then the rounds
     plain_text, plain_tokens, plain = _grpc(
         cluster, GenerationParams(max_new_tokens=TOKENS, json_schema=schema, speculation="off")
     )

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -214,6 +215,36 @@ def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -
     tokens, _, stats = run(generation(GenerationRequest(prompt, 40), verifier=verifier))
     assert tokens == plain_greedy(MODEL, prompt, 40)
     assert stats.num_reprefills >= 3
+
+
+class TimedVerifier(ForgetfulVerifier):
+    """Reports 1,000 ns for every prefill and 10 ns for every verify (a verifier's own clock, injected)."""
+
+    async def prefill(
+        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+    ) -> PrefillResult:
+        result = await super().prefill(session_id, token_ids, sampling, return_features)
+        return dataclasses.replace(result, prefill_ns=1_000)
+
+    async def verify(
+        self,
+        session_id: str,
+        num_committed: int,
+        tree: TokenTree,
+        num_successors: int = 0,
+        return_features: bool = False,
+    ) -> VerifyResult:
+        result = await super().verify(session_id, num_committed, tree, num_successors, return_features)
+        return dataclasses.replace(result, verify_ns=10)
+
+
+def test_prefill_time_is_reported_apart_within_the_verifiers_time_reprefills_included() -> None:
+    verifier = TimedVerifier(Verifier(MODEL, "fp"), every=4)
+    _, _, stats = run(generation(GenerationRequest([7, 8, 9, 7, 8], 30), verifier=verifier))
+    prefills = 1 + stats.num_reprefills
+    assert stats.num_reprefills >= 2
+    assert stats.prefill_ns == 1_000 * prefills
+    assert stats.verify_ns == stats.prefill_ns + 10 * stats.num_rounds
 
 
 class MortalReplica(InProcessVerifier):
