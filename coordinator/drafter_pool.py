@@ -154,8 +154,11 @@ class _PooledStream:
         self._address = address
         self._inner = inner
         self.wants_features = inner.wants_features
-        self.takes_verified_trees = inner.takes_verified_trees
         self._closed = False
+
+    @property
+    def takes_verified_trees(self) -> bool:
+        return self._inner.takes_verified_trees
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         try:

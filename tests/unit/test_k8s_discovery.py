@@ -325,6 +325,7 @@ def test_the_verifier_router_acts_on_each_change_at_the_next_session() -> None:
 
 class FakeStream:
     wants_features = False
+    takes_verified_trees = False
 
     def __init__(self) -> None:
         self.closed = False

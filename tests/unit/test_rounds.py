@@ -474,6 +474,7 @@ class OracleStream:
     """Drafts the true continuation (so the verifier accepts past any cut) and records every report."""
 
     wants_features = False
+    takes_verified_trees = False
 
     def __init__(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         self._sequence = [*prompt, *continuation]

@@ -71,6 +71,7 @@ class BadTreeStream:
     """A drafter stream sending whatever tree it was given, each round."""
 
     wants_features = False
+    takes_verified_trees = False
 
     def __init__(self, tree: TokenTree) -> None:
         self.tree = tree
