@@ -37,7 +37,7 @@ from . import machine
 from .target import Target, load_head, load_target, quiet_libraries
 
 ROWS = (1, 4)
-ARMS = {"F.linear": "linear", "packed": "auto", "served": "auto"}  # arm -> --head-matmul
+ARMS = {"F.linear": "linear", "packed": "packed", "served": "packed"}  # arm -> --head-matmul
 SERVED = "served"  # the arm that runs DraftHead.step; the others run DraftHead.forward
 
 
@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     loaded = fp32_head(load_target(args.model, "float32"))
     runs: dict[str, dict[str, Any]] = {}
     for dtype in args.dtypes:
-        head, _ = in_serving_dtype(copy.deepcopy(loaded), dtype, "auto")
+        head, _ = in_serving_dtype(copy.deepcopy(loaded), dtype, "packed")
         times = time_steps(head, args.context, args.rounds, args.reps)
         runs[dtype] = {"products": head.products, "times_ms": times}
     meta = {

@@ -34,7 +34,7 @@ class DrafterConfig:
     draft_head_path: str = str(DEFAULT_DRAFT_HEAD)
     target_model: str = DEFAULT_MODEL  # whose embedding and LM head the head reads (name or local path)
     head_dtype: str = "auto"  # the head's compute dtype; auto: bf16 where the CPU runs it natively (AMX, AVX512-BF16)
-    head_logits_matmul: str = "auto"  # --head-matmul; auto: the head's products on prepacked weights where possible
+    head_logits_matmul: str = "auto"  # --head-matmul; auto: packed or int8 products, whichever times faster here
     tree_depth: int = 4  # dynamic tree: levels, children per expanded node, nodes expanded per level
     tree_branching: int = 4
     tree_beam: int = 4

@@ -25,7 +25,17 @@ from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
 from draft_service.head_layer import HeadCache, HeadStep
-from draft_service.head_products import WeightPack, describe, head_packing, pack_linears, pack_of, product
+from draft_service.head_products import (
+    WeightPack,
+    auto_candidates,
+    describe,
+    describe_timings,
+    head_packing,
+    pack_linears,
+    pack_of,
+    product,
+)
+from draft_service.head_timing import Timer, faster_kernel, time_draft_step, time_kernels
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.packed_linear import Packing
 
@@ -121,6 +131,7 @@ class DraftHead(nn.Module):
         # The products' packed kernel (``pack_products``); none while training: every product is F.linear.
         self.packing: Packing = "none"
         self.head_matmul = "linear"  # --head-matmul of the last pack_products
+        self.kernel_seconds: dict[Packing, float] = {}  # with --head-matmul auto: a draft step's time per kernel
         self._logits_pack: WeightPack | None = None
         self._step: HeadStep | None = None  # the serving layer: built by ``pack_products``, again if weights change
 
@@ -167,17 +178,31 @@ class DraftHead(nn.Module):
         """The draft logits' packed weight (``pack_products``); None: F.linear."""
         return self._logits_pack
 
-    def pack_products(self, head_matmul: str = "auto") -> None:
-        """Run the fc, the layer's linears and the draft logits on weights prepacked now, in the head's current
-        dtype, where ``head_matmul`` is "auto" and a packed kernel exists; else (and for "linear") on F.linear.
+    def pack_products(self, head_matmul: str = "auto", timer: Timer = time_draft_step) -> None:
+        """Run the fc, the layer's linears and the draft logits on weights packed now, in the head's current
+        dtype, as ``head_matmul`` says: "packed", the float weights prepacked for this CPU's GEMM kernel where
+        one exists (else F.linear); "int8", int8 copies; "linear", F.linear; "auto", whichever of "packed" and
+        "int8" ``timer`` finds faster for a draft step (``head_timing``; int8 only by a margin).
 
         Called on a head ready to serve: its ``nn.Linear``s become ``PackableLinear``s over the same parameters.
         """
         weight = self.draft_lm_head
-        self.packing = head_packing(weight.dtype, weight.device, head_matmul)
         self.head_matmul = head_matmul
-        pack_linears(self, self.packing)
-        self._logits_pack = pack_of(weight, None, self.packing)
+        self.kernel_seconds = {}
+        if head_matmul == "auto":
+            candidates = auto_candidates(weight.dtype, weight.device)
+            if len(candidates) > 1:
+                self.kernel_seconds = time_kernels(self, candidates, timer)
+            packing = faster_kernel(self.kernel_seconds, candidates[0])
+        else:
+            packing = head_packing(weight.dtype, weight.device, head_matmul)
+        self.pack_for(packing)
+
+    def pack_for(self, packing: Packing) -> None:
+        """Pack the products for ``packing`` ("none": F.linear), and build the serving step over them."""
+        self.packing = packing
+        pack_linears(self, packing)
+        self._logits_pack = pack_of(self.draft_lm_head, None, packing)
         self._step = self._new_step()  # fused and packed now, not in a request's first draft
 
     def _new_step(self) -> HeadStep:
@@ -187,7 +212,8 @@ class DraftHead(nn.Module):
     @property
     def products(self) -> str:
         """What runs the head's products, for logs and reports."""
-        return describe(self.packing, self.head_matmul, self.draft_lm_head.dtype)
+        described = describe(self.packing, self.head_matmul, self.draft_lm_head.dtype)
+        return described + describe_timings(self.kernel_seconds, self.draft_lm_head.dtype)
 
     def save(self, path: Path, *, target_fingerprint: str, metadata: dict[str, Any] | None = None) -> None:
         """Weights in bfloat16 with the config, draft vocabulary and target fingerprint."""
@@ -259,7 +285,7 @@ def in_serving_dtype(
     head: DraftHead, requested: str = "auto", head_matmul: str = "auto"
 ) -> tuple[DraftHead, DtypeChoice]:
     """``head`` in the dtype the drafter computes in (``--head-dtype``; auto: bf16 where the CPU runs it natively),
-    its products packed in that dtype as ``head_matmul`` says (``--head-matmul``; auto: where a kernel exists).
+    its products packed in that dtype as ``head_matmul`` says (``--head-matmul``; auto: the faster kernel here).
 
     Loaded heads are fp32 (``load_draft_head``); the benchmarks call this too, so they draft as the service does.
     """

@@ -2,9 +2,10 @@
 
 A draft step runs the head over one row (the newest committed token) and then over a beam's few rows per
 level: products of 1-16 rows against small weights, where ``F.linear`` repacks the weight into its GEMM
-kernel's layout on every call. ``--head-matmul auto`` packs the fc, the decoder layer's linears and the
+kernel's layout on every call. ``--head-matmul packed`` packs the fc, the decoder layer's linears and the
 draft logits' weight once, when the head is put in its serving dtype, for the kernel ``available_packing``
-names for that dtype on this CPU (oneDNN, or MKL for fp32 on Intel); ``linear``, and a dtype or device
+names for that dtype on this CPU (oneDNN, or MKL for fp32 on Intel); ``int8`` packs int8 copies of them;
+``auto`` (the default) times both and keeps the faster (``head_timing``); ``linear``, and a dtype or device
 without a packed kernel, keep ``F.linear``.
 
 Each packed product runs at the row counts where its kernel computes a row alike whatever the count
@@ -23,19 +24,27 @@ from torch import nn
 
 from specserve.packed_linear import PackedLinear, Packing, available_packing, invariant_rows
 
-HEAD_MATMUL_CHOICES = ("auto", "linear", "int8")
-"""``--head-matmul``: packed where this dtype and device have a packed kernel, else F.linear; or F.linear; or
-int8 copies of the weights on a CPU (``packed_linear``'s int8 kernel: a draft's numerics cost acceptance at most,
-never exactness, and its 1-4-row products run 1.5-2x faster than fp32 ones on an AVX2 EPYC)."""
+HEAD_MATMUL_CHOICES = ("auto", "packed", "linear", "int8")
+"""``--head-matmul``: auto, the faster of packed and int8 timed at start-up (``head_timing``); packed, where this
+dtype and device have a packed kernel, else F.linear; F.linear; or int8 copies of the weights on a CPU
+(``packed_linear``'s int8 kernel: a draft's numerics cost acceptance at most, never exactness, and its 1-4-row
+products run 1.5-2x faster than fp32 ones on an AVX2 EPYC)."""
 
 
 def head_packing(dtype: torch.dtype, device: torch.device, choice: str) -> Packing:
-    """The packed kernel the head's products use for ``choice`` (``--head-matmul``); "none": F.linear."""
+    """The packed kernel the head's products use for ``choice`` (``--head-matmul``); "none": F.linear. For
+    "auto", the kernel it uses untimed: the packed one."""
     if choice not in HEAD_MATMUL_CHOICES:
         raise ValueError(f"--head-matmul must be one of {', '.join(HEAD_MATMUL_CHOICES)}, not {choice!r}")
     if choice == "int8":
         return "int8" if device.type == "cpu" else "none"
-    return available_packing(dtype, device) if choice == "auto" else "none"
+    return available_packing(dtype, device) if choice in ("auto", "packed") else "none"
+
+
+def auto_candidates(dtype: torch.dtype, device: torch.device) -> tuple[Packing, ...]:
+    """The kernels ``--head-matmul auto`` times, the default first: int8 is a candidate on a CPU only."""
+    default = available_packing(dtype, device)
+    return (default, "int8") if device.type == "cpu" else (default,)
 
 
 class WeightPack:
@@ -118,3 +127,13 @@ def describe(packing: Packing, choice: str, dtype: torch.dtype) -> str:
         )
     kernel = {"onednn": "oneDNN", "mkl": "MKL"}[packing]
     return f"{kernel} on {name} weights prepacked for the fc, the layer's linears and the draft logits"
+
+
+def describe_timings(seconds: dict[Packing, float], dtype: torch.dtype) -> str:
+    """For logs and reports: what ``--head-matmul auto`` timed (empty when it timed nothing)."""
+    if not seconds:
+        return ""
+    name = str(dtype).removeprefix("torch.")
+    kernels = {"onednn": f"oneDNN {name}", "mkl": f"MKL {name}", "int8": "int8", "none": f"F.linear {name}"}
+    timed = ", ".join(f"{kernels[packing]} {s * 1e3:.2f} ms" for packing, s in seconds.items())
+    return f"; chosen by --head-matmul auto, a draft step timed at start-up: {timed}"

@@ -87,10 +87,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         dest="head_logits_matmul",
         default=env("SPECSERVE_HEAD_LOGITS_MATMUL", defaults.head_logits_matmul),
         choices=HEAD_MATMUL_CHOICES,
-        help="auto: the head's fc, layer linears and draft logits run on weights prepacked once at start-up for "
-        "the CPU's GEMM kernel (oneDNN; MKL for fp32 on Intel), F.linear where the dtype has none; "
-        "linear: F.linear everywhere; int8: int8 copies of those weights (CPU; a draft's numerics can cost "
-        "acceptance, never exactness)",
+        help="packed: the head's fc, layer linears and draft logits run on weights prepacked once at start-up "
+        "for the CPU's GEMM kernel (oneDNN; MKL for fp32 on Intel), F.linear where the dtype has none; "
+        "int8: int8 copies of those weights (CPU; a draft's numerics can cost acceptance, never exactness); "
+        "auto: whichever of packed and int8 a draft step timed at start-up runs faster (int8 only if at least "
+        "10%% faster); linear: F.linear everywhere",
     )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)

@@ -59,7 +59,7 @@ def both(
     return served, reference
 
 
-@pytest.mark.parametrize("head_matmul", ["linear", "auto"])
+@pytest.mark.parametrize("head_matmul", ["linear", "packed"])
 def test_the_served_layer_equals_transformers_layer_through_a_drafting_session(head_matmul: str) -> None:
     """A context fed in chunks past the cache's first buffer, one speculative row, a masked tree level, crops."""
     head, _ = in_serving_dtype(trained_like_head(), "float32", head_matmul)  # as the drafter loads it
@@ -97,7 +97,7 @@ def drafting_session(head: DraftHead) -> None:
 
 
 def test_last_logits_only_scores_the_last_row() -> None:
-    head, _ = in_serving_dtype(trained_like_head(), "float32", "auto")
+    head, _ = in_serving_dtype(trained_like_head(), "float32", "packed")
     features, tokens = rows(6, 1)
     with torch.inference_mode():
         every = head.step(features, tokens, torch.arange(6), HeadCache())
@@ -108,7 +108,7 @@ def test_last_logits_only_scores_the_last_row() -> None:
 
 def test_the_served_layer_follows_new_weights_and_copies() -> None:
     """Its fused weights are copies: a head whose weights change, or a copy of a head, builds them again."""
-    head, _ = in_serving_dtype(trained_like_head(0), "float32", "auto")
+    head, _ = in_serving_dtype(trained_like_head(0), "float32", "packed")
     features, tokens = rows(4, 2)
     with torch.inference_mode():
         before = head.step(features, tokens, torch.arange(4), HeadCache()).logits

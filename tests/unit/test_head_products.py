@@ -43,7 +43,7 @@ def test_packed_products_equal_f_linear_within_rounding_at_1_to_16_rows(
     generator = torch.Generator().manual_seed(out_features)
     weight = (torch.randn(out_features, in_features, generator=generator) / in_features**0.5).to(dtype)
     x = torch.randn(2, 8, in_features, generator=generator).to(dtype)  # [batch, n, in], up to 16 rows
-    pack = pack_of(weight, None, head_packing(dtype, CPU, "auto"))
+    pack = pack_of(weight, None, head_packing(dtype, CPU, "packed"))
     assert pack is not None
     with torch.inference_mode():
         for rows in range(1, 17):
@@ -63,7 +63,7 @@ def test_packed_products_equal_f_linear_within_rounding_at_1_to_16_rows(
 def test_the_packed_head_computes_the_f_linear_heads_features_and_logits(dtype: torch.dtype) -> None:
     plain = new_head().eval().to(dtype)
     packed = copy.deepcopy(plain)
-    packed.pack_products("auto")
+    packed.pack_products("packed")
     assert packed.packing == available_packing(dtype, CPU) and "prepacked" in packed.products
     generator = torch.Generator().manual_seed(5)
     with torch.inference_mode():
@@ -92,8 +92,8 @@ def test_packing_keeps_the_parameters_and_a_changed_weight_is_never_served_stale
     head = new_head().eval()
     params = dict(head.named_parameters())
     state = {name: t.clone() for name, t in head.state_dict().items()}
-    head.pack_products("auto")
-    head.pack_products("auto")  # again: packed anew, wrapped once
+    head.pack_products("packed")
+    head.pack_products("packed")  # again: packed anew, wrapped once
     assert dict(head.named_parameters()) == params  # the same objects under the same names
     assert head.state_dict().keys() == state.keys()
     assert all(torch.equal(t, state[name]) for name, t in head.state_dict().items())
@@ -110,7 +110,7 @@ def test_packing_keeps_the_parameters_and_a_changed_weight_is_never_served_stale
 
 def test_a_packed_head_still_trains_through_f_linear() -> None:
     head = new_head()
-    head.pack_products("auto")
+    head.pack_products("packed")
     out = head(torch.randn(1, 3, 64), torch.randint(VOCAB, (1, 3)))
     out.logits.sum().backward()
     linears = [m for m in head.modules() if isinstance(m, PackableLinear)]
@@ -118,9 +118,9 @@ def test_a_packed_head_still_trains_through_f_linear() -> None:
 
 
 def test_an_unknown_choice_is_refused() -> None:
-    with pytest.raises(ValueError, match="--head-matmul must be one of auto, linear"):
+    with pytest.raises(ValueError, match="--head-matmul must be one of auto, packed, linear, int8"):
         head_packing(torch.float32, CPU, "fast")
-    assert head_packing(torch.float32, torch.device("meta"), "auto") == "none"
+    assert head_packing(torch.float32, torch.device("meta"), "packed") == "none"
 
 
 @needs_packing

@@ -398,7 +398,7 @@ def test_concurrent_sampled_sessions_with_coupled_drafts_share_steps_and_each_is
     assert steps < sum(stats.num_rounds for stats in finished) + len(requests)  # prefills and rounds shared steps
 
 
-@pytest.mark.parametrize("head_matmul", ["linear", "auto"])
+@pytest.mark.parametrize("head_matmul", ["linear", "packed"])
 def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead, head_matmul: str) -> None:
     """The drafter runs its head in bf16 where the CPU does so natively (--head-dtype auto): fp32 features in.
 
@@ -416,7 +416,7 @@ def test_a_bf16_head_drafts_and_the_output_stays_plain_decoding(head: DraftHead,
 
 def test_the_packed_fp32_head_drafts_the_f_linear_heads_trees(head: DraftHead) -> None:
     """Prepacked products round unlike F.linear only in the last bits: the same trees, q within rounding."""
-    packed, _ = in_serving_dtype(copy.deepcopy(head), "float32", "auto")
+    packed, _ = in_serving_dtype(copy.deepcopy(head), "float32", "packed")
     plain, _ = in_serving_dtype(copy.deepcopy(head), "float32", "linear")
     assert plain.packing == "none"
     shape = TreeShape(depth=3, branching=3, beam=4, max_nodes=16)

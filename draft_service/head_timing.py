@@ -1,0 +1,81 @@
+"""``--head-matmul auto``: the head's products on whichever kernel drafts faster on this CPU, timed at start-up.
+
+The head's products run either on its float weights prepacked for the CPU's GEMM kernel (oneDNN, MKL for fp32
+on Intel) or on int8 copies of them. Which is faster depends on the CPU, not on the model: on a 2-core
+AVX512-BF16 EPYC without AMX the int8 products cut drafting by a quarter, where an AMX Xeon multiplies bf16
+in its tiles. So the drafter times a draft's typical pair of steps both ways when it loads the head and keeps
+the faster, preferring the float weights unless int8 is faster by ``INT8_MARGIN``: int8 drafts are a little
+different and can cost acceptance (never exactness: the verifier checks every draft).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from draft_service.head_layer import HeadCache
+from specserve.packed_linear import Packing
+
+if TYPE_CHECKING:
+    from draft_service.draft_head import DraftHead
+
+INT8_MARGIN = 0.10
+"""int8 is kept only where a draft step takes at most 90% of the float products' time."""
+
+ROUNDS = 3
+"""Each kernel is timed this many times, in turn with the other (a passing slowdown hits both); best kept."""
+
+CONTEXT = 32  # cached positions the timed steps attend to
+BEAM = 4  # rows of the timed tree level (TreeShape's default beam)
+
+Timer = Callable[["DraftHead"], float]
+
+
+def time_draft_step(head: DraftHead, repeats: int = 8, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds of a draft's typical pair of head steps: one row fed (its last logits only), then a
+    tree level of ``BEAM`` rows with all their logits, over ``CONTEXT`` cached positions."""
+    hidden = head.config.hidden_size
+    dtype = head.draft_lm_head.dtype
+    generator = torch.Generator().manual_seed(0)
+
+    def rows(start: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        features = torch.randn(count, hidden, generator=generator).to(dtype)
+        tokens = torch.randint(int(head.draft_vocab.numel()), (count,), generator=generator)
+        return features, head.draft_vocab[tokens], torch.arange(start, start + count)
+
+    cache = HeadCache()
+    fed, level = rows(CONTEXT, 1), rows(CONTEXT + 1, BEAM)
+    seconds = []
+    with torch.no_grad():
+        head.step(*rows(0, CONTEXT), cache, last_logits_only=True)
+        for _ in range(repeats + 1):  # the first pair warms the kernels up: not counted
+            start = clock()
+            head.step(*fed, cache, last_logits_only=True)
+            head.step(*level, cache)
+            seconds.append(clock() - start)
+            cache.crop(CONTEXT)
+    return statistics.median(seconds[1:])
+
+
+def time_kernels(
+    head: DraftHead, candidates: Sequence[Packing], timer: Timer = time_draft_step
+) -> dict[Packing, float]:
+    """Each candidate's best draft-step time over ``ROUNDS`` turns; the head is left packed for the last one."""
+    best: dict[Packing, float] = {}
+    for _ in range(ROUNDS):
+        for packing in candidates:
+            head.pack_for(packing)
+            seconds = timer(head)
+            best[packing] = min(seconds, best.get(packing, seconds))
+    return best
+
+
+def faster_kernel(seconds: dict[Packing, float], default: Packing, margin: float = INT8_MARGIN) -> Packing:
+    """``default`` unless int8 was timed at most ``1 - margin`` of its time."""
+    if "int8" in seconds and default in seconds and seconds["int8"] <= (1 - margin) * seconds[default]:
+        return "int8"
+    return default
