@@ -1,11 +1,12 @@
 """``--head-matmul auto``: the head's products on whichever kernel drafts faster on this CPU, timed at start-up.
 
 The head's products run either on its float weights prepacked for the CPU's GEMM kernel (oneDNN, MKL for fp32
-on Intel) or on int8 copies of them. Which is faster depends on the CPU, not on the model: on a 2-core
-AVX512-BF16 EPYC without AMX the int8 products cut drafting by a quarter, where an AMX Xeon multiplies bf16
-in its tiles. So the drafter times a draft's typical pair of steps both ways when it loads the head and keeps
-the faster, preferring the float weights unless int8 is faster by ``INT8_MARGIN``: int8 drafts are a little
-different and can cost acceptance (never exactness: the verifier checks every draft).
+on Intel) or on int8 copies of them. Which is faster depends on the CPU and the torch build, not on the
+model: int8 cut a draft step by about a quarter on a 2-core AVX512-BF16 EPYC and, against the guess that AMX's
+bf16 tiles would win, on a 2-core AMX Xeon too (bench/README). So the drafter times a draft's typical pair of
+steps both ways when it loads the head and keeps the faster, preferring the float weights unless int8 is
+faster by ``INT8_MARGIN``: int8 drafts are a little different and can cost acceptance (never exactness: the
+verifier checks every draft).
 """
 
 from __future__ import annotations
