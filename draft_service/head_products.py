@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.packed_linear import PackedLinear, Packing, available_packing, invariant_rows
+from specserve.packed_linear import PackedLinear, Packing, available_packing, invariant_rows, kernel_name
 
 HEAD_MATMUL_CHOICES = ("auto", "packed", "linear", "int8")
 """``--head-matmul``: auto, the faster of packed and int8 timed at start-up (``head_timing``); packed, where this
@@ -125,7 +125,7 @@ def describe(packing: Packing, choice: str, dtype: torch.dtype) -> str:
             f"int8 copies of the weights (bf16 activations, {name} between) for the fc, the layer's linears and "
             "the draft logits"
         )
-    kernel = {"onednn": "oneDNN", "mkl": "MKL"}[packing]
+    kernel = kernel_name(packing, "F.linear")
     return f"{kernel} on {name} weights prepacked for the fc, the layer's linears and the draft logits"
 
 
@@ -134,6 +134,10 @@ def describe_timings(seconds: dict[Packing, float], dtype: torch.dtype) -> str:
     if not seconds:
         return ""
     name = str(dtype).removeprefix("torch.")
-    kernels = {"onednn": f"oneDNN {name}", "mkl": f"MKL {name}", "int8": "int8", "none": f"F.linear {name}"}
-    timed = ", ".join(f"{kernels[packing]} {s * 1e3:.2f} ms" for packing, s in seconds.items())
+
+    def label(packing: Packing) -> str:  # int8 is int8 whatever the head's dtype
+        kernel = kernel_name(packing, "F.linear")
+        return kernel if packing == "int8" else f"{kernel} {name}"
+
+    timed = ", ".join(f"{label(packing)} {s * 1e3:.2f} ms" for packing, s in seconds.items())
     return f"; chosen by --head-matmul auto, a draft step timed at start-up: {timed}"

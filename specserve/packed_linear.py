@@ -70,6 +70,12 @@ from specserve.hardware import cpu_vendor
 
 Packing = Literal["mkl", "onednn", "int8", "none"]
 
+
+def kernel_name(packing: Packing, unpacked: str) -> str:
+    """For logs and reports: the kernel a packing runs on; ``unpacked`` where it packs nothing."""
+    return {"mkl": "MKL", "onednn": "oneDNN", "int8": "int8"}.get(packing, unpacked)
+
+
 # Row counts MKL's packed product runs at (each needs a pack made for it); a step with more rows runs unpadded.
 MKL_BUCKETS: tuple[int, ...] = (2, 4, 8, 16, 32)
 # oneDNN's pack serves any row count: every count up to the largest is a candidate.

@@ -42,6 +42,7 @@ from specserve.packed_linear import (
     available_packing,
     bucket_for,
     invariant_rows,
+    kernel_name,
 )
 from target_service.inductor_steps import InductorSteps
 from target_service.kv_arena import BLOCK_TOKENS, KVArena, bytes_per_token
@@ -72,11 +73,6 @@ __all__ = [
 class StepOutput:
     logits: torch.Tensor  # [len(score_rows), vocab] float32
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
-
-
-def _kernels_name(packing: Packing) -> str:
-    """The packed kernel's name in ``describe``; "eager" where nothing is packed."""
-    return {"mkl": "MKL", "onednn": "oneDNN", "int8": "int8"}.get(packing, "eager")
 
 
 def _row_counts(rows: tuple[int, ...]) -> str:
@@ -161,11 +157,12 @@ class ModelRunner:
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
+        kernel, head_kernel = kernel_name(self.packing, "eager"), kernel_name(self.head_packing, "eager")
         if isinstance(self._static, InductorSteps):
             return (
                 f"one inductor-compiled graph (weights frozen) at rows padded to {list(self._static.row_buckets)}, "
                 f"attention over one gathered window of at most {self._static.max_window} slots; beyond, "
-                f"{_kernels_name(self.packing)}-prepacked eager; fp32 head {_kernels_name(self.head_packing)} at rows "
+                f"{kernel}-prepacked eager; fp32 head {head_kernel} at rows "
                 f"{_row_counts(self._head.buckets)}"
             )
         if self._static is not None:
@@ -179,12 +176,12 @@ class ModelRunner:
         if self.packing == "int8":
             return (
                 f"int8 weight-only products (bf16 activations, {str(self.dtype).removeprefix('torch.')} between "
-                f"them) at rows {_row_counts(self.buckets)}, fp32 head {_kernels_name(self.head_packing)} at "
+                f"them) at rows {_row_counts(self.buckets)}, fp32 head {head_kernel} at "
                 f"rows {_row_counts(self._head.buckets)}"
             )
         return (
-            f"{_kernels_name(self.packing)}-prepacked {str(self.dtype).removeprefix('torch.')} products at rows "
-            f"{_row_counts(self.buckets)}, fp32 head {_kernels_name(self.head_packing)} at rows "
+            f"{kernel}-prepacked {str(self.dtype).removeprefix('torch.')} products at rows "
+            f"{_row_counts(self.buckets)}, fp32 head {head_kernel} at rows "
             f"{_row_counts(self._head.buckets)}"
         )
 
