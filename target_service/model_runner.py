@@ -11,7 +11,9 @@ runs it, so that:
   a plain step and inside a tree (batch invariance);
 - the final norm and LM head run in fp32 whatever the layers run in, and only
   for the rows whose scores decide something: bf16 rounding in the head would
-  manufacture argmax ties;
+  manufacture argmax ties. A bf16 model's head reads its weights stored in
+  fp16, which holds them exactly (``packed_linear``, "fp16"): the same fp32
+  products from half the bytes, the head being about 40% of a bf16 step's;
 - hidden states are returned only for the rows a draft head asked for.
 
 On a GPU, ``compile="auto"`` runs steps of up to 256 rows as CUDA graphs
@@ -41,6 +43,7 @@ from specserve.packed_linear import (
     Packing,
     available_packing,
     bucket_for,
+    fp32_head_packing,
     invariant_rows,
     kernel_name,
 )
@@ -114,8 +117,9 @@ class ModelRunner:
             if compile != "auto" or self.device.type != "cpu" or static:
                 raise ValueError("int8 weights run on the CPU's packed kernels: --compile auto on a CPU")
             packing = "int8"
-        # An fp32 head (upcasting bf16 is exact), packed like the layers when fp32 packing exists here.
-        head_packing = available_packing(torch.float32, self.device) if compile != "off" else "none"
+        # An fp32 head (upcasting bf16 is exact): on weights stored in fp16 where fp16 holds them exactly (a bf16
+        # model's do: half the bytes, the same fp32 products), else packed like the layers where fp32 packs here.
+        head_packing: Packing = fp32_head_packing(weight) if compile != "off" else "none"
         shape = LlamaShape.of(model.config)
         layer_products = {
             (shape.q_size + 2 * shape.kv_size, shape.hidden_size),

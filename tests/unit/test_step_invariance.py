@@ -1,4 +1,4 @@
-"""Batch invariance: a row's result is the same bits however many rows share its step (fp32, prepacked).
+"""Batch invariance: a row's result is the same bits however many rows share its step (prepacked; fp32, bf16).
 
 Greedy speculation is token-identical to plain decoding only if a token
 scored inside a tree gets exactly the logits it gets in a plain one-token
@@ -25,10 +25,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def bench() -> RowProbe:
+@pytest.fixture(
+    scope="module",
+    params=[
+        torch.float32,
+        pytest.param(  # bf16 layers on oneDNN, the head's fp32 products on fp16-stored weights (FBGEMM)
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                available_packing(torch.bfloat16, CPU) == "none", reason="this CPU has no bf16 packing"
+            ),
+        ),
+    ],
+)
+def bench(request: pytest.FixtureRequest) -> RowProbe:
     torch.manual_seed(0)
-    return RowProbe(ModelRunner(tiny_llama(vocab_size=64, seed=5, layers=2), "auto"), vocab=64)
+    model = tiny_llama(vocab_size=64, seed=5, layers=2).to(request.param)
+    return RowProbe(ModelRunner(model, "auto"), vocab=64)
 
 
 @pytest.mark.parametrize("own_rows", [1, 3])
