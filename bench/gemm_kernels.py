@@ -6,7 +6,10 @@ kernel the engine can use: ``F.linear`` (eager), MKL's packed fp32 product
 (a pack per row count) and oneDNN's packed product (one pack, hint 8), and,
 for the layer products, torch's int8 weight-only product
 (``torch._weight_int8pack_mm``: per-channel int8 weights, activations rounded
-to bf16, its fast path; the verifier's ``--weights int8`` kernel, ``packed_linear.int8_product``). A
+to bf16, its fast path; the verifier's ``--weights int8`` kernel, ``packed_linear.int8_product``),
+and, for the head, FBGEMM's fp32 product over fp16-stored weights (the
+verifier's head for a bf16 model, ``packed_linear``'s "fp16"; the head's
+weights are drawn bf16-valued here, as a bf16 model's are, for every kernel). A
 layer product is timed over one copy of the weight per layer, as in a real
 step, so the weights come from memory and not from the cache. It also lists
 the row counts at which each packed kernel computes a row alike whatever the
@@ -26,12 +29,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.packed_linear import ONEDNN_HINT, candidate_rows, int8_product, quantize_int8, row_invariant_rows
+from specserve.packed_linear import (
+    ONEDNN_HINT,
+    PackedLinear,
+    Packing,
+    candidate_rows,
+    int8_product,
+    quantize_int8,
+    row_invariant_rows,
+)
 
 from .machine import describe
 from .verify_cost import SHAPES
 
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def products(shape: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -58,9 +69,10 @@ def median_ms(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, reps
 
 
 def kernels(
-    weights: list[torch.Tensor], rows: int, int8: bool = False
+    weights: list[torch.Tensor], rows: int, int8: bool = False, fp16: bool = False
 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """Per kernel, a product over each of ``weights`` in turn, at ``rows`` rows (with ``int8``: also int8 weights)."""
+    """Per kernel, a product over each of ``weights`` in turn, at ``rows`` rows (with ``int8``: also int8 weights;
+    with ``fp16``: also fp16-stored ones, which the weights must allow)."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     out["F.linear"] = lambda x: [F.linear(x, w) for w in weights][-1]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_HINT) for w in weights]
@@ -75,6 +87,9 @@ def kernels(
     if int8:
         quantized = [quantize_int8(w) for w in weights]
         out["int8 weight-only"] = lambda x: [int8_product(x, q, s) for q, s in quantized][-1]
+    if fp16 and "fbgemm" in torch.backends.quantized.supported_engines:
+        halves = [PackedLinear(w, None, "fp16", candidate_rows("fp16")) for w in weights]
+        out["FBGEMM fp16-weight"] = lambda x: [h(x) for h in halves][-1]
     return out
 
 
@@ -89,13 +104,18 @@ def measure(shape: dict[str, Any], dtype: torch.dtype, reps: int, head: bool) ->
         kind = torch.float32 if is_head else dtype
         copies = 1 if is_head else layers
         weights = [torch.randn(out_features, in_features).to(kind) for _ in range(copies)]
+        if is_head:  # a bf16 model's head, widened: what the verifier's fp16-weight head takes
+            weights = [w.bfloat16().float() for w in weights]
         for rows in ROWS:
             x = torch.randn(rows, in_features).to(kind)
-            for kernel, run in kernels(weights, rows, int8=not is_head).items():
+            for kernel, run in kernels(weights, rows, int8=not is_head, fp16=is_head).items():
                 ms = median_ms(run, x, reps) / copies
                 results.append({"product": name, "dtype": str(kind)[6:], "rows": rows, "kernel": kernel, "ms": ms})
-        for packing in ("onednn", "mkl") if kind == torch.float32 else ("onednn",):
+        packings: tuple[Packing, ...] = ("onednn", "mkl") if kind == torch.float32 else ("onednn",)
+        for packing in packings + (("fp16",) if is_head else ()):
             if packing == "mkl" and not torch.backends.mkl.is_available():
+                continue
+            if packing == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
                 continue
             candidates = candidate_rows(packing)
             kept = row_invariant_rows(packing, kind, out_features, in_features, candidates)

@@ -33,3 +33,16 @@ def test_every_kernel_computes_the_same_product() -> None:
             # int8 weights and bf16 activations: about 1% of the output's scale; the fp32 kernels: rounding only
             tolerance = 0.05 * expected.abs().max() if name == "int8 weight-only" else 1e-4
             assert torch.allclose(got, expected, atol=float(tolerance)), name
+
+
+def test_the_head_kernels_include_fp16_stored_weights_and_compute_the_same_product() -> None:
+    generator = torch.Generator().manual_seed(2)
+    weights = [torch.randn(96, 64, generator=generator).bfloat16().float()]  # a bf16 model's head
+    x = torch.randn(4, 64, generator=generator)
+    expected = F.linear(x, weights[-1])
+    with torch.inference_mode():
+        runs = kernels(weights, rows=4, fp16=True)
+        if "fbgemm" in torch.backends.quantized.supported_engines:
+            assert "FBGEMM fp16-weight" in runs
+        for name, run in runs.items():
+            assert torch.allclose(run(x), expected, atol=1e-4), name
