@@ -49,7 +49,11 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
   two kernels. It reads half the bytes: SmolLM2's head [49152 x 576] takes
   1.3 ms at 1 row against oneDNN fp32's 6.2, 2.7 against 5.6 at 8 rows, 5.7
   against 7.2 at 16 (a 2-core AVX512-BF16 EPYC). Measured there, every row
-  count from 1 to 64 gives a row the same bits.
+  count from 1 to 64 gives a row the same bits. Its cost grows with the rows
+  faster than oneDNN's fp32 product's (at 32 rows 10.7 ms against 9.8, at 128
+  44.7 against 36.8), so steps past the largest bucket run that one, on a
+  second pack of the fp32 weights (no fp32 copy is kept beside the packs:
+  together they hold 0.75x the bytes of the fp32 head's copy and pack).
 - **none** (GPUs, CPUs without oneDNN, ``--compile off``): ``F.linear``.
 
 ``SPECSERVE_FP32_GEMM=mkl|onednn`` overrides the fp32 choice (benchmarks
@@ -285,7 +289,11 @@ class PackedLinear:
                 self._scale = scale
                 scaled = self.weight.float() * 2.0**scale  # a copy: FBGEMM's pack saturates its input in place
                 self._fp16 = torch.ops.quantized.linear_prepack_fp16(scaled, None)
-                self.weight = scaled.half()  # the float copy is not kept: the pack holds the weights
+                if torch.backends.mkldnn.is_available():
+                    # Past the largest bucket (bit equality is not promised there) FBGEMM's cost outgrows the
+                    # fp32 product's: those steps run oneDNN's, on a pack of the fp32 weights.
+                    self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), ONEDNN_HINT)
+                self.weight = self.weight.new_empty(self.weight.shape[0], 0)  # the packs hold the weights
 
     @property
     def out_features(self) -> int:
@@ -304,7 +312,8 @@ class PackedLinear:
             return F.linear(x, self.weight, self.bias)
         bucket = bucket_for(rows, self.buckets)  # one pack serves every row count: padded only for invariance
         padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
-        if self._fp16 is not None:
+        narrow = not self.buckets or rows <= self.buckets[-1]
+        if self._fp16 is not None and (self._onednn is None or narrow):
             y = torch.ops.quantized.linear_dynamic_fp16(padded.contiguous(), self._fp16)[:rows] * 2.0**-self._scale
             return y if self.bias is None else y + self.bias
         if self._int8 is not None:

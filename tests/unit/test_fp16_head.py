@@ -59,7 +59,7 @@ def test_the_fp16_product_is_the_fp32_product(rows: int, std: float) -> None:
     # Both round only their sums: each as close to the exact products as the other, far inside bf16's rounding.
     fp32_error = float((fp32 - exact).abs().max())
     assert float((got - exact).abs().max()) <= max(4 * fp32_error, 1e-6 * std)
-    assert head.weight.dtype == torch.float16, "the fp32 copy is not kept"
+    assert head.weight.numel() == 0, "no float copy is kept beside the packs"
 
 
 def test_inexact_weights_are_refused() -> None:
@@ -86,3 +86,18 @@ def test_a_bf16_model_reads_its_head_in_fp16_and_an_fp32_model_in_fp32() -> None
     assert bf16.head_packing == "fp16"
     assert "fp32 head FBGEMM fp16-weight" in bf16.describe()
     assert ModelRunner(model, "off").head_packing == "none"
+
+
+def test_steps_past_the_largest_bucket_run_the_fp32_kernel() -> None:
+    """FBGEMM's cost outgrows oneDNN's fp32 product's past 32 rows, where bit equality is not promised."""
+    weight = bf16_weight(1000, 576)
+    head = PackedLinear(weight, None, "fp16", ONEDNN_ROWS)
+    x = torch.randn(max(ONEDNN_ROWS) + 8, 576, generator=torch.Generator().manual_seed(4))
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    fp32 = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    assert torch.equal(head(x), fp32), "a step past the largest bucket ran FBGEMM"
+    scale = fp16_scale(weight)
+    assert scale is not None
+    fp16_pack = torch.ops.quantized.linear_prepack_fp16(weight * 2.0**scale, None)
+    fp16 = torch.ops.quantized.linear_dynamic_fp16(x[:32].contiguous(), fp16_pack) * 2.0**-scale
+    assert torch.equal(head(x[:32]), fp16), "a step within the buckets ran another kernel than FBGEMM"
