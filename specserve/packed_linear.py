@@ -47,11 +47,12 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
   weight to fp32 and multiplies fp32 inputs in fp32, so the products are the
   fp32 products; only the order of the sums differs, as it does between any
   two kernels. It reads half the bytes: SmolLM2's head [49152 x 576] takes
-  1.3 ms at 1 row against oneDNN fp32's 6.2, 2.7 against 5.6 at 8 rows, 5.7
-  against 7.2 at 16 (a 2-core AVX512-BF16 EPYC). Measured there, every row
-  count from 1 to 64 gives a row the same bits. Its cost grows with the rows
-  faster than oneDNN's fp32 product's (at 32 rows 10.7 ms against 9.8, at 128
-  44.7 against 36.8), so steps past the largest bucket run that one, on a
+  1.3 ms at 1 row against oneDNN fp32's 4.5, 2.9 against 4.5 at 8 rows, 5.6
+  against 5.8 at 16 (``bench.gemm_kernels`` on a 2-core AVX512-BF16 EPYC).
+  Measured there, every row count from 1 to 64 gives a row the same bits. Its
+  cost grows with the rows faster than oneDNN's fp32 product's (at 32 rows
+  10.7 ms against 9.8, at 128 44.7 against 36.8), so steps past the largest
+  bucket run that one, on a
   second pack of the fp32 weights (no fp32 copy is kept beside the packs:
   together they hold 0.75x the bytes of the fp32 head's copy and pack).
 - **none** (GPUs, CPUs without oneDNN, ``--compile off``): ``F.linear``.
@@ -298,6 +299,11 @@ class PackedLinear:
     @property
     def out_features(self) -> int:
         return int(self.weight.shape[0])
+
+    @property
+    def runs_wide_rows_on_onednn(self) -> bool:
+        """fp16-stored weights whose steps past the largest bucket run oneDNN's fp32 product."""
+        return self._fp16 is not None and self._onednn is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]

@@ -161,13 +161,15 @@ class ModelRunner:
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
-        kernel, head_kernel = kernel_name(self.packing, "eager"), kernel_name(self.head_packing, "eager")
+        kernel = kernel_name(self.packing, "eager")
+        head = f"fp32 head {kernel_name(self.head_packing, 'eager')} at rows {_row_counts(self._head.buckets)}"
+        if self._head.runs_wide_rows_on_onednn:
+            head += ", oneDNN beyond"
         if isinstance(self._static, InductorSteps):
             return (
                 f"one inductor-compiled graph (weights frozen) at rows padded to {list(self._static.row_buckets)}, "
                 f"attention over one gathered window of at most {self._static.max_window} slots; beyond, "
-                f"{kernel}-prepacked eager; fp32 head {head_kernel} at rows "
-                f"{_row_counts(self._head.buckets)}"
+                f"{kernel}-prepacked eager; {head}"
             )
         if self._static is not None:
             how = "CUDA graphs" if self._static.capture else "uncaptured static steps"
@@ -180,14 +182,10 @@ class ModelRunner:
         if self.packing == "int8":
             return (
                 f"int8 weight-only products (bf16 activations, {str(self.dtype).removeprefix('torch.')} between "
-                f"them) at rows {_row_counts(self.buckets)}, fp32 head {head_kernel} at "
-                f"rows {_row_counts(self._head.buckets)}"
+                f"them) at rows {_row_counts(self.buckets)}, {head}"
             )
-        return (
-            f"{kernel}-prepacked {str(self.dtype).removeprefix('torch.')} products at rows "
-            f"{_row_counts(self.buckets)}, fp32 head {head_kernel} at rows "
-            f"{_row_counts(self._head.buckets)}"
-        )
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{kernel}-prepacked {dtype} products at rows {_row_counts(self.buckets)}, {head}"
 
     @property
     def captures_steps(self) -> bool:
