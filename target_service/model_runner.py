@@ -13,7 +13,8 @@ runs it, so that:
   for the rows whose scores decide something: bf16 rounding in the head would
   manufacture argmax ties. A bf16 model's head reads its weights stored in
   fp16, which holds them exactly (``packed_linear``, "fp16"): the same fp32
-  products from half the bytes, the head being about 40% of a bf16 step's;
+  products from half the bytes, the head's fp32 weights having been about a
+  third of the bytes a bf16 step reads;
 - hidden states are returned only for the rows a draft head asked for.
 
 On a GPU, ``compile="auto"`` runs steps of up to 256 rows as CUDA graphs
