@@ -34,6 +34,7 @@ from specserve.packed_linear import (
     PackedLinear,
     Packing,
     candidate_rows,
+    has_fp16_weight_products,
     int8_product,
     quantize_int8,
     row_invariant_rows,
@@ -87,7 +88,7 @@ def kernels(
     if int8:
         quantized = [quantize_int8(w) for w in weights]
         out["int8 weight-only"] = lambda x: [int8_product(x, q, s) for q, s in quantized][-1]
-    if fp16 and "fbgemm" in torch.backends.quantized.supported_engines:
+    if fp16 and has_fp16_weight_products():
         halves = [PackedLinear(w, None, "fp16", candidate_rows("fp16")) for w in weights]
         out["FBGEMM fp16-weight"] = lambda x: [h(x) for h in halves][-1]
     return out
@@ -115,7 +116,7 @@ def measure(shape: dict[str, Any], dtype: torch.dtype, reps: int, head: bool) ->
         for packing in packings + (("fp16",) if is_head else ()):
             if packing == "mkl" and not torch.backends.mkl.is_available():
                 continue
-            if packing == "fp16" and "fbgemm" not in torch.backends.quantized.supported_engines:
+            if packing == "fp16" and not has_fp16_weight_products():
                 continue
             candidates = candidate_rows(packing)
             kept = row_invariant_rows(packing, kind, out_features, in_features, candidates)

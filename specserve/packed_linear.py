@@ -139,12 +139,16 @@ def fp16_scale(weight: torch.Tensor) -> int | None:
         return scale if torch.equal(scaled.half().float(), scaled) else None
 
 
+def has_fp16_weight_products() -> bool:
+    """Whether this torch build has FBGEMM, whose product the "fp16" packing runs on."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
 def fp32_head_packing(weight: torch.Tensor) -> Packing:
     """The kernel for an fp32 product over ``weight`` (an LM head): fp16-stored weights where fp16 holds them
     exactly (scaled, ``fp16_scale``) and FBGEMM is here (half the bytes, the same products), else the fp32
     packing of ``available_packing``."""
-    fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-    if weight.device.type == "cpu" and fbgemm and fp16_scale(weight) is not None:
+    if weight.device.type == "cpu" and has_fp16_weight_products() and fp16_scale(weight) is not None:
         return "fp16"
     return available_packing(torch.float32, weight.device)
 

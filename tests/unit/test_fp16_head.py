@@ -11,13 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.packed_linear import ONEDNN_ROWS, PackedLinear, fp16_scale, fp32_head_packing, invariant_rows
+from specserve.packed_linear import (
+    ONEDNN_ROWS,
+    PackedLinear,
+    fp16_scale,
+    fp32_head_packing,
+    has_fp16_weight_products,
+    invariant_rows,
+)
 from target_service.model_runner import ModelRunner
 from tests.conftest import tiny_llama
 
-pytestmark = pytest.mark.skipif(
-    "fbgemm" not in torch.backends.quantized.supported_engines, reason="no FBGEMM in this torch build"
-)
+pytestmark = pytest.mark.skipif(not has_fp16_weight_products(), reason="no FBGEMM in this torch build")
 
 
 def bf16_weight(rows: int = 300, cols: int = 64, seed: int = 0, std: float = 0.02) -> torch.Tensor:

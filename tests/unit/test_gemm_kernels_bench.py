@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.gemm_kernels import kernels
-from specserve.packed_linear import quantize_int8
+from specserve.packed_linear import has_fp16_weight_products, quantize_int8
 
 
 def test_int8_weight_round_trips_within_half_a_step_per_channel() -> None:
@@ -42,7 +42,7 @@ def test_the_head_kernels_include_fp16_stored_weights_and_compute_the_same_produ
     expected = F.linear(x, weights[-1])
     with torch.inference_mode():
         runs = kernels(weights, rows=4, fp16=True)
-        if "fbgemm" in torch.backends.quantized.supported_engines:
+        if has_fp16_weight_products():
             assert "FBGEMM fp16-weight" in runs
         for name, run in runs.items():
             assert torch.allclose(run(x), expected, atol=1e-4), name
