@@ -55,6 +55,16 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
   bucket run that one, on a
   second pack of the fp32 weights (no fp32 copy is kept beside the packs:
   together they hold 0.75x the bytes of the fp32 head's copy and pack).
+- **blocks** (fp32 products over weights stored as llama.cpp's Q4_1 or Q8_0
+  blocks, ``specserve.block_weights``): for an fp32 weight every value of
+  which such blocks hold exactly (a model de-quantized from a GGUF file:
+  the default target's are), chosen by ``block_packing``. The kernel
+  rebuilds each weight exactly in fp32 and multiplies fp32 inputs in fp32:
+  the fp32 model's products from 6/32 (Q4_1) or 9/32 (Q8_0) of its bytes.
+  Every row count gives a row the same bits by construction. Its cost grows
+  with the rows faster than oneDNN's (it is built for the few rows of a
+  decode step), so steps past the largest bucket run oneDNN's fp32 product
+  on a second pack, as with fp16.
 - **none** (GPUs, CPUs without oneDNN, ``--compile off``): ``F.linear``.
 
 ``SPECSERVE_FP32_GEMM=mkl|onednn`` overrides the fp32 choice (benchmarks
@@ -82,14 +92,16 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from specserve.block_weights import BlockFormat, block_kernels, block_product, find_blocks, quantize_q4_1
 from specserve.hardware import cpu_vendor
 
-Packing = Literal["mkl", "onednn", "int8", "fp16", "none"]
+Packing = Literal["mkl", "onednn", "int8", "fp16", "blocks", "none"]
 
 
 def kernel_name(packing: Packing, unpacked: str) -> str:
     """For logs and reports: the kernel a packing runs on; ``unpacked`` where it packs nothing."""
-    return {"mkl": "MKL", "onednn": "oneDNN", "int8": "int8", "fp16": "FBGEMM fp16-weight"}.get(packing, unpacked)
+    names = {"mkl": "MKL", "onednn": "oneDNN", "int8": "int8", "fp16": "FBGEMM fp16-weight", "blocks": "GGUF-block"}
+    return names.get(packing, unpacked)
 
 
 # Row counts MKL's packed product runs at (each needs a pack made for it); a step with more rows runs unpadded.
@@ -144,10 +156,22 @@ def has_fp16_weight_products() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def block_packing(weights: Sequence[torch.Tensor]) -> bool:
+    """Whether fp32 products over all of ``weights`` can run on the block kernel: fp32 weights on a CPU, each
+    of them llama.cpp blocks exactly (``block_weights.find_blocks``), and the kernel built here."""
+    if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        return False
+    # The weights first: random ones (a test's tiny model) fail at the first block, before any kernel is built.
+    return all(find_blocks(w) is not None for w in weights) and block_kernels() is not None
+
+
 def fp32_head_packing(weight: torch.Tensor) -> Packing:
-    """The kernel for an fp32 product over ``weight`` (an LM head): fp16-stored weights where fp16 holds them
-    exactly (scaled, ``fp16_scale``) and FBGEMM is here (half the bytes, the same products), else the fp32
-    packing of ``available_packing``."""
+    """The kernel for an fp32 product over ``weight`` (an LM head): llama.cpp blocks where they hold the fp32
+    weights exactly (a sixth to a quarter of the bytes, ``block_packing``); else fp16-stored weights where
+    fp16 holds them exactly (scaled, ``fp16_scale``) and FBGEMM is here (half the bytes, the same products);
+    else the fp32 packing of ``available_packing``."""
+    if block_packing([weight.float()]):
+        return "blocks"
     if weight.device.type == "cpu" and has_fp16_weight_products() and fp16_scale(weight) is not None:
         return "fp16"
     return available_packing(torch.float32, weight.device)
@@ -155,7 +179,13 @@ def fp32_head_packing(weight: torch.Tensor) -> Packing:
 
 def candidate_rows(packing: Packing) -> tuple[int, ...]:
     """The row counts a product packed so may run at, before the invariance check."""
-    return {"mkl": MKL_BUCKETS, "onednn": ONEDNN_ROWS, "int8": ONEDNN_ROWS, "fp16": ONEDNN_ROWS}.get(packing, ())
+    return {
+        "mkl": MKL_BUCKETS,
+        "onednn": ONEDNN_ROWS,
+        "int8": ONEDNN_ROWS,
+        "fp16": ONEDNN_ROWS,
+        "blocks": ONEDNN_ROWS,
+    }.get(packing, ())
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:
@@ -221,6 +251,12 @@ def row_invariant_rows(
             def product(rows: int) -> torch.Tensor:
                 return torch.ops.quantized.linear_dynamic_fp16(x[:rows].clone(), fp16_pack)
 
+        elif packing == "blocks":
+            blocks = PackedLinear(quantize_q4_1(weight), None, "blocks", ())
+
+            def product(rows: int) -> torch.Tensor:
+                return blocks(x[:rows].clone())
+
         else:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_HINT)
 
@@ -273,6 +309,7 @@ class PackedLinear:
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fp16: object | None = None  # FBGEMM's packed fp16 weight (a script object), scaled by 2**_scale
         self._scale = 0
+        self._blocks: tuple[BlockFormat, torch.Tensor] | None = None  # the block format and the packed blocks
         with torch.inference_mode():
             if packing == "mkl" and self.buckets:
                 # The MKL pack must stay where it was made (its layout depends on its alignment): never copy it.
@@ -299,6 +336,16 @@ class PackedLinear:
                     # fp32 product's: those steps run oneDNN's, on a pack of the fp32 weights.
                     self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), ONEDNN_HINT)
                 self.weight = self.weight.new_empty(self.weight.shape[0], 0)  # the packs hold the weights
+            elif packing == "blocks":
+                found = find_blocks(self.weight)
+                if found is None or block_kernels() is None:
+                    raise ValueError("block packing takes only fp32 weights that llama.cpp blocks hold exactly")
+                self._blocks = found
+                if torch.backends.mkldnn.is_available() and self.buckets:
+                    # Past the largest bucket the block kernel's cost outgrows oneDNN's: those steps run it.
+                    self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_HINT)
+                self._in_features = int(self.weight.shape[1])
+                self.weight = self.weight.new_empty(self.weight.shape[0], 0)  # the packs hold the weights
 
     @property
     def out_features(self) -> int:
@@ -306,8 +353,13 @@ class PackedLinear:
 
     @property
     def runs_wide_rows_on_onednn(self) -> bool:
-        """fp16-stored weights whose steps past the largest bucket run oneDNN's fp32 product."""
-        return self._fp16 is not None and self._onednn is not None
+        """fp16-stored or block weights whose steps past the largest bucket run oneDNN's fp32 product."""
+        return (self._fp16 is not None or self._blocks is not None) and self._onednn is not None
+
+    @property
+    def block_format(self) -> BlockFormat | None:
+        """The llama.cpp block format the weights are read in ("Q4_1", "Q8_0"), or None."""
+        return None if self._blocks is None else self._blocks[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -318,11 +370,16 @@ class PackedLinear:
                 return F.linear(x, self.weight, self.bias)
             padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
             return torch.ops.mkl._mkl_linear(padded, packed, self.weight, self.bias, bucket)[:rows]
+        narrow = not self.buckets or rows <= self.buckets[-1]
+        if self._blocks is not None and (self._onednn is None or narrow):
+            # Every row count computes a row alike: no padding. The kernel takes fp32 inputs.
+            block_format, blocks = self._blocks
+            y = block_product(block_format, x, blocks, self.out_features, self._in_features)
+            return y if self.bias is None else y + self.bias
         if self._int8 is None and self._onednn is None and self._fp16 is None:
             return F.linear(x, self.weight, self.bias)
         bucket = bucket_for(rows, self.buckets)  # one pack serves every row count: padded only for invariance
         padded = F.pad(x, (0, 0, 0, bucket - rows)) if bucket != rows else x
-        narrow = not self.buckets or rows <= self.buckets[-1]
         if self._fp16 is not None and (self._onednn is None or narrow):
             y = torch.ops.quantized.linear_dynamic_fp16(padded.contiguous(), self._fp16)[:rows] * 2.0**-self._scale
             return y if self.bias is None else y + self.bias

@@ -115,6 +115,8 @@ class Block:
         self.gate_up = PackedLinear(gate_up, None, packing, buckets)
         self.down = PackedLinear(mlp.down_proj.weight, None, packing, buckets)
         self.intermediate = int(mlp.down_proj.weight.shape[1])
+        products = (self.qkv, self.o, self.gate_up, self.down)
+        self.block_formats = frozenset(p.block_format for p in products if p.block_format)
         self.attn_norm = layer.input_layernorm.weight.detach()
         self.mlp_norm = layer.post_attention_layernorm.weight.detach()
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)

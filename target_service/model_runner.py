@@ -43,6 +43,7 @@ from specserve.packed_linear import (
     PackedLinear,
     Packing,
     available_packing,
+    block_packing,
     bucket_for,
     fp32_head_packing,
     invariant_rows,
@@ -77,6 +78,20 @@ __all__ = [
 class StepOutput:
     logits: torch.Tensor  # [len(score_rows), vocab] float32
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
+
+
+def _layer_weights(model: Any) -> list[torch.Tensor]:
+    """Every weight of the decoder layers' products."""
+    return [
+        module.weight.detach()
+        for layer in model.model.layers
+        for module in (
+            *(getattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
 
 
 def _row_counts(rows: tuple[int, ...]) -> str:
@@ -118,6 +133,9 @@ class ModelRunner:
             if compile != "auto" or self.device.type != "cpu" or static:
                 raise ValueError("int8 weights run on the CPU's packed kernels: --compile auto on a CPU")
             packing = "int8"
+        elif packing != "none" and self.dtype == torch.float32 and block_packing(_layer_weights(model)):
+            # fp32 weights that are llama.cpp blocks (a GGUF model's): the same fp32 products from a sixth of the bytes
+            packing = "blocks"
         # An fp32 head (upcasting bf16 is exact): on weights stored in fp16 where fp16 holds them exactly (a bf16
         # model's do: half the bytes, the same fp32 products), else packed like the layers where fp32 packs here.
         head_packing: Packing = fp32_head_packing(weight) if compile != "off" else "none"
@@ -163,7 +181,10 @@ class ModelRunner:
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
         kernel = kernel_name(self.packing, "eager")
-        head = f"fp32 head {kernel_name(self.head_packing, 'eager')} at rows {_row_counts(self._head.buckets)}"
+        head_kernel = kernel_name(self.head_packing, "eager")
+        if self._head.block_format:
+            head_kernel += f" {self._head.block_format}"
+        head = f"fp32 head {head_kernel} at rows {_row_counts(self._head.buckets)}"
         if self._head.runs_wide_rows_on_onednn:
             head += ", oneDNN beyond"
         if isinstance(self._static, InductorSteps):
@@ -186,6 +207,9 @@ class ModelRunner:
                 f"them) at rows {_row_counts(self.buckets)}, {head}"
             )
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.packing == "blocks":
+            formats = "/".join(sorted({f for b in self._forward.blocks for f in b.block_formats}))
+            return f"{kernel} ({formats}) {dtype} products at rows {_row_counts(self.buckets)}, oneDNN beyond; {head}"
         return f"{kernel}-prepacked {dtype} products at rows {_row_counts(self.buckets)}, {head}"
 
     @property

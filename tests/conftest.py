@@ -87,3 +87,17 @@ def run_generation(generation: Generation) -> tuple[list[int], str, GenerationSt
         raise AssertionError("no stats at the end of the stream")
 
     return asyncio.run(collect())
+
+
+def gguf_like(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """``model`` with weights as a GGUF file's de-quantized ones: layers Q4_1 blocks, the LM head Q8_0 blocks."""
+    from specserve.block_weights import quantize_q4_1, quantize_q8_0
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj):
+                module.weight.copy_(quantize_q4_1(module.weight))
+            mlp.down_proj.weight.copy_(quantize_q4_1(mlp.down_proj.weight))
+        model.lm_head.weight.copy_(quantize_q8_0(model.lm_head.weight))
+    return model

@@ -1,4 +1,4 @@
-"""Batch invariance: a row's result is the same bits however many rows share its step (prepacked; fp32, bf16).
+"""Batch invariance: a row's result is the same bits however many rows share its step (fp32, GGUF blocks, bf16).
 
 Greedy speculation is token-identical to plain decoding only if a token
 scored inside a tree gets exactly the logits it gets in a plain one-token
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from bench.step_invariance import RowProbe
+from specserve.block_weights import block_kernels
 from specserve.packed_linear import ONEDNN_ROWS, available_packing
 from target_service.model_runner import ModelRunner
-from tests.conftest import tiny_llama
+from tests.conftest import gguf_like, tiny_llama
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.skipif(
     scope="module",
     params=[
         torch.float32,
+        pytest.param("blocks", marks=pytest.mark.skipif(block_kernels() is None, reason="no block kernel here")),
         pytest.param(  # bf16 layers on oneDNN, the head's fp32 products on fp16-stored weights (FBGEMM)
             torch.bfloat16,
             marks=pytest.mark.skipif(
@@ -39,6 +41,10 @@ pytestmark = pytest.mark.skipif(
 )
 def bench(request: pytest.FixtureRequest) -> RowProbe:
     torch.manual_seed(0)
+    if request.param == "blocks":  # fp32 products over Q4_1 / Q8_0 blocks, as the packaged GGUF model runs them
+        runner = ModelRunner(gguf_like(tiny_llama(vocab_size=64, seed=5, layers=2)), "auto")
+        assert runner.packing == "blocks"
+        return RowProbe(runner, vocab=64)
     model = tiny_llama(vocab_size=64, seed=5, layers=2).to(request.param)
     return RowProbe(ModelRunner(model, "auto"), vocab=64)
 

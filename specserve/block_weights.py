@@ -1,0 +1,204 @@
+"""fp32 weights that are llama.cpp blocks in disguise, and the kernel that reads them as blocks.
+
+The default target comes as a GGUF file whose layers are Q4_1 blocks and
+whose embedding (tied to the LM head) is Q8_0 blocks. transformers
+de-quantizes them to fp32 on loading, so an fp32 step reads 4 bytes a weight
+where the file held 0.625 (Q4_1) or 1.0625 (Q8_0), and a bf16 step, 2 bytes
+of values rounded to bf16. This module finds the blocks again in the fp32
+weights and proves it: per block of 32 input values, the fp16 scale (and
+minimum) and small integers whose de-quantized values equal every fp32
+weight bit for bit (``q4_1_blocks``, ``q8_0_blocks``; None where any weight
+differs). ``specserve/kernels/block_gemm.cpp`` then computes ``x @ W.T``
+from the blocks: each weight rebuilt exactly in fp32, multiplied by fp32
+inputs, summed in fp32 (the fp32 model's products, from a sixth to a
+quarter of its bytes: only the order of the sums differs from another fp32
+kernel). Each output row is computed alike whatever the number of rows
+(batch invariance by construction; ``packed_linear`` checks it at start-up
+like every packed product).
+
+The kernel is compiled for the CPU it runs on (``-march=native``) the first
+time it is needed and kept under the cache directory (a few seconds on later
+starts); where no compiler is at hand, ``block_kernels()`` returns None and
+the products run on ``packed_linear``'s other kernels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from specserve.hardware import DtypeChoice, choose_dtype
+from specserve.model_loading import ModelSource, default_cache_root
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32  # values per block along the input dimension, both formats
+# A block as the kernel reads it: llama.cpp's, with its fp16 parameters widened to fp32 (exactly) once here.
+Q4_1_BYTES = 24  # d, m (fp32), 16 bytes of nibbles
+Q8_0_BYTES = 36  # d (fp32), 32 int8
+BlockFormat = Literal["Q4_1", "Q8_0"]
+BLOCK_GEMM_ENV = "SPECSERVE_BLOCK_GEMM"  # "off": never use the block kernel (benchmarks compare with it)
+_SOURCE = Path(__file__).with_name("kernels") / "block_gemm.cpp"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@cache
+def block_kernels() -> ModuleType | None:
+    """The compiled block kernel, or None (disabled by ``SPECSERVE_BLOCK_GEMM=off``, not x86, no compiler)."""
+    if os.environ.get(BLOCK_GEMM_ENV, "") == "off":
+        return None
+    flags = _cpu_flags().split()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= set(flags):
+        return None
+    from torch.utils import cpp_extension  # imports setuptools: only where the kernel is wanted
+
+    cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+    # A build for another CPU, torch, source or flags must not be reused: all four name the build.
+    named = [_SOURCE.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags)]
+    key = hashlib.sha256("\n".join(named).encode()).hexdigest()[:16]
+    build = default_cache_root() / "kernels" / f"block_gemm-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        return cpp_extension.load(
+            name=f"specserve_block_gemm_{key}",
+            sources=[str(_SOURCE)],
+            extra_cflags=cflags,
+            # at::parallel_for is inline OpenMP: without -fopenmp it runs on one thread. The libgomp it links is
+            # the one torch loaded already (same soname), so both share one thread pool.
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: the other kernels still serve
+        log.warning("the block-weight kernel did not build (%s); products run on the other kernels", exc)
+        return None
+
+
+def gguf_block_layers(source: ModelSource) -> bool:
+    """Whether ``source`` is a GGUF file whose 2-D weights are all Q4_1 or Q8_0 blocks, and the kernel builds here.
+
+    Reads only the file's tensor table; whether the loaded fp32 weights are those blocks exactly is checked
+    again where they are packed (``packed_linear.block_packing``).
+    """
+    if source.gguf_file is None:
+        return False
+    import gguf  # the reader memory-maps the file: its tensor table costs milliseconds
+
+    reader = gguf.GGUFReader(str(source.directory / source.gguf_file))
+    matrices = [t for t in reader.tensors if len(t.shape) == 2]
+    block_types = {gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0}
+    return bool(matrices) and all(t.tensor_type in block_types for t in matrices) and block_kernels() is not None
+
+
+def choose_model_dtype(requested: str, device: str, source: ModelSource) -> DtypeChoice:
+    """``--dtype`` for this model: ``hardware.choose_dtype``, told whether its layers are blocks read here."""
+    blocks = requested == "auto" and device == "cpu" and gguf_block_layers(source)
+    return choose_dtype(requested, device, block_weights=blocks)
+
+
+def _fp16_exact(values: torch.Tensor) -> bool:
+    return bool(torch.equal(values.half().float(), values))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality (``torch.equal`` takes -0.0 for 0.0, which the kernel would not rebuild)."""
+    return bool(torch.equal(a.view(torch.int32), b.view(torch.int32)))
+
+
+def _fp32_bytes(values: torch.Tensor) -> torch.Tensor:
+    """[..., 1] fp32 values as [..., 4] bytes."""
+    return values.float().contiguous().view(torch.uint8)
+
+
+def q4_1_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] as Q4_1 blocks (uint8, [out, in / 32, 24]) if every value is ``d * q + m`` exactly.
+
+    Per block ``m`` is its smallest value (q = 0) and ``d`` one fifteenth of its span (the largest has
+    q = 15), both fp16, as llama.cpp quantizes; the blocks are then rebuilt and compared with the weights.
+    """
+    w = weight.detach()
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or not w.numel():
+        return None
+    with torch.inference_mode():
+        blocks = w.reshape(w.shape[0], -1, BLOCK)
+        low = blocks.amin(dim=-1, keepdim=True)
+        if not _fp16_exact(low):
+            return None
+        scale = ((blocks.amax(dim=-1, keepdim=True) - low) / 15).half().float()
+        steps = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1.0), 0.0)
+        q = steps.round().clamp(0, 15)
+        if not _same_bits(scale * q + low, blocks):
+            return None
+        q8 = q.to(torch.uint8)
+        nibbles = q8[..., :16] | (q8[..., 16:] << 4)
+        return torch.cat([_fp32_bytes(scale), _fp32_bytes(low), nibbles], dim=-1).contiguous()
+
+
+def q8_0_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] as Q8_0 blocks (uint8, [out, in / 32, 36]) if every value is ``d * q`` exactly.
+
+    Per block ``d`` is its largest magnitude over 127 (fp16), as llama.cpp quantizes; the blocks are then
+    rebuilt and compared with the weights.
+    """
+    w = weight.detach()
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % BLOCK or not w.numel():
+        return None
+    with torch.inference_mode():
+        blocks = w.reshape(w.shape[0], -1, BLOCK)
+        scale = (blocks.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+        q = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1.0), 0.0).round()
+        if q.abs().max() > 127 or not _same_bits(scale * q + 0.0, blocks):  # + 0.0: d * 0 is +0, never -0
+            return None
+        return torch.cat([_fp32_bytes(scale), q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
+
+
+def find_blocks(weight: torch.Tensor) -> tuple[BlockFormat, torch.Tensor] | None:
+    """The fewest-bytes llama.cpp block format that holds ``weight`` exactly, with its blocks; else None."""
+    q4_1 = q4_1_blocks(weight)
+    if q4_1 is not None:
+        return "Q4_1", q4_1
+    q8_0 = q8_0_blocks(weight)
+    return None if q8_0 is None else ("Q8_0", q8_0)
+
+
+def block_product(block_format: BlockFormat, x: torch.Tensor, blocks: torch.Tensor, out: int, in_: int) -> torch.Tensor:
+    """``x @ W.T`` in fp32 for the weights ``W`` [out, in_] held by ``blocks`` (``find_blocks``)."""
+    kernels = block_kernels()
+    assert kernels is not None, "block products need the compiled kernel (block_kernels)"
+    product = kernels.q4_1_linear if block_format == "Q4_1" else kernels.q8_0_linear
+    return product(x.float(), blocks, out, in_)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 weights that are Q4_1 blocks: ``weight`` quantized as llama.cpp does and de-quantized (tests, checks)."""
+    blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
+    low = blocks.amin(dim=-1, keepdim=True).half().float()
+    scale = ((blocks.amax(dim=-1, keepdim=True) - low) / 15).half().float()
+    q = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1.0), 0.0).round().clamp(0, 15)
+    # The smallest value must come back as m itself, the largest with q = 15: a block llama.cpp would write.
+    return (scale * q + low).reshape(weight.shape) + 0.0  # -0.0 as +0.0, as d * 0 + m gives
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 weights that are Q8_0 blocks: ``weight`` quantized as llama.cpp does and de-quantized (tests, checks)."""
+    blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
+    scale = (blocks.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    q = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1.0), 0.0).round().clamp(-127, 127)
+    return (scale * q).reshape(weight.shape) + 0.0  # -0.0 as +0.0, as d * 0 gives

@@ -1,0 +1,136 @@
+"""fp32 weights read as llama.cpp blocks: found exactly, or not at all, and multiplied as the fp32 weights.
+
+A GGUF model de-quantized to fp32 holds, per block of 32 inputs, fp16 parameters and small integers. The
+block kernel reads those (a sixth to a quarter of fp32's bytes), rebuilds every weight bit for bit, and
+multiplies in fp32; a row's bits must not depend on how many rows share the call (batch invariance, which
+greedy identity through trees rests on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.block_weights import (
+    block_kernels,
+    block_product,
+    find_blocks,
+    q4_1_blocks,
+    q8_0_blocks,
+    quantize_q4_1,
+    quantize_q8_0,
+)
+from specserve.packed_linear import ONEDNN_ROWS, PackedLinear, block_packing, fp32_head_packing, invariant_rows
+from target_service.model_runner import ModelRunner
+from tests.conftest import gguf_like, tiny_llama
+
+pytestmark = pytest.mark.skipif(block_kernels() is None, reason="the block kernel does not build here")
+
+
+def weight(out: int = 37, in_: int = 96, seed: int = 0, std: float = 0.05) -> torch.Tensor:
+    return torch.randn(out, in_, generator=torch.Generator().manual_seed(seed)) * std
+
+
+def one_ulp_off(w: torch.Tensor, index: tuple[int, int]) -> torch.Tensor:
+    moved = w.clone()
+    moved[index] = torch.nextafter(moved[index], torch.tensor(float("inf")))
+    return moved
+
+
+@pytest.mark.parametrize(
+    ("quantize", "find", "block_format"), [(quantize_q4_1, q4_1_blocks, "Q4_1"), (quantize_q8_0, q8_0_blocks, "Q8_0")]
+)
+def test_blocks_are_found_exactly_or_not_at_all(quantize, find, block_format) -> None:  # type: ignore[no-untyped-def]
+    w = quantize(weight())
+    assert find(w) is not None
+    assert find_blocks(w) is not None and find_blocks(w)[0] == block_format  # type: ignore[index]
+    assert find(one_ulp_off(w, (3, 40))) is None, "one weight one ulp away is not a block's value"
+    assert find(weight()) is None, "fp32 weights of a trained model are not blocks"
+    assert find(w.bfloat16()) is None and find(w[:, :90]) is None, "fp32 only, inputs a multiple of 32"
+    assert find_blocks(torch.zeros(4, 64)) is not None, "a block of zeros is a block (d = 0)"
+
+
+@pytest.mark.parametrize("quantize", [quantize_q4_1, quantize_q8_0])
+def test_the_kernel_rebuilds_every_weight_bit_for_bit(quantize) -> None:  # type: ignore[no-untyped-def]
+    w = quantize(weight(std=3.0))
+    found = find_blocks(w)
+    assert found is not None
+    kernels = block_kernels()
+    assert kernels is not None
+    dequantize = kernels.q4_1_dequantize if found[0] == "Q4_1" else kernels.q8_0_dequantize
+    assert torch.equal(dequantize(found[1], *w.shape).view(torch.int32), w.view(torch.int32))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 40])
+@pytest.mark.parametrize("quantize", [quantize_q4_1, quantize_q8_0])
+def test_the_block_product_is_the_fp32_product(rows: int, quantize) -> None:  # type: ignore[no-untyped-def]
+    w = quantize(weight())
+    found = find_blocks(w)
+    assert found is not None
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
+    exact = x.double() @ w.double().T
+    fp32_error = (torch.nn.functional.linear(x, w).double() - exact).abs().max()
+    y = block_product(found[0], x, found[1], *w.shape)
+    assert y.dtype == torch.float32 and y.shape == (rows, w.shape[0])
+    # Same products, other order of sums: within a few times the fp32 kernel's own rounding of the exact sum
+    assert (y.double() - exact).abs().max() <= 4 * fp32_error + 1e-7
+
+
+@pytest.mark.parametrize("quantize", [quantize_q4_1, quantize_q8_0])
+def test_a_row_gets_the_same_bits_at_every_row_count(quantize) -> None:  # type: ignore[no-untyped-def]
+    w = quantize(weight(out=37, in_=96))  # 37 outputs: full tiles and a remainder; 3 blocks
+    found = find_blocks(w)
+    assert found is not None
+    x = torch.randn(41, w.shape[1], generator=torch.Generator().manual_seed(7))
+    alone = torch.cat([block_product(found[0], x[i : i + 1], found[1], *w.shape) for i in range(41)])
+    for rows in range(1, 42):
+        together = block_product(found[0], x[:rows], found[1], *w.shape)
+        assert torch.equal(together, alone[:rows]), f"{rows} rows together differ from each row alone"
+
+
+def test_the_packed_linear_runs_blocks_to_its_largest_bucket_and_onednn_beyond() -> None:
+    w, bias = quantize_q4_1(weight(out=64, in_=64)), torch.randn(64)
+    buckets = invariant_rows("blocks", torch.float32, {(64, 64)})
+    assert buckets == ONEDNN_ROWS, "the block kernel computes a row alike at every row count"
+    original = w.clone()
+    product = PackedLinear(w, bias, "blocks", buckets)
+    assert product.block_format == "Q4_1" and product.runs_wide_rows_on_onednn
+    assert torch.equal(w, original), "packing leaves the model's weights as they were"
+    found = find_blocks(w)
+    assert found is not None
+    x = torch.randn(40, 64)
+    assert torch.equal(product(x[:32]), block_product(found[0], x[:32], found[1], 64, 64) + bias)
+    onednn = PackedLinear(w, bias, "onednn", ONEDNN_ROWS)
+    assert torch.equal(product(x), onednn(x)), "past the largest bucket the step runs oneDNN's fp32 product"
+    with pytest.raises(ValueError, match="blocks"):
+        PackedLinear(weight(), None, "blocks", buckets)
+
+
+def test_a_gguf_like_model_runs_on_blocks_and_others_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = gguf_like(tiny_llama(vocab_size=64, seed=3))
+    runner = ModelRunner(model, "auto")
+    assert runner.packing == "blocks" and runner.head_packing == "blocks"
+    assert "GGUF-block (Q4_1) float32 products at rows 1-32" in runner.describe()
+    assert "fp32 head GGUF-block Q8_0" in runner.describe()
+    assert ModelRunner(tiny_llama(vocab_size=64, seed=3), "auto").packing != "blocks", "trained-like weights"
+    assert ModelRunner(model, "off").packing == "none"
+    assert not block_packing([w.detach().bfloat16() for w in model.parameters() if w.dim() == 2])
+    assert fp32_head_packing(model.lm_head.weight.detach()) == "blocks"
+
+
+def test_the_engine_step_on_blocks_matches_transformers() -> None:
+    """The whole step over block weights equals transformers' fp32 forward of the same weights (to rounding)."""
+    from bench.step_invariance import RowProbe
+
+    model = gguf_like(tiny_llama(vocab_size=64, seed=4))
+    probe = RowProbe(ModelRunner(model, "auto"), vocab=64)
+    reference = RowProbe(ModelRunner(model, "off"), vocab=64)
+    torch.testing.assert_close(probe.step(3, 0), reference.step(3, 0), atol=1e-5, rtol=1e-5)
+
+
+def test_the_packaged_gguf_model_is_blocks_and_a_hugging_face_directory_is_not(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from specserve.block_weights import gguf_block_layers
+    from specserve.model_loading import ModelSource, resolve_model
+
+    assert gguf_block_layers(resolve_model("smollm2")), "SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding"
+    assert not gguf_block_layers(ModelSource(tmp_path))
