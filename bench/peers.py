@@ -43,7 +43,7 @@ from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHeadError
 from draft_service.drafter import ALL_SOURCES
 from draft_service.head_proposer import HeadProposer
-from specserve.hardware import choose_dtype
+from specserve.block_weights import choose_model_dtype
 from specserve.model_loading import DEFAULT_MODEL, ModelSource, resolve_model
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -458,7 +458,7 @@ def warm_up(engines: Sequence[Engine], tokenizer: Any) -> None:
 def settings(
     args: argparse.Namespace, gguf: Path, target: TargetText, cases: Sequence[Case], too_long: list[int]
 ) -> dict[str, Any]:
-    choice = choose_dtype(args.dtype, "cpu")
+    choice = choose_model_dtype(args.dtype, "cpu", resolve_model(args.model))
     return {
         "model": args.model,
         "model_source": machine.portable_path(gguf),
@@ -503,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gguf = gguf_path(resolve_model(args.model))
     target = load_target_text(args.model)
     cases, too_long = select_cases(args, target)
-    dtype = choose_dtype(args.dtype, "cpu").dtype
+    dtype = choose_model_dtype(args.dtype, "cpu", resolve_model(args.model)).dtype
     with ExitStack() as stack:
         engines = build_engines(args, gguf, target, dtype, stack)
         meta["llama_cpp"]["n_vocab"] = next(e.n_vocab for e in engines if isinstance(e, LlamaCppProcess))

@@ -30,8 +30,9 @@ from coordinator.config import CoordinatorConfig
 from draft_service.config import DrafterConfig
 from draft_service.head_products import HEAD_MATMUL_CHOICES
 from draft_service.head_proposer import HeadProposer
-from specserve.hardware import DtypeChoice, choose_dtype
-from specserve.model_loading import DEFAULT_MODEL
+from specserve.block_weights import choose_model_dtype
+from specserve.hardware import DtypeChoice
+from specserve.model_loading import DEFAULT_MODEL, resolve_model
 from specserve.sampling import SamplingParams
 from target_service.engine_threads import serve_on_this_thread
 from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
@@ -213,7 +214,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(
             "--compile inductor compiles the CPU's step over the model's own weights: --device cpu, no --weights"
         )
-    args.dtype_choice = choose_dtype(args.dtype, args.device)
+    args.dtype_choice = choose_model_dtype(args.dtype, args.device, resolve_model(args.model))
     modes = args.modes if args.modes is not None else ",".join(default_modes(args.dtype_choice.dtype))
     args.modes = [m.strip() for m in modes.split(",") if m.strip()]
     unknown = [m for m in args.modes if m not in MODES and mode_sources(m) is None]

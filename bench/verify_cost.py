@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
+from specserve.block_weights import choose_model_dtype
 from specserve.hardware import choose_dtype
-from specserve.model_loading import DEFAULT_MODEL
+from specserve.model_loading import DEFAULT_MODEL, resolve_model
 from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
@@ -515,7 +516,11 @@ def measure_step(
         row["tree_median_ms"] = statistics.median(tree_times[n]) * 1000
         row["tree_ratio"] = statistics.median(tree_times[n]) / tree_base
     batched_rows = summarize_batched(batched) if batched else []
-    auto = choose_dtype("auto", args.device)
+    auto = (
+        choose_dtype("auto", args.device)
+        if args.shape
+        else choose_model_dtype("auto", args.device, resolve_model(args.model))
+    )
     stem = f"{label}_{args.device.replace(':', '')}_{dtype}_compile-{compile}"
     stem += "" if weights == "dtype" else f"_weights-{weights}"
     meta = {

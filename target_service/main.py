@@ -14,8 +14,8 @@ import grpc
 from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import InternalTokenInterceptor
 from specserve.auth.tls import ExposureError, add_port
+from specserve.block_weights import choose_model_dtype
 from specserve.drain import Drain
-from specserve.hardware import choose_dtype
 from specserve.health import track_watches
 from specserve.model_loading import (
     default_cache_root,
@@ -161,7 +161,7 @@ def build_verifier(config: VerifierConfig) -> Verifier:
         config = replace(config, torch_threads=serve_on_this_thread())
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
     source = materialize(resolve_model(config.model), cache_root)
-    dtype = choose_dtype(config.dtype, config.device)
+    dtype = choose_model_dtype(config.dtype, config.device, source)
     log.info("target dtype %s (%s)", dtype.dtype, dtype.reason)
     model = load_model(source, device=config.device, dtype=dtype.dtype)
     fingerprint = vocab_fingerprint(load_tokenizer(source))

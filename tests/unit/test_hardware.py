@@ -17,6 +17,15 @@ def test_auto_picks_bf16_only_where_the_hardware_runs_it_natively() -> None:
     assert choose_dtype("float32", "cuda").dtype == "float32"
 
 
+def test_auto_reads_a_gguf_models_blocks_in_fp32_except_with_amx() -> None:
+    blocks = choose_dtype("auto", "cpu", frozenset({"avx512f", "avx512_bf16"}), block_weights=True)
+    assert blocks.dtype == "float32" and "block kernel" in blocks.reason
+    assert choose_dtype("auto", "cpu", frozenset({"avx2"}), block_weights=True).dtype == "float32"
+    assert choose_dtype("auto", "cpu", frozenset({"amx_bf16", "avx512_bf16"}), block_weights=True).dtype == "bfloat16"
+    assert choose_dtype("bfloat16", "cpu", frozenset({"avx512_bf16"}), block_weights=True).dtype == "bfloat16"
+    assert choose_dtype("auto", "cuda:0", block_weights=True).dtype == "bfloat16"
+
+
 def test_cpuinfo_fields_come_from_the_first_processor(tmp_path: Path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(
