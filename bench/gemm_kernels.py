@@ -9,7 +9,10 @@ for the layer products, torch's int8 weight-only product
 to bf16, its fast path; the verifier's ``--weights int8`` kernel, ``packed_linear.int8_product``),
 and, for the head, FBGEMM's fp32 product over fp16-stored weights (the
 verifier's head for a bf16 model, ``packed_linear``'s "fp16"; the head's
-weights are drawn bf16-valued here, as a bf16 model's are, for every kernel). A
+weights are drawn bf16-valued here, as a bf16 model's are, for every kernel),
+and, in fp32, the block kernel over the same weights rounded to llama.cpp's
+blocks (``block_weights``: Q4_1 for the layers, Q8_0 for the head, as the
+packaged GGUF model's are; timings do not depend on the values). A
 layer product is timed over one copy of the weight per layer, as in a real
 step, so the weights come from memory and not from the cache. It also lists
 the row counts at which each packed kernel computes a row alike whatever the
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specserve.block_weights import block_kernels, quantize_q4_1, quantize_q8_0
 from specserve.packed_linear import (
     ONEDNN_HINT,
     PackedLinear,
@@ -70,10 +74,11 @@ def median_ms(run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, reps
 
 
 def kernels(
-    weights: list[torch.Tensor], rows: int, int8: bool = False, fp16: bool = False
+    weights: list[torch.Tensor], rows: int, int8: bool = False, fp16: bool = False, blocks: str | None = None
 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """Per kernel, a product over each of ``weights`` in turn, at ``rows`` rows (with ``int8``: also int8 weights;
-    with ``fp16``: also fp16-stored ones, which the weights must allow)."""
+    with ``fp16``: also fp16-stored ones, which the weights must allow; with ``blocks`` "Q4_1" or "Q8_0": also
+    the block kernel over the weights rounded to those blocks)."""
     out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
     out["F.linear"] = lambda x: [F.linear(x, w) for w in weights][-1]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_HINT) for w in weights]
@@ -91,6 +96,10 @@ def kernels(
     if fp16 and has_fp16_weight_products():
         halves = [PackedLinear(w, None, "fp16", candidate_rows("fp16")) for w in weights]
         out["FBGEMM fp16-weight"] = lambda x: [h(x) for h in halves][-1]
+    if blocks and weights[0].dtype == torch.float32 and block_kernels() is not None:
+        rounded = quantize_q4_1 if blocks == "Q4_1" else quantize_q8_0
+        packed = [PackedLinear(rounded(w), None, "blocks", candidate_rows("blocks")) for w in weights]
+        out[f"GGUF-block {blocks}"] = lambda x: [p(x) for p in packed][-1]
     return out
 
 
@@ -109,14 +118,17 @@ def measure(shape: dict[str, Any], dtype: torch.dtype, reps: int, head: bool) ->
             weights = [w.bfloat16().float() for w in weights]
         for rows in ROWS:
             x = torch.randn(rows, in_features).to(kind)
-            for kernel, run in kernels(weights, rows, int8=not is_head, fp16=is_head).items():
+            block_format = "Q8_0" if is_head else "Q4_1"
+            for kernel, run in kernels(weights, rows, int8=not is_head, fp16=is_head, blocks=block_format).items():
                 ms = median_ms(run, x, reps) / copies
                 results.append({"product": name, "dtype": str(kind)[6:], "rows": rows, "kernel": kernel, "ms": ms})
-        packings: tuple[Packing, ...] = ("onednn", "mkl") if kind == torch.float32 else ("onednn",)
+        packings: tuple[Packing, ...] = ("onednn", "mkl", "blocks") if kind == torch.float32 else ("onednn",)
         for packing in packings + (("fp16",) if is_head else ()):
             if packing == "mkl" and not torch.backends.mkl.is_available():
                 continue
             if packing == "fp16" and not has_fp16_weight_products():
+                continue
+            if packing == "blocks" and block_kernels() is None:
                 continue
             candidates = candidate_rows(packing)
             kept = row_invariant_rows(packing, kind, out_features, in_features, candidates)

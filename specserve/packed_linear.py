@@ -92,7 +92,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from specserve.block_weights import BlockFormat, block_kernels, block_product, find_blocks, quantize_q4_1
+from specserve.block_weights import BlockFormat, BlockWeight, block_kernels, find_blocks, quantize_q4_1
 from specserve.hardware import cpu_vendor
 
 Packing = Literal["mkl", "onednn", "int8", "fp16", "blocks", "none"]
@@ -309,7 +309,7 @@ class PackedLinear:
         self._int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fp16: object | None = None  # FBGEMM's packed fp16 weight (a script object), scaled by 2**_scale
         self._scale = 0
-        self._blocks: tuple[BlockFormat, torch.Tensor] | None = None  # the block format and the packed blocks
+        self._blocks: BlockWeight | None = None
         with torch.inference_mode():
             if packing == "mkl" and self.buckets:
                 # The MKL pack must stay where it was made (its layout depends on its alignment): never copy it.
@@ -340,11 +340,10 @@ class PackedLinear:
                 found = find_blocks(self.weight)
                 if found is None or block_kernels() is None:
                     raise ValueError("block packing takes only fp32 weights that llama.cpp blocks hold exactly")
-                self._blocks = found
+                self._blocks = BlockWeight(found)
                 if torch.backends.mkldnn.is_available() and self.buckets:
-                    # Past the largest bucket the block kernel's cost outgrows oneDNN's: those steps run it.
+                    # Past the largest bucket bit equality is not promised: those steps run oneDNN's fp32 product.
                     self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight, ONEDNN_HINT)
-                self._in_features = int(self.weight.shape[1])
                 self.weight = self.weight.new_empty(self.weight.shape[0], 0)  # the packs hold the weights
 
     @property
@@ -359,7 +358,7 @@ class PackedLinear:
     @property
     def block_format(self) -> BlockFormat | None:
         """The llama.cpp block format the weights are read in ("Q4_1", "Q8_0"), or None."""
-        return None if self._blocks is None else self._blocks[0]
+        return None if self._blocks is None else self._blocks.block_format
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -373,8 +372,7 @@ class PackedLinear:
         narrow = not self.buckets or rows <= self.buckets[-1]
         if self._blocks is not None and (self._onednn is None or narrow):
             # Every row count computes a row alike: no padding. The kernel takes fp32 inputs.
-            block_format, blocks = self._blocks
-            y = block_product(block_format, x, blocks, self.out_features, self._in_features)
+            y = self._blocks(x)
             return y if self.bias is None else y + self.bias
         if self._int8 is None and self._onednn is None and self._fp16 is None:
             return F.linear(x, self.weight, self.bias)

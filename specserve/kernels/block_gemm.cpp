@@ -8,10 +8,16 @@
 // product then multiplies fp32 inputs by those fp32 weights and sums in fp32: only the order of the
 // sums differs from another fp32 kernel, while the bytes read are 6/32 (Q4_1) or 9/32 (Q8_0) of fp32's.
 //
-// Row invariance: each output y[r][n] is computed by the same sequence of operations whatever the
-// number of rows, the tile it falls in and the thread that runs it (per 32-value block, one fused
-// multiply-add of each 16-lane half into a 16-lane accumulator, then one fixed horizontal sum), so a
-// row's bits never depend on how many rows share its call.
+// Layout (made by specserve/block_weights.py): outputs in tiles of kLanes (one vector register),
+// and per tile and block of 32 inputs, the kLanes outputs' d (and m) widened to fp32, then their
+// integers input by input: for Q4_1 one byte per output for each pair of inputs (the even input in
+// the low nibble), for Q8_0 one byte per output for each input. So one vector load and a few
+// conversions give the weights of kLanes outputs for one input, and each row's input is broadcast
+// against them: no horizontal sums, and for many rows each de-quantized weight serves up to kRows.
+//
+// Row invariance: an output's sum is two chains over the inputs (even ones, odd ones), in input
+// order, added at the end; the same for every row count, row tile and thread, so a row's bits never
+// depend on how many rows share its call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,224 +28,145 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
-// Blocks as the kernel reads them: llama.cpp's, with the fp16 parameters widened to fp32 once at packing
-// (exact; converting them at every block cost more than reading the 4 bytes more).
-struct BlockQ41 {
-  float d;
-  float m;
-  uint8_t qs[16];  // byte j: value j in the low nibble, value j + 16 in the high one (llama.cpp's order)
-};
-static_assert(sizeof(BlockQ41) == 24, "Q4_1 block is 24 bytes");
-
-struct BlockQ80 {
-  float d;
-  int8_t qs[32];
-};
-static_assert(sizeof(BlockQ80) == 36, "Q8_0 block is 36 bytes");
-
 #if defined(__AVX512F__)
-// 16 fp32 lanes in one register.
-struct Vec {
-  __m512 v;
-};
-inline Vec vzero() { return {_mm512_setzero_ps()}; }
-inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline float vsum(Vec a) {
-  // One fixed tree for every output: halves, quarters, pairs, then the last two lanes.
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
+constexpr int kLanes = 16;
+using Vec = __m512;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm512_storeu_ps(p, a); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+// kLanes bytes as fp32 lanes: unsigned (both nibbles), signed.
+inline __m512i widen_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-// Q4_1: the block's 16 possible weights d * q + m as a table, looked up by each nibble (vpermps reads
-// the low 4 bits of each lane): two lookups and one multiply-add where widening costs four conversions.
-inline void dequant(const BlockQ41& b, Vec& lo, Vec& hi) {
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(b.d), _mm512_set1_ps(b.m));
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs)));
-  lo.v = _mm512_permutexvar_ps(bytes, table);
-  hi.v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+inline Vec low_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))); }
+inline Vec high_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
+inline Vec widen_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline void dequant(const BlockQ80& b, Vec& lo, Vec& hi) {
-  const __m512 d = _mm512_set1_ps(b.d);
-  const __m128i* q = reinterpret_cast<const __m128i*>(b.qs);
-  lo.v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
-  hi.v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
-}
-constexpr int kFewOut = 4, kFewRows = 4;    // 16 accumulators, 8 weight registers of 32
-constexpr int kManyOut = 2, kManyRows = 8;  // 16 accumulators, 4 weight registers
+constexpr int kRows = 10;  // rows a tile: 20 accumulators of 32 registers (8 to 14 measured alike, 2-4 slower)
 #else
-// 16 fp32 lanes in two AVX2 registers.
-struct Vec {
-  __m256 lo, hi;
-};
-inline Vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline Vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void vstore(float* p, Vec a) {
-  _mm256_storeu_ps(p, a.lo);
-  _mm256_storeu_ps(p + 8, a.hi);
+constexpr int kLanes = 8;
+using Vec = __m256;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec a) { _mm256_storeu_ps(p, a); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline __m256i widen_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-inline Vec vfma(Vec a, Vec b, Vec c) {
-  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+inline Vec low_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))); }
+inline Vec high_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
+inline Vec widen_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline float vsum(Vec a) {
-  const __m256 h = _mm256_add_ps(a.lo, a.hi);
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
-inline Vec widen_u8(__m128i bytes) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))};
-}
-inline Vec widen_i8(__m128i bytes) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
-}
-inline void dequant(const BlockQ41& b, Vec& lo, Vec& hi) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const Vec d = {_mm256_set1_ps(b.d), _mm256_set1_ps(b.d)}, m = {_mm256_set1_ps(b.m), _mm256_set1_ps(b.m)};
-  lo = vfma(widen_u8(_mm_and_si128(bytes, mask)), d, m);
-  hi = vfma(widen_u8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)), d, m);
-}
-inline void dequant(const BlockQ80& b, Vec& lo, Vec& hi) {
-  const __m256 d = _mm256_set1_ps(b.d);
-  const __m128i* q = reinterpret_cast<const __m128i*>(b.qs);
-  const Vec a = widen_i8(_mm_loadu_si128(q)), c = widen_i8(_mm_loadu_si128(q + 1));
-  lo = {_mm256_mul_ps(a.lo, d), _mm256_mul_ps(a.hi, d)};
-  hi = {_mm256_mul_ps(c.lo, d), _mm256_mul_ps(c.hi, d)};
-}
-constexpr int kFewOut = 2, kFewRows = 2;  // 8 accumulators of two registers each, of 16
-constexpr int kManyOut = 1, kManyRows = 4;
+constexpr int kRows = 4;  // rows a tile: 8 accumulators of 16 registers
 #endif
 
-// y[0 .. R) x [0 .. N) of one tile; every output's operations are the same whatever R and N.
-template <typename Block, int N, int R>
-inline void tile(const float* x, int64_t in, const Block* w, float* y, int64_t out) {
+// One tile's block: the kLanes outputs' parameters, then their integers input by input.
+struct Q41 {
+  static constexpr int64_t kBytes = 2 * kLanes * 4 + kBlock / 2 * kLanes;
+  // Weights of the kLanes outputs for inputs 2j and 2j + 1, exactly as loaded in fp32.
+  static inline void pair(const uint8_t* block, int j, Vec d, Vec m, Vec& even, Vec& odd) {
+    const auto bytes = widen_u8(block + 2 * kLanes * 4 + j * kLanes);
+    even = vfma(low_nibbles(bytes), d, m);
+    odd = vfma(high_nibbles(bytes), d, m);
+  }
+  static inline Vec scale(const uint8_t* block) { return vload(reinterpret_cast<const float*>(block)); }
+  static inline Vec offset(const uint8_t* block) { return vload(reinterpret_cast<const float*>(block) + kLanes); }
+};
+
+struct Q80 {
+  static constexpr int64_t kBytes = kLanes * 4 + kBlock * kLanes;
+  static inline void pair(const uint8_t* block, int j, Vec d, Vec, Vec& even, Vec& odd) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + kLanes * 4) + 2 * j * kLanes;
+    even = vmul(widen_i8(q), d);
+    odd = vmul(widen_i8(q + kLanes), d);
+  }
+  static inline Vec scale(const uint8_t* block) { return vload(reinterpret_cast<const float*>(block)); }
+  static inline Vec offset(const uint8_t*) { return vzero(); }
+};
+
+// y[0 .. R) x [0 .. kLanes) for one output tile; every output's operations are the same whatever R.
+template <typename F, int R>
+inline void tile(const float* x, int64_t in, const uint8_t* w, float* y, int64_t out) {
   const int64_t blocks = in / kBlock;
-  Vec acc[R][N];
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < N; ++n) acc[r][n] = vzero();
+  Vec even_sum[R], odd_sum[R];
+  for (int r = 0; r < R; ++r) even_sum[r] = odd_sum[r] = vzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    Vec lo[N], hi[N];
-    for (int n = 0; n < N; ++n) dequant(w[n * blocks + b], lo[n], hi[n]);
-    for (int r = 0; r < R; ++r) {
-      const Vec xlo = vload(x + r * in + b * kBlock);
-      const Vec xhi = vload(x + r * in + b * kBlock + 16);
-      for (int n = 0; n < N; ++n) acc[r][n] = vfma(xhi, hi[n], vfma(xlo, lo[n], acc[r][n]));
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int n = 0; n < N; ++n) y[r * out + n] = vsum(acc[r][n]);
-}
-
-// The last ``rows`` (< R) rows of N outputs, as one tile of that many rows.
-template <typename Block, int N, int R>
-inline void remainder(const float* x, int64_t rows, int64_t in, const Block* w, float* y, int64_t out) {
-  if constexpr (R > 1) {
-    if (rows == R - 1) {
-      tile<Block, N, R - 1>(x, in, w, y, out);
-    } else {
-      remainder<Block, N, R - 1>(x, rows, in, w, y, out);
-    }
-  }
-}
-
-// N outputs, all rows, in tiles of R rows; each tile reads (and de-quantizes) the N outputs' blocks again.
-template <typename Block, int N, int R>
-void outputs(const float* x, int64_t rows, int64_t in, const Block* w, float* y, int64_t out) {
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) tile<Block, N, R>(x + r * in, in, w, y + r * out, out);
-  if (r < rows) remainder<Block, N, R>(x + r * in, rows - r, in, w, y + r * out, out);
-}
-
-// Few rows: more outputs a tile (each block de-quantized once serves every row); many rows: more rows a
-// tile (each de-quantized block serves more of them, each input load more outputs).
-template <typename Block, int N, int R>
-void all_outputs(const float* x, int64_t rows, int64_t in, const Block* wp, float* y, int64_t out) {
-  const int64_t blocks = in / kBlock;
-  const int64_t tiles = (out + N - 1) / N;
-  at::parallel_for(0, tiles, 8, [&](int64_t begin, int64_t end) {  // each thread reads its own weights once
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * N;
-      const Block* w = wp + n0 * blocks;
-      if (n0 + N <= out) {
-        outputs<Block, N, R>(x, rows, in, w, y + n0, out);
-      } else {
-        for (int64_t i = n0; i < out; ++i) outputs<Block, 1, R>(x, rows, in, wp + i * blocks, y + i, out);
+    const uint8_t* block = w + b * F::kBytes;
+    const Vec d = F::scale(block), m = F::offset(block);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      const int64_t k = b * kBlock + 2 * j;
+      Vec even, odd;
+      F::pair(block, j, d, m, even, odd);
+      for (int r = 0; r < R; ++r) {
+        even_sum[r] = vfma(vbroadcast(x + r * in + k), even, even_sum[r]);
+        odd_sum[r] = vfma(vbroadcast(x + r * in + k + 1), odd, odd_sum[r]);
       }
     }
-  });
+  }
+  for (int r = 0; r < R; ++r) vstore(y + r * out, vadd(even_sum[r], odd_sum[r]));
 }
 
-template <typename Block>
-void check(const torch::Tensor& packed, int64_t out, int64_t in) {
-  TORCH_CHECK(in % kBlock == 0, "the input dimension must be a multiple of 32");
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kUInt8, "packed blocks: contiguous uint8");
-  TORCH_CHECK(packed.numel() == out * (in / kBlock) * static_cast<int64_t>(sizeof(Block)), "packed size");
+// The last ``rows`` (< R) rows of one output tile, as one tile of that many rows.
+template <typename F, int R>
+inline void remainder(const float* x, int64_t rows, int64_t in, const uint8_t* w, float* y, int64_t out) {
+  if constexpr (R > 1) {
+    if (rows == R - 1) {
+      tile<F, R - 1>(x, in, w, y, out);
+    } else {
+      remainder<F, R - 1>(x, rows, in, w, y, out);
+    }
+  }
 }
 
-template <typename Block>
+template <typename F>
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t out, int64_t in) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == in, "x must be [rows, ", in, "]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
-  check<Block>(packed, out, in);
+  TORCH_CHECK(in % kBlock == 0 && out % kLanes == 0, "in must be a multiple of 32, out of ", kLanes);
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == torch::kUInt8, "packed blocks: contiguous uint8");
+  TORCH_CHECK(packed.numel() == out / kLanes * (in / kBlock) * F::kBytes, "packed blocks: wrong size");
   const torch::Tensor xc = x.contiguous();
   const int64_t rows = xc.size(0);
   torch::Tensor y = torch::empty({rows, out}, xc.options());
   if (rows == 0 || out == 0) return y;
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const Block* wp = reinterpret_cast<const Block*>(packed.data_ptr<uint8_t>());
-  if (rows <= kFewRows) {
-    all_outputs<Block, kFewOut, kFewRows>(xp, rows, in, wp, yp, out);
-  } else {
-    all_outputs<Block, kManyOut, kManyRows>(xp, rows, in, wp, yp, out);
-  }
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = in / kBlock * F::kBytes;
+  // Threads split the output tiles, each reading its own weights once; each tile runs every row tile (of
+  // kRows, the rest as one smaller tile) over its weights while they are in cache.
+  at::parallel_for(0, out / kLanes, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* w = wp + t * tile_bytes;
+      int64_t r = 0;
+      for (; r + kRows <= rows; r += kRows) tile<F, kRows>(xp + r * in, in, w, yp + r * out + t * kLanes, out);
+      if (r < rows) remainder<F, kRows>(xp + r * in, rows - r, in, w, yp + r * out + t * kLanes, out);
+    }
+  });
   return y;
 }
 
-template <typename Block>
-torch::Tensor dequantize(const torch::Tensor& packed, int64_t out, int64_t in) {
-  check<Block>(packed, out, in);
-  torch::Tensor w = torch::empty({out, in}, torch::TensorOptions().dtype(torch::kFloat32));
-  const Block* wp = reinterpret_cast<const Block*>(packed.data_ptr<uint8_t>());
-  float* dst = w.data_ptr<float>();
-  at::parallel_for(0, out * (in / kBlock), 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      Vec lo, hi;
-      dequant(wp[b], lo, hi);
-      vstore(dst + b * kBlock, lo);
-      vstore(dst + b * kBlock + 16, hi);
-    }
-  });
-  return w;
-}
-
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out, int64_t in) {
-  return product<BlockQ41>(x, packed, out, in);
+  return product<Q41>(x, packed, out, in);
 }
 torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out, int64_t in) {
-  return product<BlockQ80>(x, packed, out, in);
+  return product<Q80>(x, packed, out, in);
 }
-torch::Tensor q4_1_dequantize(const torch::Tensor& packed, int64_t out, int64_t in) {
-  return dequantize<BlockQ41>(packed, out, in);
-}
-torch::Tensor q8_0_dequantize(const torch::Tensor& packed, int64_t out, int64_t in) {
-  return dequantize<BlockQ80>(packed, out, in);
-}
+int64_t lanes() { return kLanes; }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_linear", &q4_1_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q4_1 blocks");
-  m.def("q8_0_linear", &q8_0_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q8_0 blocks");
-  m.def("q4_1_dequantize", &q4_1_dequantize, "W [out, in] fp32 from its Q4_1 blocks");
-  m.def("q8_0_dequantize", &q8_0_dequantize, "W [out, in] fp32 from its Q8_0 blocks");
+  m.def("q4_1_linear", &q4_1_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q4_1 tiles");
+  m.def("q8_0_linear", &q8_0_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q8_0 tiles");
+  m.def("lanes", &lanes, "outputs per tile: the fp32 lanes of this build's vector registers");
 }

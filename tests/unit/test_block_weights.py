@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from specserve.block_weights import (
+    BlockWeight,
     block_kernels,
-    block_product,
     find_blocks,
     q4_1_blocks,
     q8_0_blocks,
@@ -43,34 +43,35 @@ def one_ulp_off(w: torch.Tensor, index: tuple[int, int]) -> torch.Tensor:
 def test_blocks_are_found_exactly_or_not_at_all(quantize, find, block_format) -> None:  # type: ignore[no-untyped-def]
     w = quantize(weight())
     assert find(w) is not None
-    assert find_blocks(w) is not None and find_blocks(w)[0] == block_format  # type: ignore[index]
+    found = find_blocks(w)
+    assert found is not None and found.block_format == block_format
     assert find(one_ulp_off(w, (3, 40))) is None, "one weight one ulp away is not a block's value"
     assert find(weight()) is None, "fp32 weights of a trained model are not blocks"
     assert find(w.bfloat16()) is None and find(w[:, :90]) is None, "fp32 only, inputs a multiple of 32"
     assert find_blocks(torch.zeros(4, 64)) is not None, "a block of zeros is a block (d = 0)"
 
 
+def product_of(w: torch.Tensor) -> BlockWeight:
+    found = find_blocks(w)
+    assert found is not None
+    return BlockWeight(found)
+
+
 @pytest.mark.parametrize("quantize", [quantize_q4_1, quantize_q8_0])
 def test_the_kernel_rebuilds_every_weight_bit_for_bit(quantize) -> None:  # type: ignore[no-untyped-def]
     w = quantize(weight(std=3.0))
-    found = find_blocks(w)
-    assert found is not None
-    kernels = block_kernels()
-    assert kernels is not None
-    dequantize = kernels.q4_1_dequantize if found[0] == "Q4_1" else kernels.q8_0_dequantize
-    assert torch.equal(dequantize(found[1], *w.shape).view(torch.int32), w.view(torch.int32))
+    identity = torch.eye(w.shape[1])  # each row picks one input: the product is the weights themselves
+    assert torch.equal(product_of(w)(identity).view(torch.int32), w.T.contiguous().view(torch.int32))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 13, 40])
 @pytest.mark.parametrize("quantize", [quantize_q4_1, quantize_q8_0])
 def test_the_block_product_is_the_fp32_product(rows: int, quantize) -> None:  # type: ignore[no-untyped-def]
     w = quantize(weight())
-    found = find_blocks(w)
-    assert found is not None
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
     exact = x.double() @ w.double().T
     fp32_error = (torch.nn.functional.linear(x, w).double() - exact).abs().max()
-    y = block_product(found[0], x, found[1], *w.shape)
+    y = product_of(w)(x)
     assert y.dtype == torch.float32 and y.shape == (rows, w.shape[0])
     # Same products, other order of sums: within a few times the fp32 kernel's own rounding of the exact sum
     assert (y.double() - exact).abs().max() <= 4 * fp32_error + 1e-7
@@ -78,13 +79,12 @@ def test_the_block_product_is_the_fp32_product(rows: int, quantize) -> None:  # 
 
 @pytest.mark.parametrize("quantize", [quantize_q4_1, quantize_q8_0])
 def test_a_row_gets_the_same_bits_at_every_row_count(quantize) -> None:  # type: ignore[no-untyped-def]
-    w = quantize(weight(out=37, in_=96))  # 37 outputs: full tiles and a remainder; 3 blocks
-    found = find_blocks(w)
-    assert found is not None
+    w = quantize(weight(out=69, in_=96))  # 69 outputs: whole tiles, a partial one (padded); 3 blocks
+    product = product_of(w)
     x = torch.randn(41, w.shape[1], generator=torch.Generator().manual_seed(7))
-    alone = torch.cat([block_product(found[0], x[i : i + 1], found[1], *w.shape) for i in range(41)])
+    alone = torch.cat([product(x[i : i + 1]) for i in range(41)])
     for rows in range(1, 42):
-        together = block_product(found[0], x[:rows], found[1], *w.shape)
+        together = product(x[:rows])
         assert torch.equal(together, alone[:rows]), f"{rows} rows together differ from each row alone"
 
 
@@ -96,10 +96,8 @@ def test_the_packed_linear_runs_blocks_to_its_largest_bucket_and_onednn_beyond()
     product = PackedLinear(w, bias, "blocks", buckets)
     assert product.block_format == "Q4_1" and product.runs_wide_rows_on_onednn
     assert torch.equal(w, original), "packing leaves the model's weights as they were"
-    found = find_blocks(w)
-    assert found is not None
     x = torch.randn(40, 64)
-    assert torch.equal(product(x[:32]), block_product(found[0], x[:32], found[1], 64, 64) + bias)
+    assert torch.equal(product(x[:32]), product_of(w)(x[:32]) + bias)
     onednn = PackedLinear(w, bias, "onednn", ONEDNN_ROWS)
     assert torch.equal(product(x), onednn(x)), "past the largest bucket the step runs oneDNN's fp32 product"
     with pytest.raises(ValueError, match="blocks"):

@@ -46,3 +46,19 @@ def test_the_head_kernels_include_fp16_stored_weights_and_compute_the_same_produ
             assert "FBGEMM fp16-weight" in runs
         for name, run in runs.items():
             assert torch.allclose(run(x), expected, atol=1e-4), name
+
+
+def test_the_block_column_computes_the_product_over_the_weights_rounded_to_blocks() -> None:
+    from specserve.block_weights import block_kernels, quantize_q4_1
+
+    generator = torch.Generator().manual_seed(3)
+    weights = [torch.randn(96, 64, generator=generator)]
+    x = torch.randn(4, 64, generator=generator)
+    with torch.inference_mode():
+        runs = kernels(weights, rows=4, blocks="Q4_1")
+        if block_kernels() is None:
+            assert "GGUF-block Q4_1" not in runs
+            return
+        got = runs["GGUF-block Q4_1"](x)
+        assert torch.allclose(got, F.linear(x, quantize_q4_1(weights[-1])), atol=1e-4)
+        assert not torch.allclose(got, F.linear(x, weights[-1]), atol=1e-4), "it times the rounded weights"
