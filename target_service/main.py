@@ -160,8 +160,10 @@ def build_verifier(config: VerifierConfig) -> Verifier:
         # process holds one OpenMP team and its workers keep spin-waiting (target_service.engine_threads).
         config = replace(config, torch_threads=serve_on_this_thread())
     cache_root = Path(config.cache_dir) if config.cache_dir else default_cache_root()
-    source = materialize(resolve_model(config.model), cache_root)
-    dtype = choose_model_dtype(config.dtype, config.device, source)
+    resolved = resolve_model(config.model)
+    source = materialize(resolved, cache_root)
+    # The GGUF file's tensor table, not the converted copy's: it tells whether the layers are blocks
+    dtype = choose_model_dtype(config.dtype, config.device, resolved)
     log.info("target dtype %s (%s)", dtype.dtype, dtype.reason)
     model = load_model(source, device=config.device, dtype=dtype.dtype)
     fingerprint = vocab_fingerprint(load_tokenizer(source))
