@@ -18,11 +18,11 @@ alike whatever the number of rows (batch invariance by construction;
 ``packed_linear`` checks it at start-up like every packed product).
 
 Measured on a 2-core AVX512-BF16 EPYC over SmolLM2-135M's 120 layer products
-(``bench.gemm_kernels``): 2.1 ms at 1 row against oneDNN's 11.1 (fp32) and
-6.5 (bf16), 6.4 against 13.4 and 7.8 at 8 rows, 18.7 against 22.8 and 12.5
-at 32; from about 12 rows bf16's products (two multiply-adds an instruction)
-are cheaper, and from about 128 oneDNN's fp32 ones, so steps past the largest
-bucket run those (``packed_linear``).
+(``bench.gemm_kernels``, summed): 2.0 ms at 1 row against oneDNN's 12.3 (fp32)
+and 5.5 (bf16), 4.9 against 11.3 and 6.6 at 8 rows, 17.4 against 21.1 and
+11.8 at 32; between 8 and 16 rows bf16's products (two multiply-adds an
+instruction) become cheaper, and past 128 rows (a prefill) oneDNN's fp32 ones,
+so steps past the largest bucket run those (``packed_linear``).
 
 The kernel is compiled for the CPU it runs on (``-march=native``) the first
 time it is needed and kept under the cache directory (about 20 s once, then
@@ -229,6 +229,31 @@ class BlockWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x.float(), self._packed, self._padded_out, self.in_features)
         return y if self._padded_out == self.out_features else y[:, : self.out_features].contiguous()
+
+
+def fused_ops_fit(hidden_size: int, head_dim: int) -> bool:
+    """Whether ``rms_norm_rows`` and ``rotary_rows`` take this shape (whole vector registers) on this build."""
+    kernels = block_kernels()
+    if kernels is None:
+        return False
+    lanes = int(kernels.lanes())
+    return hidden_size % lanes == 0 and head_dim % (2 * lanes) == 0
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``llama_ops.rms_norm`` of fp32 rows [rows, hidden] in one call of the block kernel's module (the eager
+    form is eight dispatches, which on a one-token step over the block products cost more than the math)."""
+    kernels = block_kernels()
+    assert kernels is not None, "the fused norm needs the compiled kernel (block_kernels)"
+    return kernels.rms_norm(x, weight, eps)
+
+
+def rotary_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``llama_ops.apply_rotary`` of fp32 [rows, heads, head_dim] in one call (four dispatches eager), the same
+    bits (the same multiplies and adds, unfused)."""
+    kernels = block_kernels()
+    assert kernels is not None, "the fused rotary needs the compiled kernel (block_kernels)"
+    return kernels.rotary(x, cos, signed_sin)
 
 
 def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:

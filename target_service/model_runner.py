@@ -15,6 +15,10 @@ runs it, so that:
   fp16, which holds them exactly (``packed_linear``, "fp16"): the same fp32
   products from half the bytes, the head's fp32 weights having been about a
   third of the bytes a bf16 step reads;
+- an fp32 model whose weights are llama.cpp blocks exactly (a GGUF model's:
+  the default target's Q4_1 layers and Q8_0 head) runs its products on the
+  block kernel (``specserve.block_weights``): the fp32 model's products from
+  a sixth of its bytes, every row count computing a row alike;
 - hidden states are returned only for the rows a draft head asked for.
 
 On a GPU, ``compile="auto"`` runs steps of up to 256 rows as CUDA graphs
@@ -38,7 +42,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.llama_ops import rms_norm
 from specserve.packed_linear import (
     PackedLinear,
     Packing,
@@ -272,7 +275,7 @@ class ModelRunner:
                 positions = F.pad(positions, (0, padding))
             hidden = self._forward(partial(attend_segments, plan), input_ids, positions)
         wanted = torch.cat([score_rows, feature_rows])
-        normed = rms_norm(hidden.index_select(0, wanted).float(), self._norm, self._eps)
+        normed = self._forward.norm_rows(hidden.index_select(0, wanted).float(), self._norm, self._eps)
         scored = normed[: score_rows.numel()]
         logits = self._head(scored) if scored.numel() else scored.new_zeros(0, self.vocab_size)
         return StepOutput(logits, normed[score_rows.numel() :])

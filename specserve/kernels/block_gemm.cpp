@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace {
@@ -155,6 +156,71 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
   return y;
 }
 
+#if defined(__AVX512F__)
+inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+#else
+inline float vsum(Vec a) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+#endif
+
+// transformers' RMSNorm of fp32 rows, w * (x * rsqrt(mean(x^2) + eps)), in one call where torch's eager form
+// is eight (on a one-token step of SmolLM2 their dispatch cost more than the arithmetic). Each row alone,
+// in the same order whatever the row count.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && weight.scalar_type() == torch::kFloat32,
+              "rms_norm takes fp32 rows and weights");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(weight.numel() == hidden && hidden % kLanes == 0, "rms_norm: hidden size a multiple of ", kLanes);
+  const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  torch::Tensor y = torch::empty_like(xc);
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xp + r * hidden;
+    Vec squares = vzero();
+    for (int64_t i = 0; i < hidden; i += kLanes) squares = vfma(vload(row + i), vload(row + i), squares);
+    const float scale = 1.0f / std::sqrt(vsum(squares) / static_cast<float>(hidden) + static_cast<float>(eps));
+    const Vec s = vbroadcast(&scale);
+    for (int64_t i = 0; i < hidden; i += kLanes) vstore(yp + r * hidden + i, vmul(vload(wp + i), vmul(vload(row + i), s)));
+  }
+  return y;
+}
+
+// llama_ops.apply_rotary in one call: x [T, heads, d] (rows may be strided, as a view of the fused QKV
+// product's output) times cos [T, 1, d], plus x rolled by d/2 times the sign-folded sin; a multiply, a
+// multiply and an add per value, unfused, so the bits are the eager form's.
+torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32, "rotary takes fp32 [rows, heads, head_dim]");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == dim && half % kLanes == 0, "rotary: contiguous heads, a multiple of ",
+              2 * kLanes, " values");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == rows * dim && sin.numel() == rows * dim,
+              "rotary: cos and sin [rows, 1, head_dim]");
+  torch::Tensor y = torch::empty({rows, heads, dim}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* c = cp + r * dim;
+    const float* sn = sp + r * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* in = xp + r * x.stride(0) + h * dim;
+      float* out = yp + (r * heads + h) * dim;
+      for (int64_t i = 0; i < dim; i += kLanes) {
+        const int64_t rolled = (i + half) % dim;
+        vstore(out + i, vadd(vmul(vload(in + i), vload(c + i)), vmul(vload(in + rolled), vload(sn + i))));
+      }
+    }
+  }
+  return y;
+}
+
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out, int64_t in) {
   return product<Q41>(x, packed, out, in);
 }
@@ -168,5 +234,7 @@ int64_t lanes() { return kLanes; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q4_1 tiles");
   m.def("q8_0_linear", &q8_0_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q8_0 tiles");
+  m.def("rms_norm", &rms_norm, "transformers' RMSNorm of fp32 rows [rows, hidden], one call");
+  m.def("rotary", &rotary, "llama_ops.apply_rotary of fp32 [rows, heads, head_dim], one call");
   m.def("lanes", &lanes, "outputs per tile: the fp32 lanes of this build's vector registers");
 }

@@ -132,3 +132,19 @@ def test_the_packaged_gguf_model_is_blocks_and_a_hugging_face_directory_is_not(t
 
     assert gguf_block_layers(resolve_model("smollm2")), "SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding"
     assert not gguf_block_layers(ModelSource(tmp_path))
+
+
+def test_the_fused_norm_and_rotary_compute_the_eager_forms() -> None:
+    from specserve.block_weights import fused_ops_fit, rms_norm_rows, rotary_rows
+    from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
+
+    assert fused_ops_fit(64, 64) and not fused_ops_fit(64, 80), "whole vector registers only"
+    generator = torch.Generator().manual_seed(5)
+    x, w = torch.randn(9, 64, generator=generator), torch.randn(64, generator=generator)
+    torch.testing.assert_close(rms_norm_rows(x, w, 1e-5), rms_norm(x, w, 1e-5), atol=1e-6, rtol=1e-6)
+    alone = torch.cat([rms_norm_rows(x[i : i + 1], w, 1e-5) for i in range(9)])
+    assert torch.equal(rms_norm_rows(x, w, 1e-5), alone), "each row alike whatever the row count"
+    qkv = torch.randn(9, 6 * 64, generator=generator)
+    qk = qkv[:, : 5 * 64].view(9, 5, 64)  # a strided view, as the forward takes it from the fused product
+    cos, sin = rotary_tables(torch.arange(9), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64), 1.0, torch.float32)
+    assert torch.equal(rotary_rows(qk, cos, sin), apply_rotary(qk, cos, sin)), "the same bits as eager"
