@@ -24,6 +24,7 @@ from tests.integration.conftest import FP32_VERIFIER, Target
 pytestmark = pytest.mark.integration
 
 PROMPT = "Explain in a few sentences why the sky is blue."
+LONG_PROMPT = "Count from 1 to 1000, one number per line."
 MAX_RUNNING, MAX_QUEUED = 2, 1
 FAILOVER_TOKENS = 48
 
@@ -63,11 +64,11 @@ class Outcome:
     error: grpc.RpcError | None = None
 
 
-def generate(address: str, max_new_tokens: int, timeout_s: float = 120.0) -> Outcome:
+def generate(address: str, max_new_tokens: int, timeout_s: float = 120.0, prompt: str = PROMPT) -> Outcome:
     outcome = Outcome([])
     try:
         with SpecserveClient(address, timeout_s=timeout_s) as client:
-            for event in client.generate_chat([("user", PROMPT)], GenerationParams(max_new_tokens=max_new_tokens)):
+            for event in client.generate_chat([("user", prompt)], GenerationParams(max_new_tokens=max_new_tokens)):
                 if isinstance(event, TextChunk):
                     outcome.tokens += event.token_ids
                 else:
@@ -129,7 +130,8 @@ def test_streams_over_the_limits_are_refused_with_retry_after(cluster: LocalClus
 
 
 def test_a_passed_deadline_ends_the_stream_and_frees_its_session(cluster: LocalCluster) -> None:
-    outcome = generate(cluster.coordinator_address, max_new_tokens=2000, timeout_s=1.0)
+    # A long answer: the sky's a few sentences end well within a second on a fast CPU step.
+    outcome = generate(cluster.coordinator_address, max_new_tokens=2000, timeout_s=1.0, prompt=LONG_PROMPT)
     assert isinstance(outcome.error, grpc.Call)
     assert outcome.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert outcome.stats is None
