@@ -162,6 +162,15 @@ class Blocks:
         return torch.cat(parts, dim=-1).contiguous()
 
 
+def _q4_1_integers(blocks: torch.Tensor, low: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each value's integer for these per-block ``scale`` and ``low``, and per block [..., 1] whether every
+    value is rebuilt bit for bit (``scale * q + low``)."""
+    steps = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1.0), 0.0)
+    q = steps.round().clamp(0, 15)
+    rebuilt = (scale * q + low).view(torch.int32) == blocks.view(torch.int32)
+    return q, rebuilt.all(dim=-1, keepdim=True)
+
+
 def q4_1_blocks(weight: torch.Tensor) -> Blocks | None:
     """``weight`` [out, in] as Q4_1 blocks if every value is ``d * q + m`` exactly, else None.
 
@@ -176,12 +185,20 @@ def q4_1_blocks(weight: torch.Tensor) -> Blocks | None:
         low = blocks.amin(dim=-1, keepdim=True)
         if not _fp16_exact(low):
             return None
-        scale = ((blocks.amax(dim=-1, keepdim=True) - low) / 15).half().float()
-        steps = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1.0), 0.0)
-        q = steps.round().clamp(0, 15)
-        if not _same_bits(scale * q + low, blocks):
+        scale = ((blocks.amax(dim=-1, keepdim=True) - low) / 15).half()
+        q, exact = _q4_1_integers(blocks, low, scale.float())
+        for direction in (float("inf"), float("-inf")):
+            if bool(exact.all()):
+                break
+            # The largest value was rounded once (d * 15 + m): where m dwarfs d, the span over 15 can round to
+            # d's fp16 neighbour. Try the neighbours where the first guess does not rebuild the block.
+            neighbour = torch.nextafter(scale, torch.full_like(scale, direction))
+            q_n, exact_n = _q4_1_integers(blocks, low, neighbour.float())
+            better = ~exact & exact_n
+            scale, q, exact = torch.where(better, neighbour, scale), torch.where(better, q_n, q), exact | exact_n
+        if not bool(exact.all()):
             return None
-        return Blocks("Q4_1", scale.squeeze(-1), low.squeeze(-1), q.to(torch.uint8))
+        return Blocks("Q4_1", scale.float().squeeze(-1), low.squeeze(-1), q.to(torch.uint8))
 
 
 def q8_0_blocks(weight: torch.Tensor) -> Blocks | None:
@@ -221,10 +238,6 @@ class BlockWeight:
         self._padded_out = -(-self.out_features // self._lanes) * self._lanes
         self._packed = blocks.packed(self._lanes)
         self._product = kernels.q4_1_linear if blocks.block_format == "Q4_1" else kernels.q8_0_linear
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._packed.numel())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x.float(), self._packed, self._padded_out, self.in_features)

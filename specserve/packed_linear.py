@@ -61,10 +61,9 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
   the default target's are), chosen by ``block_packing``. The kernel
   rebuilds each weight exactly in fp32 and multiplies fp32 inputs in fp32:
   the fp32 model's products from 6/32 (Q4_1) or 9/32 (Q8_0) of its bytes.
-  Every row count gives a row the same bits by construction. Its cost grows
-  with the rows faster than oneDNN's (it is built for the few rows of a
-  decode step), so steps past the largest bucket run oneDNN's fp32 product
-  on a second pack, as with fp16.
+  Every row count gives a row the same bits by construction. Past about 128
+  rows (a prompt's prefill) oneDNN's fp32 product is faster, so steps past
+  the largest bucket run it, on a second pack, as with fp16.
 - **none** (GPUs, CPUs without oneDNN, ``--compile off``): ``F.linear``.
 
 ``SPECSERVE_FP32_GEMM=mkl|onednn`` overrides the fp32 choice (benchmarks

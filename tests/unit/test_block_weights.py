@@ -148,3 +148,23 @@ def test_the_fused_norm_and_rotary_compute_the_eager_forms() -> None:
     qk = qkv[:, : 5 * 64].view(9, 5, 64)  # a strided view, as the forward takes it from the fused product
     cos, sin = rotary_tables(torch.arange(9), 1.0 / 10000 ** (torch.arange(0, 64, 2) / 64), 1.0, torch.float32)
     assert torch.equal(rotary_rows(qk, cos, sin), apply_rotary(qk, cos, sin)), "the same bits as eager"
+
+
+def test_q4_1_blocks_whose_minimum_dwarfs_their_scale_are_found_too() -> None:
+    """d * 15 + m rounds once; where m is far larger than d the span over 15 can round to d's fp16 neighbour."""
+    from specserve.block_weights import _q4_1_integers
+
+    generator = torch.Generator().manual_seed(11)
+    out, blocks = 64, 8
+    low = (256 + 768 * torch.rand(out, blocks, 1, generator=generator)).half().float()
+    scale = (2e-3 + 6e-3 * torch.rand(out, blocks, 1, generator=generator)).half().float()
+    q = torch.randint(0, 16, (out, blocks, 32), generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15  # as llama.cpp writes a block: its smallest value at 0, its largest at 15
+    w = (scale * q + low).reshape(out, blocks * 32)
+    first_guess = ((w.reshape(out, blocks, 32).amax(-1, keepdim=True) - low) / 15).half().float()
+    _, rebuilt = _q4_1_integers(w.reshape(out, blocks, 32), low, first_guess)
+    assert not bool(rebuilt.all()), "the case under test: some first guesses do not rebuild their block"
+    found = q4_1_blocks(w)  # (a neighbour that rebuilds the block serves as well as the d it was written with)
+    assert found is not None
+    identity = torch.eye(w.shape[1])
+    assert torch.equal(BlockWeight(found)(identity).view(torch.int32), w.T.contiguous().view(torch.int32))
