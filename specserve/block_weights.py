@@ -269,6 +269,24 @@ def rotary_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
     return kernels.rotary(x, cos, signed_sin)
 
 
+def attend_single_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    table: torch.Tensor,
+    scaling: float,
+    out: torch.Tensor,
+) -> None:
+    """One-row segments' attention over a KV arena layer in one call (``ragged_attention.attend_segments``):
+    writes their keys and values at region start + cached, and each query head's attention over the region's
+    cached tokens and itself into ``out`` [T, heads, d]. fp32; each row alike whatever the others."""
+    kernels = block_kernels()
+    assert kernels is not None, "the fused attention needs the compiled kernel (block_kernels)"
+    kernels.attend_single_rows(q, k, v, keys, values, table, scaling, out)
+
+
 def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     """fp32 weights that are Q4_1 blocks: ``weight`` quantized as llama.cpp does and de-quantized (tests, checks)."""
     blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)

@@ -148,6 +148,7 @@ class LlamaForward:
         # Over block products the step's other operations are most of it: fp32 norms and rotary embeddings in
         # one call each, from the block kernel's module (eight and four dispatches eager).
         fused = packing == "blocks" and fused_ops_fit(self.shape.hidden_size, self.shape.head_dim)
+        self.fused = fused  # the step's norms, rotary embeddings (and its caller's attention) from the kernel
         self.norm_rows: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = (
             rms_norm_rows if fused else rms_norm
         )

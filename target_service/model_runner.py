@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specserve.block_weights import attend_single_rows
 from specserve.packed_linear import (
     PackedLinear,
     Packing,
@@ -180,6 +181,10 @@ class ModelRunner:
         self.kv_dtype: torch.dtype = (
             torch.float32 if self.device.type == "cpu" and (inductor or not static) else self.dtype
         )
+        # Over block products, plain decoding's one-row segments attend in one call a layer, not SDPA's per
+        # session (``block_weights.attend_single_rows``): under load most rows of a step are such rows.
+        fused_attention = self._forward.fused and self.kv_dtype == torch.float32 and self.dtype == torch.float32
+        self._single_rows = attend_single_rows if fused_attention else None
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
@@ -273,7 +278,8 @@ class ModelRunner:
             if padding:  # padding rows belong to no segment: attention gives them zeros and nothing reads them
                 input_ids = F.pad(input_ids, (0, padding))
                 positions = F.pad(positions, (0, padding))
-            hidden = self._forward(partial(attend_segments, plan), input_ids, positions)
+            attend = partial(attend_segments, plan, single_rows=self._single_rows)
+            hidden = self._forward(attend, input_ids, positions)
         wanted = torch.cat([score_rows, feature_rows])
         normed = self._forward.norm_rows(hidden.index_select(0, wanted).float(), self._norm, self._eps)
         scored = normed[: score_rows.numel()]

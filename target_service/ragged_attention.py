@@ -27,12 +27,19 @@ speculative output leave plain decoding at near-ties (``bench.numerics``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from target_service.kv_arena import KVArena, Region
+
+# (q, k, v, the layer's arena keys and values, one-row segments' (row, region start, cached) table, scaling,
+# out): writes those rows' keys and values into the arena and their attention into ``out``.
+SingleRows = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor], None
+]
 
 
 @dataclass
@@ -66,6 +73,18 @@ class StepPlan:
 
     arena: KVArena
     segments: list[Segment] = field(default_factory=list)
+    # (row, region start, cached tokens) of the one-row segments, and the other segments: made once a step
+    _split: tuple[torch.Tensor, list[Segment]] | None = field(default=None, repr=False, compare=False)
+
+    def single_rows(self) -> tuple[torch.Tensor, list[Segment]]:
+        """The one-row segments without a mask (plain decoding's) as an int64 [n, 3] tensor of (row, region
+        start, cached tokens), and the other segments."""
+        if self._split is None:
+            single = [s for s in self.segments if s.num_new == 1 and s.mask is None and not s.causal]
+            others = [s for s in self.segments if not (s.num_new == 1 and s.mask is None and not s.causal)]
+            table = torch.tensor([[s.rows.start, s.region.start, s.num_cached] for s in single], dtype=torch.int64)
+            self._split = (table.reshape(-1, 3), others)
+        return self._split
 
 
 def causal_mask(num_cached: int, num_new: int, device: torch.device) -> torch.Tensor | None:
@@ -78,20 +97,33 @@ def causal_mask(num_cached: int, num_new: int, device: torch.device) -> torch.Te
 
 
 def attend_segments(
-    plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
+    plan: StepPlan,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    single_rows: SingleRows | None = None,
 ) -> torch.Tensor:
     """q [T, heads, d], k and v [T, kv_heads, d] -> [T, heads, d]; rows in no segment (padding) get 0.
 
     Each segment's keys and values are written into the arena, then its rows
     attend over the segment's cached context and themselves, with its mask.
+    ``single_rows`` (fp32 on a CPU, ``block_weights.attend_single_rows``) does that for every one-row
+    segment without a mask in one call, instead of SDPA's per segment.
     """
     out = q.new_zeros(q.shape)
+    segments = plan.segments
+    if single_rows is not None:
+        table, segments = plan.single_rows()
+        if table.numel():
+            single_rows(q, k, v, plan.arena.keys[layer], plan.arena.values[layer], table, scaling, out)
     gqa = q.shape[1] != k.shape[1]
     # PyTorch's CPU SDPA is slow in bf16 for short queries (4-6x fp32 at one query row over 500 keys,
     # measured on AVX512-BF16): on CPU the attention itself runs in fp32, which is also more exact. The
     # engine keeps a bf16 model's cache in fp32 there (``ModelRunner.kv_dtype``), so only the query converts.
     upcast = q.device.type == "cpu" and q.dtype != torch.float32
-    for seg in plan.segments:
+    for seg in segments:
         plan.arena.write(layer, seg.region, seg.num_cached, k[seg.rows].transpose(0, 1), v[seg.rows].transpose(0, 1))
         keys, values = plan.arena.read(layer, seg.region, seg.num_cached + seg.num_new)
         query, key, value = q[seg.rows].transpose(0, 1)[None], keys[None], values[None]

@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -221,6 +223,123 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
   return y;
 }
 
+#if defined(__AVX512F__)
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float vmax_lanes(Vec a) { return _mm512_reduce_max_ps(a); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+// e^x for x <= 0 (softmax's shifted scores), Cephes' single-precision form: x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by a degree-6 polynomial, times 2^n; within 2 ulp of e^x, and 0 below -87.
+inline Vec vexp(Vec x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  Vec p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float vmax_lanes(Vec a) {
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vexp(Vec x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  Vec p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// One-row segments' attention over the KV arena, all of them in one call (a plain decoding step's rows;
+// ragged_attention.attend_segments runs SDPA per segment for the others). For each such segment, given
+// as (row, region start, cached tokens): its key and value rows are written into the arena at region
+// start + cached, then each query head attends over the region's cached tokens and itself. Each row
+// alone, in the same order whatever the other rows: a fixed tree of sums per score, one pass of maxima,
+// exponentials and sums over the keys in order, then the values weighted in key order.
+void attend_single_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& segments, double scaling,
+                        torch::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32, "fp32 attention");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && keys.dim() == 3 && out.is_contiguous(), "attention shapes");
+  const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2), slots = keys.size(1);
+  TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && keys.is_contiguous() && values.is_contiguous(),
+              "attention: head_dim a multiple of ", kLanes);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attention: contiguous head rows");
+  const torch::Tensor seg = segments.contiguous();
+  const int64_t* sp = seg.data_ptr<int64_t>();
+  const int64_t count = seg.size(0), group = heads / kv_heads;
+  float* kp = keys.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  for (int64_t s = 0; s < count; ++s) {  // the new key and value rows first: every head reads them
+    const int64_t row = sp[3 * s], slot = sp[3 * s + 1] + sp[3 * s + 2];
+    TORCH_CHECK(slot < slots, "attention: slot past the arena");
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(kp + (h * slots + slot) * dim, k.data_ptr<float>() + row * k.stride(0) + h * k.stride(1),
+                  dim * sizeof(float));
+      std::memcpy(vp + (h * slots + slot) * dim, v.data_ptr<float>() + row * v.stride(0) + h * v.stride(1),
+                  dim * sizeof(float));
+    }
+  }
+  const float scale = static_cast<float>(scaling);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / heads, h = i % heads, kvh = h / group;
+      const int64_t row = sp[3 * s], start = sp[3 * s + 1], length = sp[3 * s + 2] + 1;
+      const float* query = qp + row * q.stride(0) + h * q.stride(1);
+      const float* key = kp + (kvh * slots + start) * dim;
+      const float* value = vp + (kvh * slots + start) * dim;
+      scores.resize(static_cast<size_t>(length + kLanes));
+      float top = -INFINITY;
+      for (int64_t j = 0; j < length; ++j) {
+        Vec acc = vzero();
+        for (int64_t d = 0; d < dim; d += kLanes) acc = vfma(vload(query + d), vload(key + j * dim + d), acc);
+        scores[j] = vsum(acc) * scale;
+        top = std::max(top, scores[j]);
+      }
+      for (int64_t j = length; j < length + kLanes; ++j) scores[j] = -INFINITY;  // whole vectors past the end
+      const Vec shift = vbroadcast(&top);
+      Vec total = vzero();
+      for (int64_t j = 0; j < length; j += kLanes) {
+        const Vec e = vexp(vsub(vload(scores.data() + j), shift));
+        vstore(scores.data() + j, e);
+        total = vadd(total, e);
+      }
+      const float norm = 1.0f / vsum(total);
+      float* o = op + (row * heads + h) * dim;
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        Vec acc = vzero();
+        for (int64_t j = 0; j < length; ++j) acc = vfma(vbroadcast(scores.data() + j), vload(value + j * dim + d), acc);
+        const Vec n = vbroadcast(&norm);
+        vstore(o + d, vmul(acc, n));
+      }
+    }
+  });
+}
+
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out, int64_t in) {
   return product<Q41>(x, packed, out, in);
 }
@@ -236,5 +355,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear", &q8_0_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q8_0 tiles");
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm of fp32 rows [rows, hidden], one call");
   m.def("rotary", &rotary, "llama_ops.apply_rotary of fp32 [rows, heads, head_dim], one call");
+  m.def("attend_single_rows", &attend_single_rows, "one-row segments' attention over the KV arena, in place");
   m.def("lanes", &lanes, "outputs per tile: the fp32 lanes of this build's vector registers");
 }

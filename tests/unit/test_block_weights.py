@@ -168,3 +168,47 @@ def test_q4_1_blocks_whose_minimum_dwarfs_their_scale_are_found_too() -> None:
     assert found is not None
     identity = torch.eye(w.shape[1])
     assert torch.equal(BlockWeight(found)(identity).view(torch.int32), w.T.contiguous().view(torch.int32))
+
+
+def test_one_row_segments_attend_in_one_call_as_sdpa_does_per_segment() -> None:
+    from specserve.block_weights import attend_single_rows
+    from target_service.kv_arena import KVArena
+    from target_service.ragged_attention import Segment, StepPlan, attend_segments, causal_mask
+
+    heads, kv_heads, dim, contexts, tree_rows = 6, 2, 64, [0, 1, 15, 16, 17, 300], 3
+
+    def step(single: bool, keep: set[int]) -> tuple[torch.Tensor, KVArena]:
+        """One-row segments over these contexts and a 3-row tree segment after them; only ``keep`` attend."""
+        arena = KVArena(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, capacity_tokens=4096, dtype=torch.float32)
+        g = torch.Generator().manual_seed(3)
+        segments = []
+        for row, cached in enumerate(contexts):
+            region = arena.allocate(cached + 8)
+            assert region is not None
+            past = torch.randn(kv_heads, cached, dim, generator=g)
+            arena.write(0, region, 0, past, -past)
+            segments.append(Segment(region, cached, slice(row, row + 1), causal_mask(cached, 1, torch.device("cpu"))))
+        tree = arena.allocate(64)
+        assert tree is not None
+        arena.write(0, tree, 0, torch.randn(kv_heads, 5, dim, generator=g), torch.randn(kv_heads, 5, dim, generator=g))
+        mask = torch.ones(tree_rows, 5 + tree_rows, dtype=torch.bool).tril(5)
+        segments.append(Segment(tree, 5, slice(len(contexts), len(contexts) + tree_rows), mask))
+        rows = len(contexts) + tree_rows
+        q = torch.randn(rows, heads, dim, generator=g)
+        k, v = torch.randn(rows, kv_heads, dim, generator=g), torch.randn(rows, kv_heads, dim, generator=g)
+        plan = StepPlan(arena, [s for i, s in enumerate(segments) if i in keep])
+        return attend_segments(plan, 0, q, k, v, dim**-0.5, attend_single_rows if single else None), arena
+
+    every = set(range(len(contexts) + 1))
+    fused, fused_arena = step(True, every)
+    sdpa, sdpa_arena = step(False, every)
+    torch.testing.assert_close(fused, sdpa, atol=1e-6, rtol=1e-5)
+    lengths = [cached + 1 for cached in contexts] + [5 + tree_rows]  # what each region holds after the step
+    for region_f, region_s, length in zip(fused_arena._regions, sdpa_arena._regions, lengths, strict=True):
+        pairs = zip(fused_arena.read(0, region_f, length), sdpa_arena.read(0, region_s, length), strict=True)
+        for got, expected in pairs:
+            assert torch.equal(got, expected), "the new keys and values written where SDPA's path writes them"
+    assert torch.equal(fused[-tree_rows:], sdpa[-tree_rows:]), "the tree segment still runs SDPA"
+    for row in range(len(contexts)):
+        alone, _ = step(True, {row})
+        assert torch.equal(alone[row], fused[row]), "a row's attention does not depend on the rows beside it"
