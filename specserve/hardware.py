@@ -6,10 +6,10 @@ emulated and slower than fp32, so fp32 it is. One exception: a model whose
 layers come as llama.cpp Q4_1/Q8_0 blocks (a GGUF file, the default target's)
 runs in fp32 on a CPU without AMX, where the block kernel reads those blocks
 (``specserve.block_weights``): fewer bytes than bf16's and the fp32 model's
-products, so faster and exactly lossless (measured on an AVX512-BF16 EPYC:
-plain decoding 1.51x bf16's, speculative 1.26-1.31x; under load of 16 and
-more streams bf16 served 13% more. With AMX, bf16 is kept, unmeasured
-against the blocks).
+products, so faster and exactly lossless (measured on an AVX512-BF16 EPYC,
+in turn: plain decoding 1.51x bf16's, speculative 1.26-1.31x, and later
+changes to the fp32 step widened that; bench/README, "The block kernel".
+With AMX, bf16 is kept, unmeasured against the blocks).
 """
 
 from __future__ import annotations
