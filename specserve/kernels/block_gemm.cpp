@@ -224,8 +224,6 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
 }
 
 #if defined(__AVX512F__)
-inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-inline float vmax_lanes(Vec a) { return _mm512_reduce_max_ps(a); }
 inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 // e^x for x <= 0 (softmax's shifted scores), Cephes' single-precision form: x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by a degree-6 polynomial, times 2^n; within 2 ulp of e^x, and 0 below -87.
@@ -245,13 +243,6 @@ inline Vec vexp(Vec x) {
   return _mm512_scalef_ps(p, n);
 }
 #else
-inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline float vmax_lanes(Vec a) {
-  __m128 q = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_max_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
 inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec vexp(Vec x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
