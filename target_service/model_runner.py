@@ -217,7 +217,12 @@ class ModelRunner:
         dtype = str(self.dtype).removeprefix("torch.")
         if self.packing == "blocks":
             formats = "/".join(sorted({f for b in self._forward.blocks for f in b.block_formats}))
-            return f"{kernel} ({formats}) {dtype} products at rows {_row_counts(self.buckets)}, oneDNN beyond; {head}"
+            fused = "; norms and rotary embeddings in one call each" if self._forward.fused else ""
+            fused += ", one-row segments' attention in one call a layer" if self._single_rows is not None else ""
+            return (
+                f"{kernel} ({formats}) {dtype} products at rows {_row_counts(self.buckets)}, oneDNN beyond; {head}"
+                f"{fused}"
+            )
         return f"{kernel}-prepacked {dtype} products at rows {_row_counts(self.buckets)}, {head}"
 
     @property
