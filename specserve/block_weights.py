@@ -76,12 +76,12 @@ def block_kernels() -> ModuleType | None:
     from torch.utils import cpp_extension  # imports setuptools: only where the kernel is wanted
 
     cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-    # A build for another CPU, torch, source or flags must not be reused: all four name the build.
-    named = [_SOURCE.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags)]
-    key = hashlib.sha256("\n".join(named).encode()).hexdigest()[:16]
-    build = default_cache_root() / "kernels" / f"block_gemm-{key}"
-    build.mkdir(parents=True, exist_ok=True)
     try:
+        # A build for another CPU, torch, source or flags must not be reused: all four name the build.
+        named = [_SOURCE.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags)]
+        key = hashlib.sha256("\n".join(named).encode()).hexdigest()[:16]
+        build = default_cache_root() / "kernels" / f"block_gemm-{key}"
+        build.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
             name=f"specserve_block_gemm_{key}",
             sources=[str(_SOURCE)],
@@ -92,7 +92,7 @@ def block_kernels() -> ModuleType | None:
             build_directory=str(build),
             verbose=False,
         )
-    except Exception as exc:  # no compiler, no ninja, a failed build: the other kernels still serve
+    except Exception as exc:  # no source, no writable cache, no compiler, a failed build: the others still serve
         log.warning("the block-weight kernel did not build (%s); products run on the other kernels", exc)
         return None
 

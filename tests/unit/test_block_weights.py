@@ -212,3 +212,22 @@ def test_one_row_segments_attend_in_one_call_as_sdpa_does_per_segment() -> None:
     for row in range(len(contexts)):
         alone, _ = step(True, {row})
         assert torch.equal(alone[row], fused[row]), "a row's attention does not depend on the rows beside it"
+
+
+def test_where_the_kernel_cannot_build_or_is_turned_off_the_products_run_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = gguf_like(tiny_llama(vocab_size=64, seed=3))
+    try:
+        block_kernels.cache_clear()
+        monkeypatch.setenv("SPECSERVE_CACHE_DIR", "/proc/no-such-cache")  # nowhere to build: logged, not raised
+        assert block_kernels() is None
+        assert ModelRunner(model, "auto").packing not in ("blocks", "none")
+        block_kernels.cache_clear()
+        monkeypatch.delenv("SPECSERVE_CACHE_DIR")
+        monkeypatch.setenv("SPECSERVE_BLOCK_GEMM", "off")
+        assert block_kernels() is None and not block_packing([quantize_q4_1(weight(out=32, in_=64))])
+    finally:
+        monkeypatch.undo()
+        block_kernels.cache_clear()
+    assert block_kernels() is not None
