@@ -162,11 +162,15 @@ class Blocks:
         return torch.cat(parts, dim=-1).contiguous()
 
 
+def _steps(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``values / scale`` rounded to integers per block, 0 where the block's scale is 0."""
+    return torch.where(scale > 0, values / torch.where(scale > 0, scale, 1.0), 0.0).round()
+
+
 def _q4_1_integers(blocks: torch.Tensor, low: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each value's integer for these per-block ``scale`` and ``low``, and per block [..., 1] whether every
     value is rebuilt bit for bit (``scale * q + low``)."""
-    steps = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1.0), 0.0)
-    q = steps.round().clamp(0, 15)
+    q = _steps(blocks - low, scale).clamp(0, 15)
     rebuilt = (scale * q + low).view(torch.int32) == blocks.view(torch.int32)
     return q, rebuilt.all(dim=-1, keepdim=True)
 
@@ -213,7 +217,7 @@ def q8_0_blocks(weight: torch.Tensor) -> Blocks | None:
     with torch.inference_mode():
         blocks = w.reshape(w.shape[0], -1, BLOCK)
         scale = (blocks.abs().amax(dim=-1, keepdim=True) / 127).half().float()
-        q = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1.0), 0.0).round()
+        q = _steps(blocks, scale)
         if q.abs().max() > 127 or not _same_bits(scale * q + 0.0, blocks):  # + 0.0: d * 0 is +0, never -0
             return None
         return Blocks("Q8_0", scale.squeeze(-1), None, q.to(torch.int8))
@@ -292,7 +296,7 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
     low = blocks.amin(dim=-1, keepdim=True).half().float()
     scale = ((blocks.amax(dim=-1, keepdim=True) - low) / 15).half().float()
-    q = torch.where(scale > 0, (blocks - low) / torch.where(scale > 0, scale, 1.0), 0.0).round().clamp(0, 15)
+    q, _ = _q4_1_integers(blocks, low, scale)
     # The smallest value must come back as m itself, the largest with q = 15: a block llama.cpp would write.
     return (scale * q + low).reshape(weight.shape) + 0.0  # -0.0 as +0.0, as d * 0 + m gives
 
@@ -301,5 +305,5 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     """fp32 weights that are Q8_0 blocks: ``weight`` quantized as llama.cpp does and de-quantized (tests, checks)."""
     blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
     scale = (blocks.abs().amax(dim=-1, keepdim=True) / 127).half().float()
-    q = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1.0), 0.0).round().clamp(-127, 127)
+    q = _steps(blocks, scale).clamp(-127, 127)
     return (scale * q).reshape(weight.shape) + 0.0  # -0.0 as +0.0, as d * 0 gives

@@ -80,8 +80,10 @@ class StepPlan:
         """The one-row segments without a mask (plain decoding's) as an int64 [n, 3] tensor of (row, region
         start, cached tokens), and the other segments."""
         if self._split is None:
-            single = [s for s in self.segments if s.num_new == 1 and s.mask is None and not s.causal]
-            others = [s for s in self.segments if not (s.num_new == 1 and s.mask is None and not s.causal)]
+            single: list[Segment] = []
+            others: list[Segment] = []
+            for s in self.segments:
+                (single if s.num_new == 1 and s.mask is None and not s.causal else others).append(s)
             table = torch.tensor([[s.rows.start, s.region.start, s.num_cached] for s in single], dtype=torch.int64)
             self._split = (table.reshape(-1, 3), others)
         return self._split

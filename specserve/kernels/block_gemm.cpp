@@ -41,6 +41,10 @@ inline Vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vround(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vscale2(Vec a, Vec n) { return _mm512_scalef_ps(a, n); }  // a * 2^n, n integral
 // kLanes bytes as fp32 lanes: unsigned (both nibbles), signed.
 inline __m512i widen_u8(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -61,6 +65,13 @@ inline Vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vround(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vscale2(Vec a, Vec n) {  // a * 2^n, n integral and in fp32's normal exponents
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(a, _mm256_castsi256_ps(e));
+}
 inline __m256i widen_u8(const uint8_t* p) {
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -223,44 +234,19 @@ torch::Tensor rotary(const torch::Tensor& x, const torch::Tensor& cos, const tor
   return y;
 }
 
-#if defined(__AVX512F__)
-inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 // e^x for x <= 0 (softmax's shifted scores), Cephes' single-precision form: x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by a degree-6 polynomial, times 2^n; within 2 ulp of e^x, and 0 below -87.
 inline Vec vexp(Vec x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  Vec p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  const float lowest = -87.0f, log2e = 1.44269504088896341f, ln2_hi = -0.693359375f, ln2_lo = 2.12194440e-4f;
+  const float one = 1.0f, c[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+  x = vmax(x, vbroadcast(&lowest));
+  const Vec n = vround(vmul(x, vbroadcast(&log2e)));
+  const Vec r = vfma(n, vbroadcast(&ln2_lo), vfma(n, vbroadcast(&ln2_hi), x));  // x - n ln2, in two parts
+  Vec p = vbroadcast(&c[0]);
+  for (int i = 1; i < 6; ++i) p = vfma(p, r, vbroadcast(&c[i]));
+  return vscale2(vfma(p, vmul(r, r), vadd(r, vbroadcast(&one))), n);
 }
-#else
-inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-inline Vec vexp(Vec x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  Vec p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
 
 // One-row segments' attention over the KV arena, all of them in one call (a plain decoding step's rows;
 // ragged_attention.attend_segments runs SDPA per segment for the others). For each such segment, given
