@@ -77,8 +77,9 @@ def block_kernels() -> ModuleType | None:
 
     cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
     try:
-        # A build for another CPU, torch, source or flags must not be reused: all four name the build.
-        named = [_SOURCE.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags)]
+        # A build for another CPU, torch, source or flags must not be reused: all four name the build. So does the
+        # source's path: ninja's build file names it, and two checkouts sharing a build would rebuild in turn.
+        named = [_SOURCE.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags), str(_SOURCE)]
         key = hashlib.sha256("\n".join(named).encode()).hexdigest()[:16]
         build = default_cache_root() / "kernels" / f"block_gemm-{key}"
         build.mkdir(parents=True, exist_ok=True)
