@@ -54,20 +54,26 @@ class RowProbe:
             region.length = CONTEXT
             self.regions.append(region)
         self.vocab = vocab
+        self.form = ""  # what a caller names the step form under test
 
-    def step(self, own_rows: int, filler_rows: int) -> torch.Tensor:
-        """The fp32 logits of the session under test's ``own_rows`` rows in a step with ``filler_rows`` more."""
+    def step(self, own_rows: int, filler_rows: int, after: int = 0) -> torch.Tensor:
+        """The fp32 logits of the session under test's ``own_rows`` rows in a step with ``filler_rows`` more.
+
+        Its rows are the tokens ``after`` .. ``after + own_rows`` of one fixed continuation of its context, on
+        top of the ones before them (already in its cache: written by an earlier step of this probe).
+        """
         device = self.runner.device
         plan = StepPlan(self.arena)
         ids: list[int] = []
         positions: list[int] = []
         rest = filler_rows - FILLER_SESSIONS
         sessions = [own_rows] + [1] * min(filler_rows, FILLER_SESSIONS) + ([rest] if rest > 0 else [])
-        for region, n in zip(self.regions, sessions, strict=False):
+        for index, (region, n) in enumerate(zip(self.regions, sessions, strict=False)):
             start = len(ids)
-            ids += [(7 * len(ids) + 3) % self.vocab for _ in range(n)]
-            positions += list(range(CONTEXT, CONTEXT + n))
-            plan.segments.append(Segment.chunk(region, CONTEXT, slice(start, start + n), device))
+            skip = after if index == 0 else 0
+            ids += [(7 * (start + skip + i) + 3) % self.vocab for i in range(n)]
+            positions += list(range(CONTEXT + skip, CONTEXT + skip + n))
+            plan.segments.append(Segment.chunk(region, CONTEXT + skip, slice(start, start + n), device))
         rows = torch.arange(len(ids), device=device)
         ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
         return self.runner.forward(plan, ids_t, pos_t, rows, rows[:0]).logits[:own_rows]

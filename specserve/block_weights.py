@@ -250,12 +250,13 @@ class BlockWeight:
 
 
 def fused_ops_fit(hidden_size: int, head_dim: int) -> bool:
-    """Whether ``rms_norm_rows`` and ``rotary_rows`` take this shape (whole vector registers) on this build."""
+    """Whether ``rms_norm_rows``, ``rotary_rows`` and ``attend_rows`` take this shape on this build: whole vector
+    registers, and a head of 2, 4, 8 or 16 of them (the attention keeps a head in registers)."""
     kernels = block_kernels()
     if kernels is None:
         return False
     lanes = int(kernels.lanes())
-    return hidden_size % lanes == 0 and head_dim % (2 * lanes) == 0
+    return hidden_size % lanes == 0 and head_dim % (2 * lanes) == 0 and head_dim // lanes in (2, 4, 8, 16)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -274,22 +275,28 @@ def rotary_rows(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
     return kernels.rotary(x, cos, signed_sin)
 
 
-def attend_single_rows(
+def attend_rows(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     table: torch.Tensor,
+    allowed: torch.Tensor,
     scaling: float,
     out: torch.Tensor,
 ) -> None:
-    """One-row segments' attention over a KV arena layer in one call (``ragged_attention.attend_segments``):
-    writes their keys and values at region start + cached, and each query head's attention over the region's
-    cached tokens and itself into ``out`` [T, heads, d]. fp32; each row alike whatever the others."""
+    """Verify segments' attention over a KV arena layer in one call (``ragged_attention.attend_segments``).
+
+    ``table`` int64 [n, 4] holds each segment's (first row, rows, region start, cached tokens), ``allowed``
+    their masks over their own new rows ([rows, rows] each, flattened one after another). Writes the new keys
+    and values at region start + cached, and each query head's attention over the region's cached tokens and
+    the new rows its mask allows into ``out`` [T, heads, d]. fp32; a row's bits depend only on the keys it
+    sees, in slot order: a draft node's are plain decoding's of its path.
+    """
     kernels = block_kernels()
     assert kernels is not None, "the fused attention needs the compiled kernel (block_kernels)"
-    kernels.attend_single_rows(q, k, v, keys, values, table, scaling, out)
+    kernels.attend_rows(q, k, v, keys, values, table, allowed, scaling, out)
 
 
 def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.block_weights import attend_single_rows
+from specserve.block_weights import attend_rows
 from specserve.packed_linear import (
     PackedLinear,
     Packing,
@@ -181,10 +181,10 @@ class ModelRunner:
         self.kv_dtype: torch.dtype = (
             torch.float32 if self.device.type == "cpu" and (inductor or not static) else self.dtype
         )
-        # Over block products, plain decoding's one-row segments attend in one call a layer, not SDPA's per
-        # session (``block_weights.attend_single_rows``): under load most rows of a step are such rows.
+        # Over block products, a step's verifies (plain decoding's one-row segments and trees) attend in one call
+        # a layer, not SDPA's per session (``block_weights.attend_rows``), each row as plain decoding would.
         fused_attention = self._forward.fused and self.kv_dtype == torch.float32 and self.dtype == torch.float32
-        self._single_rows = attend_single_rows if fused_attention else None
+        self._kernel_rows = attend_rows if fused_attention else None
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
@@ -218,7 +218,7 @@ class ModelRunner:
         if self.packing == "blocks":
             formats = "/".join(sorted({f for b in self._forward.blocks for f in b.block_formats}))
             fused = "; norms and rotary embeddings in one call each" if self._forward.fused else ""
-            fused += ", one-row segments' attention in one call a layer" if self._single_rows is not None else ""
+            fused += ", verifies' attention (trees too) in one call a layer" if self._kernel_rows is not None else ""
             return (
                 f"{kernel} ({formats}) {dtype} products at rows {_row_counts(self.buckets)}, oneDNN beyond; {head}"
                 f"{fused}"
@@ -283,7 +283,7 @@ class ModelRunner:
             if padding:  # padding rows belong to no segment: attention gives them zeros and nothing reads them
                 input_ids = F.pad(input_ids, (0, padding))
                 positions = F.pad(positions, (0, padding))
-            attend = partial(attend_segments, plan, single_rows=self._single_rows)
+            attend = partial(attend_segments, plan, kernel_rows=self._kernel_rows)
             hidden = self._forward(attend, input_ids, positions)
         wanted = torch.cat([score_rows, feature_rows])
         normed = self._forward.norm_rows(hidden.index_select(0, wanted).float(), self._norm, self._eps)

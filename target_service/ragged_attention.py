@@ -11,18 +11,24 @@ embedding applied) and calls ``attend_segments`` bound to the step's plan,
 which writes k and v into the arena in place and attends per segment. On a
 GPU, steps run as CUDA graphs attend differently (``static_steps``).
 
-Batch invariance: the products are row-invariant on a CPU (``packed_linear``),
-attention is not. PyTorch's CPU SDPA rounds 1, 2-3 and 4+ query rows apart,
-and its last key block (blocks of 512) changes with the key count, so a row's
-attention alone and inside a tree differs in the last bits (~1e-7 in fp32).
-Padding each segment's queries to a multiple of 4 rows and its keys (zeros,
-masked out) to a multiple of 512 makes every row bit-identical (probed on
-contexts of 5-1500 tokens and trees of 1-65 rows), but it cost 45% of a
-one-token fp32 step at a 512-token context on a 2-core AVX2 EPYC (62 -> 90 ms:
-the padded keys double the attention there, plus the copies), so it is not
-done. In fp32 the difference is far below any logit gap; in bf16, and with
-int8 weights whose products round their inputs to bf16, it is what lets
-speculative output leave plain decoding at near-ties (``bench.numerics``).
+Batch invariance: the products are row-invariant on a CPU (``packed_linear``).
+Over the GGUF blocks in fp32 (``block_weights.attend_rows``) a verify's rows
+attend in one call a layer, each row over the keys it may see in slot order,
+whatever the other rows: a draft node's row has the bits plain decoding of its
+path would have, so fp32 speculation is plain decoding by construction.
+
+SDPA (bf16, other packings, prefill chunks) is not row-invariant: PyTorch's
+CPU SDPA rounds 1, 2-3 and 4+ query rows apart, and its last key block (blocks
+of 512) changes with the key count, so a row's attention alone and inside a
+tree differs in the last bits (~1e-7 in fp32). Padding each segment's queries
+to a multiple of 4 rows and its keys (zeros, masked out) to a multiple of 512
+makes every row bit-identical (probed on contexts of 5-1500 tokens and trees of
+1-65 rows), but it cost 45% of a one-token fp32 step at a 512-token context on
+a 2-core AVX2 EPYC (62 -> 90 ms: the padded keys double the attention there,
+plus the copies), so it is not done. In fp32 the difference is far below any
+logit gap; in bf16, and with int8 weights whose products round their inputs to
+bf16, it is what lets speculative output leave plain decoding at near-ties
+(``bench.numerics``).
 """
 
 from __future__ import annotations
@@ -35,11 +41,27 @@ import torch.nn.functional as F
 
 from target_service.kv_arena import KVArena, Region
 
-# (q, k, v, the layer's arena keys and values, one-row segments' (row, region start, cached) table, scaling,
-# out): writes those rows' keys and values into the arena and their attention into ``out``.
-SingleRows = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor], None
+# (q, k, v, the layer's arena keys and values, the kernel's segments as (first row, rows, region start, cached),
+# their masks over their new rows flattened, scaling, out): writes those rows' keys and values into the arena
+# and their attention into ``out`` (``block_weights.attend_rows``).
+KernelRows = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float,
+        torch.Tensor,
+    ],
+    None,
 ]
+
+# The most rows a segment may have to attend in the kernel: a verify's tree. Its rows score their keys one by
+# one; SDPA's blocked form is faster for a long prefill chunk's many rows.
+KERNEL_MAX_ROWS = 64
 
 
 @dataclass
@@ -73,19 +95,32 @@ class StepPlan:
 
     arena: KVArena
     segments: list[Segment] = field(default_factory=list)
-    # (row, region start, cached tokens) of the one-row segments, and the other segments: made once a step
-    _split: tuple[torch.Tensor, list[Segment]] | None = field(default=None, repr=False, compare=False)
+    # The kernel's (first row, rows, region start, cached) table, their masks, and the other segments: once a step
+    _split: tuple[torch.Tensor, torch.Tensor, list[Segment]] | None = field(default=None, repr=False, compare=False)
 
-    def single_rows(self) -> tuple[torch.Tensor, list[Segment]]:
-        """The one-row segments without a mask (plain decoding's) as an int64 [n, 3] tensor of (row, region
-        start, cached tokens), and the other segments."""
+    def kernel_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[Segment]]:
+        """The segments ``block_weights.attend_rows`` takes, as an int64 [n, 4] table of (first row, rows, region
+        start, cached tokens) and their masks over their own new rows (bool, flattened in order); and the others.
+
+        It takes plain decoding's one-row segments and any masked segment of at most ``KERNEL_MAX_ROWS`` rows
+        (a verify's tree) that sees every cached token; a causal chunk over nothing cached stays with SDPA.
+        """
         if self._split is None:
-            single: list[Segment] = []
+            table: list[list[int]] = []
+            masks: list[torch.Tensor] = []
             others: list[Segment] = []
             for s in self.segments:
-                (single if s.num_new == 1 and s.mask is None and not s.causal else others).append(s)
-            table = torch.tensor([[s.rows.start, s.region.start, s.num_cached] for s in single], dtype=torch.int64)
-            self._split = (table.reshape(-1, 3), others)
+                n, cached = s.num_new, s.num_cached
+                if s.mask is None and n == 1 and not s.causal:
+                    masks.append(torch.ones(1, dtype=torch.bool))
+                elif s.mask is not None and n <= KERNEL_MAX_ROWS and bool(s.mask[:, :cached].all()):
+                    masks.append(s.mask[:, cached:].reshape(-1).cpu())
+                else:
+                    others.append(s)
+                    continue
+                table.append([s.rows.start, n, s.region.start, cached])
+            allowed = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+            self._split = (torch.tensor(table, dtype=torch.int64).reshape(-1, 4), allowed, others)
         return self._split
 
 
@@ -105,21 +140,21 @@ def attend_segments(
     k: torch.Tensor,
     v: torch.Tensor,
     scaling: float,
-    single_rows: SingleRows | None = None,
+    kernel_rows: KernelRows | None = None,
 ) -> torch.Tensor:
     """q [T, heads, d], k and v [T, kv_heads, d] -> [T, heads, d]; rows in no segment (padding) get 0.
 
     Each segment's keys and values are written into the arena, then its rows
     attend over the segment's cached context and themselves, with its mask.
-    ``single_rows`` (fp32 on a CPU, ``block_weights.attend_single_rows``) does that for every one-row
-    segment without a mask in one call, instead of SDPA's per segment.
+    ``kernel_rows`` (fp32 on a CPU, ``block_weights.attend_rows``) does that in one call for every segment
+    ``StepPlan.kernel_rows`` gives it (the verifies'), instead of SDPA's per segment.
     """
     out = q.new_zeros(q.shape)
     segments = plan.segments
-    if single_rows is not None:
-        table, segments = plan.single_rows()
+    if kernel_rows is not None:
+        table, allowed, segments = plan.kernel_rows()
         if table.numel():
-            single_rows(q, k, v, plan.arena.keys[layer], plan.arena.values[layer], table, scaling, out)
+            kernel_rows(q, k, v, plan.arena.keys[layer], plan.arena.values[layer], table, allowed, scaling, out)
     gqa = q.shape[1] != k.shape[1]
     # PyTorch's CPU SDPA is slow in bf16 for short queries (4-6x fp32 at one query row over 500 keys,
     # measured on AVX512-BF16): on CPU the attention itself runs in fp32, which is also more exact. The

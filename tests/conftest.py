@@ -15,13 +15,15 @@ from specserve.probs import target_probs
 from specserve.sampling import SamplingParams
 
 
-def tiny_llama(vocab_size: int = 64, seed: int = 0, layers: int = 2, context: int = 512) -> LlamaForCausalLM:
-    """A randomly initialised Llama small enough for unit tests (a few ms per forward)."""
+def tiny_llama(
+    vocab_size: int = 64, seed: int = 0, layers: int = 2, context: int = 512, hidden: int = 64
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama small enough for unit tests (a few ms per forward): 4 heads of hidden / 4."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -169,14 +169,51 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
   return y;
 }
 
+// vsum: one vector's lanes summed. vsum_lanes: kLanes vectors' sums at once, lane j of the result the sum of
+// a[j]'s lanes: halves, then quarters ... of pairs of vectors added, the same tree of sums for every lane and
+// whatever the other vectors hold, then the lanes put back in order (about 3 instructions a sum where vsum
+// takes 8).
 #if defined(__AVX512F__)
 inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+inline Vec vsum_lanes(Vec* a) {
+  for (int i = 0; i < 8; ++i) {  // a[2i] in the low 256 bits, a[2i + 1] in the high
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit quarter m: vector 4i + m
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int i = 0; i < 2; ++i) {  // quarter m, lanes 0-1: vector 8i + m; lanes 2-3: vector 8i + 4 + m
+    a[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const Vec sums = _mm512_add_ps(_mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(a[0], a[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // Lane 4m + t holds vector m + 4t: vector j is at lane 4 (j % 4) + j / 4.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
 #else
 inline float vsum(Vec a) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
+}
+inline Vec vsum_lanes(Vec* a) {
+  for (int i = 0; i < 4; ++i) {  // a[2i] in the low 128 bits, a[2i + 1] in the high
+    a[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  }
+  for (int i = 0; i < 2; ++i) {  // half m, lanes 0-1: vector 4i + m; lanes 2-3: vector 4i + 2 + m
+    a[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const Vec sums = _mm256_add_ps(_mm256_shuffle_ps(a[0], a[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(a[0], a[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // Lane 4m + t holds vector m + 2t: vector j is at lane 4 (j % 2) + j / 2.
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 #endif
 
@@ -248,70 +285,142 @@ inline Vec vexp(Vec x) {
   return vscale2(vfma(p, vmul(r, r), vadd(r, vbroadcast(&one))), n);
 }
 
-// One-row segments' attention over the KV arena, all of them in one call (a plain decoding step's rows;
-// ragged_attention.attend_segments runs SDPA per segment for the others). For each such segment, given
-// as (row, region start, cached tokens): its key and value rows are written into the arena at region
-// start + cached, then each query head attends over the region's cached tokens and itself. Each row
-// alone, in the same order whatever the other rows: a fixed tree of sums per score, one pass of maxima,
-// exponentials and sums over the keys in order, then the values weighted in key order.
-void attend_single_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                        torch::Tensor& keys, torch::Tensor& values, const torch::Tensor& segments, double scaling,
-                        torch::Tensor& out) {
+// One query head's attention over the keys and values at ``run`` (slots from a region's start, in order),
+// into ``out``: scores kLanes keys at a time (vsum_lanes), one pass of maxima, exponentials and sums over them
+// in order, then the values weighted in the same order. kChunks vectors a head.
+template <int kChunks>
+void attend_row(const float* query, const float* keys, const float* values, const std::vector<int64_t>& run,
+                float scale, std::vector<float>& scores, float* out) {
+  constexpr int64_t dim = kChunks * kLanes;
+  const int64_t length = static_cast<int64_t>(run.size());
+  scores.resize(static_cast<size_t>((length + kLanes - 1) / kLanes * kLanes));
+  Vec q[kChunks];
+  for (int c = 0; c < kChunks; ++c) q[c] = vload(query + c * kLanes);
+  const Vec scaling = vbroadcast(&scale);
+  const float lowest = -INFINITY;
+  Vec top = vbroadcast(&lowest);
+  for (int64_t j0 = 0; j0 < length; j0 += kLanes) {
+    Vec acc[kLanes];
+    const int64_t keys_here = std::min<int64_t>(kLanes, length - j0);
+    for (int64_t t = 0; t < kLanes; ++t) {
+      acc[t] = vzero();
+      if (t >= keys_here) continue;
+      const float* key = keys + run[j0 + t] * dim;
+      for (int c = 0; c < kChunks; ++c) acc[t] = vfma(q[c], vload(key + c * kLanes), acc[t]);
+    }
+    Vec block = vmul(vsum_lanes(acc), scaling);
+    if (keys_here < kLanes) {  // lanes past the run: no key, no weight
+      alignas(64) float lanes[kLanes];
+      vstore(lanes, block);
+      for (int64_t t = keys_here; t < kLanes; ++t) lanes[t] = -INFINITY;
+      block = vload(lanes);
+    }
+    vstore(scores.data() + j0, block);
+    top = vmax(top, block);
+  }
+  alignas(64) float tops[kLanes];
+  vstore(tops, top);
+  const float highest = *std::max_element(tops, tops + kLanes);
+  const Vec shift = vbroadcast(&highest);
+  Vec total = vzero();
+  for (int64_t j0 = 0; j0 < length; j0 += kLanes) {
+    const Vec e = vexp(vsub(vload(scores.data() + j0), shift));
+    vstore(scores.data() + j0, e);
+    total = vadd(total, e);
+  }
+  const float norm = 1.0f / vsum(total);
+  Vec acc[kChunks];
+  for (int c = 0; c < kChunks; ++c) acc[c] = vzero();
+  for (int64_t j = 0; j < length; ++j) {
+    const Vec p = vbroadcast(scores.data() + j);
+    const float* value = values + run[j] * dim;
+    for (int c = 0; c < kChunks; ++c) acc[c] = vfma(p, vload(value + c * kLanes), acc[c]);
+  }
+  const Vec n = vbroadcast(&norm);
+  for (int c = 0; c < kChunks; ++c) vstore(out + c * kLanes, vmul(acc[c], n));
+}
+
+// Verify segments' attention over the KV arena, every segment of a step in one call a layer (plain
+// decoding's one-row segments and trees of draft nodes; ragged_attention.attend_segments runs SDPA for the
+// others). Each segment is (first row, rows, region start, cached tokens) with a rows x rows mask over its
+// new rows (``allowed``, row-major, the segments' masks one after another): its key and value rows are
+// written into the arena at region start + cached + i, then each query head of row i attends over the
+// region's cached tokens and the new rows its mask allows, in slot order.
+//
+// Each row alone, in the same order whatever the other rows: the keys a row may see are laid out in one
+// run (cached ones, then the allowed new ones in slot order), scored by a fixed tree of sums each, then one
+// pass of maxima, exponentials and sums over the run, and the values weighted in the same order. A tree
+// lists parents before children, so a draft node sees its context and ancestors in position order: the
+// run plain decoding of that path would see, and the row comes out with plain decoding's bits.
+void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& keys,
+                 torch::Tensor& values, const torch::Tensor& segments, const torch::Tensor& allowed, double scaling,
+                 torch::Tensor& out) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && keys.scalar_type() == torch::kFloat32, "fp32 attention");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && keys.dim() == 3 && out.is_contiguous(), "attention shapes");
   const int64_t heads = q.size(1), kv_heads = k.size(1), dim = q.size(2), slots = keys.size(1);
   TORCH_CHECK(dim % kLanes == 0 && heads % kv_heads == 0 && keys.is_contiguous() && values.is_contiguous(),
               "attention: head_dim a multiple of ", kLanes);
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "attention: contiguous head rows");
-  const torch::Tensor seg = segments.contiguous();
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 4 && segments.scalar_type() == torch::kInt64,
+              "attention: segments as int64 [n, 4]");
+  TORCH_CHECK(allowed.scalar_type() == torch::kBool, "attention: a bool mask");
+  const torch::Tensor seg = segments.contiguous(), mask = allowed.contiguous();
   const int64_t* sp = seg.data_ptr<int64_t>();
+  const bool* mp = mask.data_ptr<bool>();
   const int64_t count = seg.size(0), group = heads / kv_heads;
+  // One item a query head of a new row: (segment, row within it, where its mask row starts, head), a
+  // segment's items by key-value head, so that a thread's consecutive items read the same keys and values
+  // (one head's context fits a core's L2 where all of a row's heads' may not).
+  std::vector<int64_t> items;
+  int64_t mask_at = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t rows = sp[4 * s + 1], slot = sp[4 * s + 2] + sp[4 * s + 3];
+    TORCH_CHECK(rows > 0 && slot + rows <= slots && sp[4 * s] + rows <= q.size(0), "attention: rows past the arena");
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) items.insert(items.end(), {s, i, mask_at + i * rows, h});
+      }
+    }
+    mask_at += rows * rows;
+  }
+  TORCH_CHECK(mask_at == mask.numel(), "attention: the masks hold ", mask.numel(), " values, the segments ", mask_at);
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
   for (int64_t s = 0; s < count; ++s) {  // the new key and value rows first: every head reads them
-    const int64_t row = sp[3 * s], slot = sp[3 * s + 1] + sp[3 * s + 2];
-    TORCH_CHECK(slot < slots, "attention: slot past the arena");
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      std::memcpy(kp + (h * slots + slot) * dim, k.data_ptr<float>() + row * k.stride(0) + h * k.stride(1),
-                  dim * sizeof(float));
-      std::memcpy(vp + (h * slots + slot) * dim, v.data_ptr<float>() + row * v.stride(0) + h * v.stride(1),
-                  dim * sizeof(float));
+    const int64_t first = sp[4 * s], rows = sp[4 * s + 1], slot = sp[4 * s + 2] + sp[4 * s + 3];
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t at = (h * slots + slot + i) * dim;
+        std::memcpy(kp + at, k.data_ptr<float>() + (first + i) * k.stride(0) + h * k.stride(1), dim * sizeof(float));
+        std::memcpy(vp + at, v.data_ptr<float>() + (first + i) * v.stride(0) + h * v.stride(1), dim * sizeof(float));
+      }
     }
   }
   const float scale = static_cast<float>(scaling);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, count * heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t chunks = dim / kLanes;
+  at::parallel_for(0, static_cast<int64_t>(items.size()) / 4, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> run;  // the slots a row sees, in order (relative to its region's start)
     std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / heads, h = i % heads, kvh = h / group;
-      const int64_t row = sp[3 * s], start = sp[3 * s + 1], length = sp[3 * s + 2] + 1;
-      const float* query = qp + row * q.stride(0) + h * q.stride(1);
-      const float* key = kp + (kvh * slots + start) * dim;
-      const float* value = vp + (kvh * slots + start) * dim;
-      scores.resize(static_cast<size_t>(length + kLanes));
-      float top = -INFINITY;
-      for (int64_t j = 0; j < length; ++j) {
-        Vec acc = vzero();
-        for (int64_t d = 0; d < dim; d += kLanes) acc = vfma(vload(query + d), vload(key + j * dim + d), acc);
-        scores[j] = vsum(acc) * scale;
-        top = std::max(top, scores[j]);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t* item = items.data() + 4 * w;
+      const int64_t s = item[0], i = item[1], h = item[3], kvh = h / group;
+      const int64_t first = sp[4 * s], rows = sp[4 * s + 1], start = sp[4 * s + 2], cached = sp[4 * s + 3];
+      run.resize(static_cast<size_t>(cached));
+      for (int64_t j = 0; j < cached; ++j) run[j] = j;
+      for (int64_t j = 0; j < rows; ++j) {
+        if (mp[item[2] + j]) run.push_back(cached + j);
       }
-      for (int64_t j = length; j < length + kLanes; ++j) scores[j] = -INFINITY;  // whole vectors past the end
-      const Vec shift = vbroadcast(&top);
-      Vec total = vzero();
-      for (int64_t j = 0; j < length; j += kLanes) {
-        const Vec e = vexp(vsub(vload(scores.data() + j), shift));
-        vstore(scores.data() + j, e);
-        total = vadd(total, e);
-      }
-      const float norm = 1.0f / vsum(total);
-      float* o = op + (row * heads + h) * dim;
-      for (int64_t d = 0; d < dim; d += kLanes) {
-        Vec acc = vzero();
-        for (int64_t j = 0; j < length; ++j) acc = vfma(vbroadcast(scores.data() + j), vload(value + j * dim + d), acc);
-        const Vec n = vbroadcast(&norm);
-        vstore(o + d, vmul(acc, n));
+      const float* query = qp + (first + i) * q.stride(0) + h * q.stride(1);
+      const int64_t base = (kvh * slots + start) * dim;
+      float* o = op + ((first + i) * heads + h) * dim;
+      switch (chunks) {
+        case 2: attend_row<2>(query, kp + base, vp + base, run, scale, scores, o); break;
+        case 4: attend_row<4>(query, kp + base, vp + base, run, scale, scores, o); break;
+        case 8: attend_row<8>(query, kp + base, vp + base, run, scale, scores, o); break;
+        case 16: attend_row<16>(query, kp + base, vp + base, run, scale, scores, o); break;
+        default: TORCH_CHECK(false, "attention: head_dim of ", chunks, " vectors");
       }
     }
   });
@@ -332,6 +441,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_linear", &q8_0_linear, "x [rows, in] fp32 @ W.T for W [out, in] packed as Q8_0 tiles");
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm of fp32 rows [rows, hidden], one call");
   m.def("rotary", &rotary, "llama_ops.apply_rotary of fp32 [rows, heads, head_dim], one call");
-  m.def("attend_single_rows", &attend_single_rows, "one-row segments' attention over the KV arena, in place");
+  m.def("attend_rows", &attend_rows, "verify segments' attention over the KV arena, with their masks, in place");
   m.def("lanes", &lanes, "outputs per tile: the fp32 lanes of this build's vector registers");
 }

@@ -13,6 +13,7 @@ import torch
 
 from specserve.block_weights import (
     BlockWeight,
+    attend_rows,
     block_kernels,
     find_blocks,
     q4_1_blocks,
@@ -21,7 +22,11 @@ from specserve.block_weights import (
     quantize_q8_0,
 )
 from specserve.packed_linear import ONEDNN_ROWS, PackedLinear, block_packing, fp32_head_packing, invariant_rows
+from specserve.token_tree import TokenTree
+from target_service.kv_arena import KVArena
 from target_service.model_runner import ModelRunner
+from target_service.ragged_attention import Segment, StepPlan, attend_segments, causal_mask
+from target_service.step_inputs import tree_mask
 from tests.conftest import gguf_like, tiny_llama
 
 pytestmark = pytest.mark.skipif(block_kernels() is None, reason="the block kernel does not build here")
@@ -170,48 +175,83 @@ def test_q4_1_blocks_whose_minimum_dwarfs_their_scale_are_found_too() -> None:
     assert torch.equal(BlockWeight(found)(identity).view(torch.int32), w.T.contiguous().view(torch.int32))
 
 
-def test_one_row_segments_attend_in_one_call_as_sdpa_does_per_segment() -> None:
-    from specserve.block_weights import attend_single_rows
-    from target_service.kv_arena import KVArena
-    from target_service.ragged_attention import Segment, StepPlan, attend_segments, causal_mask
+HEADS, KV_HEADS, DIM = 6, 2, 64
+TREE_PARENTS = (-1, -1, 0, 0, 2, 1)  # six draft nodes under the pending token: node 4's path is 0, 2, 4
+TREE_CACHED = 17
 
-    heads, kv_heads, dim, contexts, tree_rows = 6, 2, 64, [0, 1, 15, 16, 17, 300], 3
 
-    def step(single: bool, keep: set[int]) -> tuple[torch.Tensor, KVArena]:
-        """One-row segments over these contexts and a 3-row tree segment after them; only ``keep`` attend."""
-        arena = KVArena(num_layers=1, num_kv_heads=kv_heads, head_dim=dim, capacity_tokens=4096, dtype=torch.float32)
-        g = torch.Generator().manual_seed(3)
-        segments = []
-        for row, cached in enumerate(contexts):
-            region = arena.allocate(cached + 8)
-            assert region is not None
-            past = torch.randn(kv_heads, cached, dim, generator=g)
-            arena.write(0, region, 0, past, -past)
-            segments.append(Segment(region, cached, slice(row, row + 1), causal_mask(cached, 1, torch.device("cpu"))))
-        tree = arena.allocate(64)
-        assert tree is not None
-        arena.write(0, tree, 0, torch.randn(kv_heads, 5, dim, generator=g), torch.randn(kv_heads, 5, dim, generator=g))
-        mask = torch.ones(tree_rows, 5 + tree_rows, dtype=torch.bool).tril(5)
-        segments.append(Segment(tree, 5, slice(len(contexts), len(contexts) + tree_rows), mask))
-        rows = len(contexts) + tree_rows
-        q = torch.randn(rows, heads, dim, generator=g)
-        k, v = torch.randn(rows, kv_heads, dim, generator=g), torch.randn(rows, kv_heads, dim, generator=g)
-        plan = StepPlan(arena, [s for i, s in enumerate(segments) if i in keep])
-        return attend_segments(plan, 0, q, k, v, dim**-0.5, attend_single_rows if single else None), arena
+def _tree_step(kernel: bool, keep: set[int], contexts: list[int]) -> tuple[torch.Tensor, KVArena, StepPlan, dict]:
+    """One-row segments over ``contexts``, a verify's tree after them, then a prefill chunk over nothing cached;
+    only the segments in ``keep`` attend. Returns the output, the arena, the plan and the step's inputs."""
+    g = torch.Generator().manual_seed(3)
+    arena = KVArena(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, capacity_tokens=4096, dtype=torch.float32)
+    segments = []
+    for row, cached in enumerate(contexts):
+        region = arena.allocate(cached + 8)
+        assert region is not None
+        past = torch.randn(KV_HEADS, cached, DIM, generator=g)
+        arena.write(0, region, 0, past, -past)
+        segments.append(Segment(region, cached, slice(row, row + 1), causal_mask(cached, 1, torch.device("cpu"))))
+    tree_rows = len(TREE_PARENTS) + 1
+    tree = arena.allocate(64)
+    assert tree is not None
+    past_k, past_v = (
+        torch.randn(KV_HEADS, TREE_CACHED, DIM, generator=g),
+        torch.randn(KV_HEADS, TREE_CACHED, DIM, generator=g),
+    )
+    arena.write(0, tree, 0, past_k, past_v)
+    depths = torch.tensor([0, *TokenTree(tuple(range(len(TREE_PARENTS))), TREE_PARENTS).depths()])
+    first = len(contexts)
+    segments.append(
+        Segment(tree, TREE_CACHED, slice(first, first + tree_rows), tree_mask(TREE_PARENTS, depths, TREE_CACHED))
+    )
+    chunk = arena.allocate(64)
+    assert chunk is not None
+    segments.append(Segment.chunk(chunk, 0, slice(first + tree_rows, first + tree_rows + 5), torch.device("cpu")))
+    rows = first + tree_rows + 5
+    q = torch.randn(rows, HEADS, DIM, generator=g)
+    k, v = torch.randn(rows, KV_HEADS, DIM, generator=g), torch.randn(rows, KV_HEADS, DIM, generator=g)
+    plan = StepPlan(arena, [s for i, s in enumerate(segments) if i in keep])
+    out = attend_segments(plan, 0, q, k, v, DIM**-0.5, attend_rows if kernel else None)
+    return out, arena, plan, {"q": q, "k": k, "v": v, "past": (past_k, past_v), "first": first}
 
-    every = set(range(len(contexts) + 1))
-    fused, fused_arena = step(True, every)
-    sdpa, sdpa_arena = step(False, every)
+
+def test_verify_segments_attend_in_one_call_as_sdpa_does_per_segment() -> None:
+    contexts = [0, 1, 15, 16, 17, 300]
+    every = set(range(len(contexts) + 2))
+    fused, fused_arena, plan, _ = _tree_step(True, every, contexts)
+    sdpa, sdpa_arena, _, _ = _tree_step(False, every, contexts)
+    table, allowed, others = plan.kernel_rows()
+    assert table[:, 1].tolist() == [1] * len(contexts) + [len(TREE_PARENTS) + 1], "one-row segments and the tree"
+    assert [s.causal for s in others] == [True], "the prefill chunk stays with SDPA"
+    assert allowed.numel() == len(contexts) + (len(TREE_PARENTS) + 1) ** 2
     torch.testing.assert_close(fused, sdpa, atol=1e-6, rtol=1e-5)
-    lengths = [cached + 1 for cached in contexts] + [5 + tree_rows]  # what each region holds after the step
+    lengths = [cached + 1 for cached in contexts] + [TREE_CACHED + len(TREE_PARENTS) + 1, 5]  # held after the step
     for region_f, region_s, length in zip(fused_arena._regions, sdpa_arena._regions, lengths, strict=True):
         pairs = zip(fused_arena.read(0, region_f, length), sdpa_arena.read(0, region_s, length), strict=True)
         for got, expected in pairs:
             assert torch.equal(got, expected), "the new keys and values written where SDPA's path writes them"
-    assert torch.equal(fused[-tree_rows:], sdpa[-tree_rows:]), "the tree segment still runs SDPA"
-    for row in range(len(contexts)):
-        alone, _ = step(True, {row})
-        assert torch.equal(alone[row], fused[row]), "a row's attention does not depend on the rows beside it"
+    assert torch.equal(fused[-5:], sdpa[-5:]), "the prefill chunk still runs SDPA"
+    for segment in range(len(contexts) + 1):
+        alone, _, alone_plan, _ = _tree_step(True, {segment}, contexts)
+        rows = alone_plan.segments[0].rows
+        assert torch.equal(alone[rows], fused[rows]), "a row's attention does not depend on the rows beside it"
+
+
+def test_a_draft_nodes_attention_has_the_bits_plain_decoding_of_its_path_has() -> None:
+    """Node 4 (path 0, 2, 4 under the pending token) attends as the last of four one-row decoding steps would."""
+    tree, _, _, inputs = _tree_step(True, {0}, [])
+    past_k, past_v = inputs["past"]
+    path = [0, 1, 3, 5]  # the tree segment's rows: the pending token, then nodes 0, 2 and 4
+    arena = KVArena(num_layers=1, num_kv_heads=KV_HEADS, head_dim=DIM, capacity_tokens=256, dtype=torch.float32)
+    region = arena.allocate(64)
+    assert region is not None
+    arena.write(0, region, 0, past_k, past_v)
+    for depth, row in enumerate(path):
+        cached = TREE_CACHED + depth
+        plan = StepPlan(arena, [Segment(region, cached, slice(row, row + 1))])
+        decoded = attend_segments(plan, 0, inputs["q"], inputs["k"], inputs["v"], DIM**-0.5, attend_rows)
+        assert torch.equal(decoded[row], tree[row]), f"depth {depth}: the tree row and the decoded row differ"
 
 
 def test_where_the_kernel_cannot_build_or_is_turned_off_the_products_run_elsewhere(

@@ -40,13 +40,18 @@ pytestmark = pytest.mark.skipif(
     ],
 )
 def bench(request: pytest.FixtureRequest) -> RowProbe:
+    """The probe; ``probe.form`` names the step form (the fixture's parameter)."""
     torch.manual_seed(0)
     if request.param == "blocks":  # fp32 products over Q4_1 / Q8_0 blocks, as the packaged GGUF model runs them
-        runner = ModelRunner(gguf_like(tiny_llama(vocab_size=64, seed=5, layers=2)), "auto")
-        assert runner.packing == "blocks"
-        return RowProbe(runner, vocab=64)
-    model = tiny_llama(vocab_size=64, seed=5, layers=2).to(request.param)
-    return RowProbe(ModelRunner(model, "auto"), vocab=64)
+        # heads of 32 values: whole vector registers, so norms, rotary and attention run in the kernel too
+        runner = ModelRunner(gguf_like(tiny_llama(vocab_size=64, seed=5, layers=2, hidden=128)), "auto")
+        assert runner.packing == "blocks" and "verifies' attention" in runner.describe()
+        probe = RowProbe(runner, vocab=64)
+    else:
+        model = tiny_llama(vocab_size=64, seed=5, layers=2).to(request.param)
+        probe = RowProbe(ModelRunner(model, "auto"), vocab=64)
+    probe.form = str(request.param)
+    return probe
 
 
 @pytest.mark.parametrize("own_rows", [1, 3])
@@ -63,3 +68,16 @@ def test_rows_beyond_the_largest_bucket_stay_within_rounding(bench: RowProbe) ->
     """Past the largest row count checked, bit equality is not promised: equal to rounding."""
     alone = bench.step(1, 0)
     torch.testing.assert_close(bench.step(1, max(ONEDNN_ROWS) + 7), alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_chain_scored_in_one_step_gets_plain_decodings_bits_on_the_blocks(bench: RowProbe) -> None:
+    """Over the GGUF blocks a verify's rows attend in the kernel (``block_weights.attend_rows``): each of n chain
+    rows scored in one step has the logits of the same token decoded alone after the ones before it (in steps of
+    up to the kernel's 32 rows: wider steps' products run on oneDNN)."""
+    if bench.form != "blocks":
+        pytest.skip("SDPA attends a segment's rows together: equal to rounding only (bench.step_invariance)")
+    for n in (2, 5, 17, 29):
+        together = bench.step(n, 3)  # three other sessions' rows in the step too
+        for i in range(n):
+            decoded = bench.step(1, 0, after=i)
+            assert torch.equal(decoded[0], together[i]), f"chain of {n}: row {i} differs from plain decoding"

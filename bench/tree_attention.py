@@ -1,0 +1,131 @@
+"""A verify's tree rows attending in the block kernel or through SDPA: ``python -m bench.tree_attention``.
+
+Over the GGUF blocks in fp32, a step's verifies attend in one kernel call a
+layer (``block_weights.attend_rows``); ``ragged_attention.KERNEL_MAX_ROWS``
+bounds the segments it takes, and at 1 only plain decoding's one-row segments
+go there, trees to SDPA per segment (the form before). This measures both in
+one process on one verifier, alternating verify by verify (each form on its own
+session, same context length), so the machine's drift hits both alike:
+c(n) at n = 1 (unchanged, the control), 2, 4, 8, 16 and 32 rows (the pending
+token and a branching tree of n - 1 nodes), and the ratio SDPA / kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import target_service.ragged_attention as ragged_attention
+from specserve.sampling import SamplingParams
+from target_service.engine_threads import serve_on_this_thread
+
+from . import machine
+from .verify_cost import DEFAULT_MODEL, SHAPES, build_verifier, draft_tree, model_to_measure
+from .verify_cost import parse_args as verify_cost_args
+
+FORMS = {"kernel": ragged_attention.KERNEL_MAX_ROWS, "sdpa": 1}  # the most rows a segment may attend in the kernel
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bench.tree_attention", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a randomly initialised model of this shape instead")
+    parser.add_argument("--num-layers", type=int, default=0)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--sizes", default="1,2,4,8,16,32")
+    parser.add_argument("--reps", type=int, default=40, help="timed verifies per form and size (median reported)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/out/tree-attention"))
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> tuple[dict[str, dict[int, list[float]]], str]:
+    """Seconds of each timed verify per form and size, and the step's description."""
+    sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    shape_args = ["--shape", args.shape, "--num-layers", str(args.num_layers)] if args.shape else []
+    reps = str(2 * (args.reps + args.warmup))  # sizes the verifier's sessions for every verify of both forms
+    model_args = ["--model", args.model, *shape_args, "--dtypes", "float32", "--context", str(args.context)]
+    cost_args = verify_cost_args(
+        [*model_args, "--sizes", ",".join(map(str, sizes)), "--batch-sizes", "", "--reps", reps]
+    )
+    cost_args.engine_threads = serve_on_this_thread()
+    model, label = model_to_measure(cost_args, "float32")
+    verifier = build_verifier(model, label, cost_args, "auto")
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, verifier.vocab_size, (args.context + 1,), generator=generator).tolist()
+    committed: dict[tuple[str, int], int] = {}
+    for form in FORMS:
+        for n in sizes:
+            verifier.prefill(f"{form}{n}", prompt, SamplingParams())
+            committed[(form, n)] = len(prompt)
+    times: dict[str, dict[int, list[float]]] = {form: {n: [] for n in sizes} for form in FORMS}
+    try:
+        for rep in range(args.warmup + args.reps):
+            for n in sizes:
+                for form in list(FORMS) if rep % 2 else list(FORMS)[::-1]:
+                    ragged_attention.KERNEL_MAX_ROWS = FORMS[form]
+                    tokens = torch.randint(0, verifier.vocab_size, (n - 1,), generator=generator).tolist()
+                    start = time.perf_counter()
+                    result = verifier.verify(f"{form}{n}", committed[(form, n)], draft_tree("tree", tokens))
+                    elapsed = time.perf_counter() - start
+                    committed[(form, n)] += len(result.committed)
+                    if rep >= args.warmup:
+                        times[form][n].append(elapsed)
+    finally:
+        ragged_attention.KERNEL_MAX_ROWS = FORMS["kernel"]
+    return times, verifier.step_form
+
+
+def report(args: argparse.Namespace, times: dict[str, dict[int, list[float]]], step: str) -> tuple[dict, str]:
+    meta: dict[str, Any] = {
+        "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": args.shape or Path(args.model).name,
+        "context": args.context,
+        "reps": args.reps,
+        "step": step,
+        "machine": machine.describe(),
+    }
+    rows = []
+    for n in sorted(times["kernel"]):
+        kernel, sdpa = statistics.median(times["kernel"][n]), statistics.median(times["sdpa"][n])
+        rows.append({"n": n, "kernel_ms": kernel * 1e3, "sdpa_ms": sdpa * 1e3, "sdpa_over_kernel": sdpa / kernel})
+    m = meta["machine"]
+    lines = [
+        f"# Tree rows' attention: the block kernel against SDPA per segment ({meta['model']}, fp32)",
+        "",
+        f"{meta['measured_at']}, {m['cpu_model']} ({', '.join(m['cpu_flags'])}), {m['cpus_available']} CPUs, "
+        f"torch {m['torch_version']}, commit {m['git_commit']}; {args.context}-token context, a branching tree "
+        f"of n - 1 nodes; median of {args.reps} verifies per form, the forms alternating verify by verify. "
+        f"Step: {step}.",
+        "",
+        "| n | kernel c(n) ms | SDPA c(n) ms | SDPA / kernel |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {r['n']} | {r['kernel_ms']:.2f} | {r['sdpa_ms']:.2f} | {r['sdpa_over_kernel']:.2f} |" for r in rows]
+    return {"meta": meta, "rows": rows}, "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    times, step = measure(args)
+    document, text = report(args, times, step)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"tree_attention_{document['meta']['model']}"
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
+    (args.out_dir / f"{stem}.md").write_text(text)
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
