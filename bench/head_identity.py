@@ -60,4 +60,5 @@ def head_line(description: dict[str, Any] | None) -> str:
         figures = f"; held-out top-1 {description['held_out_top1']}"
         if "held_out_tree_acceptance" in description:
             figures += f", tree acceptance {description['held_out_tree_acceptance']}"
-    return f"Draft head: `{description['path']}` (sha256 {description['sha256']}{figures}). "
+    products = f" Its products in process: {description['products']}." if description.get("products") else ""
+    return f"Draft head: `{description['path']}` (sha256 {description['sha256']}{figures}).{products} "

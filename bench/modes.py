@@ -313,6 +313,8 @@ class InProcessMode:
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
         self._head = head
+        # What runs the draft head's products (``DraftHead.products``), for reports; None without a head.
+        self.head_products = head.products if head is not None else None
         config = VerifierConfig(
             throughput_guard=throughput_guard, weights=weights, compile=compile, torch_threads=threads
         )

@@ -520,6 +520,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         meta["settings"]["mode_dtypes"] = {mode.name: mode.dtype for mode in modes}
+        products = [m.head_products for m in modes if isinstance(m, InProcessMode) and m.head_products]
+        if products and meta["settings"].get("draft_head"):
+            meta["settings"]["draft_head"]["products"] = products[0]  # in-process; a drafter times its own
         # What cut the in-process drafters' trees: each mode's verifier measured its own curve at start-up.
         meta["settings"]["verify_costs"] = {
             mode.name: [list(point) for point in mode.verify_cost] for mode in modes if isinstance(mode, InProcessMode)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_service.head_products import pack_of, product
+from specserve.block_weights import attend_rows, fused_ops_fit, rms_norm_rows, rotary_rows
 from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
 
 if TYPE_CHECKING:
@@ -47,6 +48,11 @@ class HeadCache:
         """Keep the first ``max_length`` positions (a negative count: drop that many from the end)."""
         keep = self._length + max_length if max_length < 0 else max_length
         self._length = max(0, min(self._length, keep))
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [kv_heads, capacity, head_dim] (positions past the length unused)."""
+        assert self._keys is not None and self._values is not None, "nothing appended yet"
+        return self._keys, self._values
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +101,11 @@ class HeadStep:
         rotary = head.body.rotary_emb
         self._inv_freq = rotary.inv_freq.detach().float()
         self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        # On Q8_0 blocks (fp32) the norms, rotary embeddings and attention run in the block kernel's module too,
+        # as the verifier's layers do over the target's blocks: one call each instead of a few dispatches.
+        self.fused = head.packing == "blocks" and fused_ops_fit(config.hidden_size, self.head_dim)
+        self._rms_norm = rms_norm_rows if self.fused else rms_norm
+        self._rotary = rotary_rows if self.fused else apply_rotary
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         # A copied head has copies of its weights, which this step's fused ones are not: it builds its own.
@@ -122,24 +133,47 @@ class HeadStep:
         rows = features.shape[0]
         embedded = head.embedding[next_tokens].to(features.dtype)
         x = head.fc(torch.cat([features, embedded], dim=-1))
-        qkv = product(rms_norm(x, self._attn_norm, self.eps), self.qkv, None, self._qkv_pack)
+        qkv = product(self._rms_norm(x, self._attn_norm, self.eps), self.qkv, None, self._qkv_pack)
         heads = self.num_heads + 2 * self.num_kv_heads
-        q, k, v = qkv.view(rows, heads, self.head_dim).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
         cos, sin = rotary_tables(positions, self._inv_freq, self._rope_scaling, x.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.fused:
+            qk = self._rotary(
+                qkv[:, : (heads - self.num_kv_heads) * self.head_dim].view(rows, -1, self.head_dim), cos, sin
+            )
+            q, k = qk.split([self.num_heads, self.num_kv_heads], 1)
+            v = qkv[:, (heads - self.num_kv_heads) * self.head_dim :].view(rows, self.num_kv_heads, self.head_dim)
+        else:
+            split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+            q, k, v = qkv.view(rows, heads, self.head_dim).split(split, 1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cached = cache.get_seq_length()
         keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
-        if allowed is None and rows > 1:
-            allowed = torch.ones(rows, keys.shape[1], dtype=torch.bool, device=keys.device)
-            allowed[:, -rows:] = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).tril()
-        attended = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=allowed, scale=self.scaling, enable_gqa=True
-        )
+        if self.fused and (allowed is None or bool(allowed[:, :cached].all())):
+            # One segment of the new rows over every cached position (the kernel writes their keys and values
+            # where ``append`` just did) with their mask among themselves: causal unless ``allowed`` says.
+            among = torch.ones(rows, rows, dtype=torch.bool).tril() if allowed is None else allowed[:, cached:].cpu()
+            table = torch.tensor([[0, rows, 0, cached]], dtype=torch.int64)
+            attended = q.new_zeros(q.shape)
+            buffers = cache.buffers()
+            attend_rows(q, k, v, buffers[0], buffers[1], table, among.reshape(-1), self.scaling, attended)
+            attended = attended[None].transpose(1, 2)
+        else:
+            if allowed is None and rows > 1:
+                allowed = torch.ones(rows, keys.shape[1], dtype=torch.bool, device=keys.device)
+                allowed[:, -rows:] = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).tril()
+            attended = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                keys[None],
+                values[None],
+                attn_mask=allowed,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
         x = x + self._o(attended[0].transpose(0, 1).reshape(rows, -1))
-        gate, up = product(rms_norm(x, self._mlp_norm, self.eps), self.gate_up, None, self._gate_up_pack).split(
-            self.intermediate, dim=-1
-        )
+        normed = self._rms_norm(x, self._mlp_norm, self.eps)
+        gate, up = product(normed, self.gate_up, None, self._gate_up_pack).split(self.intermediate, dim=-1)
         x = x + self._down(F.silu(gate) * up)
-        predicted = rms_norm(x, self._norm, self.eps)
+        predicted = self._rms_norm(x, self._norm, self.eps)
         scored = predicted[-1:] if last_logits_only else predicted
         return predicted, product(scored, head.draft_lm_head, None, head.logits_pack)
 

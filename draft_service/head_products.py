@@ -22,13 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.block_weights import BLOCK, block_kernels, find_blocks, quantize_q8_0
 from specserve.packed_linear import PackedLinear, Packing, available_packing, invariant_rows, kernel_name
 
-HEAD_MATMUL_CHOICES = ("auto", "packed", "linear", "int8")
-"""``--head-matmul``: auto, the faster of packed and int8 timed at start-up (``head_timing``); packed, where this
-dtype and device have a packed kernel, else F.linear; F.linear; or int8 copies of the weights on a CPU
+HEAD_MATMUL_CHOICES = ("auto", "packed", "linear", "int8", "blocks")
+"""``--head-matmul``: auto, the fastest of the candidates timed at start-up (``head_timing``); packed, where this
+dtype and device have a packed kernel, else F.linear; F.linear; int8 copies of the weights on a CPU
 (``packed_linear``'s int8 kernel: a draft's numerics cost acceptance at most, never exactness, and its 1-4-row
-products run 1.5-2x faster than fp32 ones on an AVX2 EPYC)."""
+products run 1.5-2x faster than fp32 ones on an AVX2 EPYC); or, for an fp32 head on a CPU where the block kernel
+builds, the weights as llama.cpp Q8_0 blocks read by it (``block_weights``): the draft logits' rows are the
+packaged target's Q8_0 head exactly, the head's own weights are rounded to 8 bits a value with an fp16 scale
+per 32 (finer than int8's per row)."""
 
 
 def head_packing(dtype: torch.dtype, device: torch.device, choice: str) -> Packing:
@@ -38,13 +42,30 @@ def head_packing(dtype: torch.dtype, device: torch.device, choice: str) -> Packi
         raise ValueError(f"--head-matmul must be one of {', '.join(HEAD_MATMUL_CHOICES)}, not {choice!r}")
     if choice == "int8":
         return "int8" if device.type == "cpu" else "none"
+    if choice == "blocks":
+        return "blocks" if blocks_serve(dtype, device) else available_packing(dtype, device)
     return available_packing(dtype, device) if choice in ("auto", "packed") else "none"
 
 
+def blocks_serve(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the head's products can run on the block kernel here: fp32 on a CPU where it builds."""
+    return dtype == torch.float32 and device.type == "cpu" and block_kernels() is not None
+
+
 def auto_candidates(dtype: torch.dtype, device: torch.device) -> tuple[Packing, ...]:
-    """The kernels ``--head-matmul auto`` times, the default first: int8 is a candidate on a CPU only."""
+    """The kernels ``--head-matmul auto`` times, the default first: int8 on a CPU, Q8_0 blocks where they serve."""
     default = available_packing(dtype, device)
-    return (default, "int8") if device.type == "cpu" else (default,)
+    if device.type != "cpu":
+        return (default,)
+    return (default, "int8", "blocks") if blocks_serve(dtype, device) else (default, "int8")
+
+
+def q8_0_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` as fp32 values that Q8_0 blocks hold: itself where they already do (the draft logits' rows of a
+    GGUF head), else rounded to them; None where its rows are not whole blocks."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    return weight if find_blocks(weight) is not None else quantize_q8_0(weight)
 
 
 class WeightPack:
@@ -52,8 +73,14 @@ class WeightPack:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packing: Packing) -> None:
         out_features, in_features = weight.shape
+        packed = weight
+        if packing == "blocks":  # a weight that cannot be blocks runs on the dtype's packed kernel
+            blocks = q8_0_weight(weight)
+            packed, packing = (
+                (blocks, packing) if blocks is not None else (weight, available_packing(weight.dtype, weight.device))
+            )
         rows = invariant_rows(packing, weight.dtype, {(out_features, in_features)})
-        self.product = PackedLinear(weight, bias, packing, rows)
+        self.product = PackedLinear(packed, bias, packing, rows)
         self._made_from = _identity(weight, bias)
 
     def serves(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -124,6 +151,11 @@ def describe(packing: Packing, choice: str, dtype: torch.dtype) -> str:
         return (
             f"int8 copies of the weights (bf16 activations, {name} between) for the fc, the layer's linears and "
             "the draft logits"
+        )
+    if packing == "blocks":
+        return (
+            "Q8_0 blocks on the block kernel for the fc, the layer's linears (rounded to 8 bits) and the draft "
+            "logits (the target head's blocks where it has them)"
         )
     kernel = kernel_name(packing, "F.linear")
     return f"{kernel} on {name} weights prepacked for the fc, the layer's linears and the draft logits"

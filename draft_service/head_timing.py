@@ -1,12 +1,12 @@
 """``--head-matmul auto``: the head's products on whichever kernel drafts faster on this CPU, timed at start-up.
 
-The head's products run either on its float weights prepacked for the CPU's GEMM kernel (oneDNN, MKL for fp32
-on Intel) or on int8 copies of them. Which is faster depends on the CPU and the torch build, not on the
-model: int8 cut a draft step by about a quarter on a 2-core AVX512-BF16 EPYC and, against the guess that AMX's
-bf16 tiles would win, on a 2-core AMX Xeon too (bench/README). So the drafter times a draft's typical pair of
-steps both ways when it loads the head and keeps the faster, preferring the float weights unless int8 is
-faster by ``INT8_MARGIN``: int8 drafts are a little different and can cost acceptance (never exactness: the
-verifier checks every draft).
+The head's products run on its float weights prepacked for the CPU's GEMM kernel (oneDNN, MKL for fp32 on
+Intel), on int8 copies of them, or (an fp32 head, where the block kernel builds) on Q8_0 blocks. Which is
+faster depends on the CPU and the torch build, not on the model: int8 cut a draft step by about a quarter on
+a 2-core AVX512-BF16 EPYC and, against the guess that AMX's bf16 tiles would win, on a 2-core AMX Xeon too
+(bench/README). So the drafter times a draft's typical pair of steps each way when it loads the head and keeps
+the fastest, preferring the float weights unless another is faster by ``INT8_MARGIN``: int8 and Q8_0 drafts
+are a little different and can cost acceptance (never exactness: the verifier checks every draft).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from draft_service.draft_head import DraftHead
 
 INT8_MARGIN = 0.10
-"""int8 is kept only where a draft step takes at most 90% of the float products' time."""
+"""int8 or Q8_0 blocks are kept only where a draft step takes at most 90% of the float products' time."""
 
 ROUNDS = 3
 """Each kernel is timed this many times, in turn with the other (a passing slowdown hits both); best kept."""
@@ -76,7 +76,9 @@ def time_kernels(
 
 
 def faster_kernel(seconds: dict[Packing, float], default: Packing, margin: float = INT8_MARGIN) -> Packing:
-    """``default`` unless int8 was timed at most ``1 - margin`` of its time."""
-    if "int8" in seconds and default in seconds and seconds["int8"] <= (1 - margin) * seconds[default]:
-        return "int8"
-    return default
+    """``default`` unless another kernel (int8, Q8_0 blocks: rounded weights) was timed at most ``1 - margin``
+    of its time; of those, the fastest."""
+    if default not in seconds:
+        return default
+    rivals = [k for k, s in seconds.items() if k != default and s <= (1 - margin) * seconds[default]]
+    return min(rivals, key=lambda k: seconds[k], default=default)

@@ -11,20 +11,20 @@ from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig, HeadOutput, in_serving_dtype, truncate_cache
 from draft_service.head_layer import HeadCache
+from specserve.block_weights import block_kernels
 from specserve.tree_masks import additive_mask
 from tests.conftest import tiny_llama
 
 VOCAB = 48
 TARGET = tiny_llama(vocab_size=VOCAB, seed=3, context=256)
 HIDDEN = int(TARGET.config.hidden_size)
-EMBEDDING = TARGET.get_input_embeddings().weight.detach()
-LM_HEAD = TARGET.get_output_embeddings().weight.detach()
 
 
-def trained_like_head(seed: int = 0) -> DraftHead:
+def trained_like_head(seed: int = 0, target: Any = TARGET) -> DraftHead:
     """A head with random weights everywhere, norms included (a fresh one has unit norms that hide a swap)."""
-    config = DraftHeadConfig.for_target(TARGET.config, 40, intermediate_size=96)
-    head = DraftHead(config, EMBEDDING, LM_HEAD, torch.arange(40))
+    config = DraftHeadConfig.for_target(target.config, 40, intermediate_size=96)
+    embedding, lm_head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    head = DraftHead(config, embedding, lm_head, torch.arange(40))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in head.parameters():
@@ -32,9 +32,9 @@ def trained_like_head(seed: int = 0) -> DraftHead:
     return head.eval()
 
 
-def rows(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rows(count: int, seed: int, hidden: int = HIDDEN) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(count, HIDDEN, generator=generator), torch.randint(VOCAB, (count,), generator=generator)
+    return torch.randn(count, hidden, generator=generator), torch.randint(VOCAB, (count,), generator=generator)
 
 
 def both(
@@ -67,7 +67,20 @@ def test_the_served_layer_equals_transformers_layer_through_a_drafting_session(h
         drafting_session(head)
 
 
-def drafting_session(head: DraftHead) -> None:
+@pytest.mark.skipif(block_kernels() is None, reason="no block kernel here")
+def test_on_q8_0_blocks_the_served_layer_runs_the_kernels_fused_ops_and_still_equals_transformers() -> None:
+    """Heads of 32 values: the norms, rotary embeddings and attention (where a level sees its whole context) run
+    in the block kernel's module, over the same Q8_0 weights transformers' layer then reads."""
+    head, _ = in_serving_dtype(
+        trained_like_head(target=tiny_llama(vocab_size=VOCAB, seed=3, hidden=128)), "float32", "blocks"
+    )
+    step = head._new_step()
+    assert head.packing == "blocks" and step.fused
+    with torch.inference_mode():
+        drafting_session(head, hidden=128)
+
+
+def drafting_session(head: DraftHead, hidden: int = HIDDEN) -> None:
     ours, theirs = HeadCache(), DynamicCache()
 
     def check(
@@ -79,20 +92,20 @@ def drafting_session(head: DraftHead) -> None:
         assert ours.get_seq_length() == theirs.get_seq_length()
 
     for start, stop in ((0, 50), (50, 90), (90, 91)):  # 91 positions: the first 64-slot buffer grows
-        features, tokens = rows(stop - start, start)
+        features, tokens = rows(stop - start, start, hidden)
         check(features, tokens, torch.arange(start, stop))
     # A tree level of three nodes at depth 2 over two depth-1 entries: each sees the context, its parent, itself.
-    features, tokens = rows(2, 7)
+    features, tokens = rows(2, 7, hidden)
     check(features, tokens, torch.full((2,), 91))
     allowed = torch.zeros(3, 91 + 2 + 3, dtype=torch.bool)
     allowed[:, :91] = True
     allowed[0, 91] = allowed[1, 91] = allowed[2, 92] = True
     allowed[:, 93:] = torch.eye(3, dtype=torch.bool)
-    features, tokens = rows(3, 8)
+    features, tokens = rows(3, 8, hidden)
     check(features, tokens, torch.full((3,), 92), allowed)
     for cache in (ours, theirs):
         truncate_cache(cache, 91)  # the tree goes; the next rows overwrite its slots
-    features, tokens = rows(5, 9)
+    features, tokens = rows(5, 9, hidden)
     check(features, tokens, torch.arange(91, 96))
 
 
