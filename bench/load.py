@@ -525,6 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["error"] = error
     meta["duration_s"] = round(time.monotonic() - started, 1)
     meta["machine"]["load_average_at_end"] = machine.load_average()
+    meta["machine"]["cpu_steal"] = machine.steal_since(meta["machine"].get("cpu_times_at_start"))
     paths = write_outputs(args.out_dir, meta, levels)
     progress(f"wrote {', '.join(str(p) for p in paths.values())} in {meta['duration_s']:.0f} s")
     if error:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from .head_identity import head_line
+from .machine import strain
 
 MIB = 2**20
 NA = "n/a"  # a figure this level does not have
@@ -264,7 +265,8 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         f"({machine['logical_cpus']} logical; native bf16: {', '.join(machine.get('cpu_bf16_flags') or []) or 'no'}), "
         f"{machine['memory_gib']} GiB, GPU: {machine.get('cuda') or 'none'}; "
         f"torch {machine['torch_version']}, transformers {machine['transformers_version']}; "
-        f"load average at start {machine.get('load_average_at_start')}, at end {machine.get('load_average_at_end')}",
+        f"load average at start {machine.get('load_average_at_start')}, at end {machine.get('load_average_at_end')}"
+        f"{strain(machine)}",
         f"- Target: {settings['model']} ({settings['model_source']}) on the verifier's {verifier.get('device') or '?'}"
         f", dtype **{meta['dtype']}**; reference decoding: {settings['reference']}",
         f"- Levels {settings['levels']}: N concurrent greedy streams (temperature 0) through the coordinator's "

@@ -56,6 +56,34 @@ def load_average() -> list[float] | None:
         return None
 
 
+def cpu_times() -> list[int] | None:
+    """The kernel's counters of all CPUs' time by state (/proc/stat's "cpu" line, in ticks); None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in fields[1:]] if fields and fields[0] == "cpu" else None
+
+
+def steal_since(start: list[int] | None, end: list[int] | None = None) -> float | None:
+    """The share of CPU time the hypervisor gave other guests between ``start`` and ``end`` (``cpu_times``; now by
+    default): on a shared virtual machine the same code runs slower by about that much, and unevenly (None where
+    not known)."""
+    end = cpu_times() if end is None else end
+    if not start or not end or len(end) < 8 or len(start) < 8:
+        return None
+    spent = [b - a for a, b in zip(start, end, strict=False)]
+    total = sum(spent[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return round(spent[7] / total, 3) if total > 0 else None
+
+
+def strain(host: dict[str, Any]) -> str:
+    """For reports: the CPU time stolen by the host while the run ran, as a sentence ('' where not recorded)."""
+    steal = host.get("cpu_steal")
+    return "" if steal is None else f" CPU time stolen by the hypervisor during the run: {steal:.0%}."
+
+
 def describe() -> dict[str, Any]:
     model, flags = cpu_model(), cpu_flags()
     return {
@@ -76,6 +104,7 @@ def describe() -> dict[str, Any]:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "load_average_at_start": load_average(),
+        "cpu_times_at_start": cpu_times(),  # for ``steal_since`` at the end of a run
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "git_commit": _git("rev-parse", "--short", "HEAD") or "unknown",
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),

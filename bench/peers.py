@@ -514,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["settings"] = settings(args, gguf, target, cases[:done], too_long)
     meta.update(complete=not error, error=error, duration_s=round(time.monotonic() - started, 1))
     meta["machine"]["load_average_at_end"] = machine.load_average()
+    meta["machine"]["cpu_steal"] = machine.steal_since(meta["machine"].get("cpu_times_at_start"))
     results = results_of(engines, runs, f"plain-{FLOAT32}")
     summaries, paths = write_outputs(args.out_dir, meta, results, min(target.eos_ids))
     print("\n".join(leaderboard(summaries)))

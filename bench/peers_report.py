@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .machine import strain
 from .records import first_divergence
 
 LLAMA_CPP = "llama.cpp"
@@ -179,7 +180,7 @@ def _header(meta: dict[str, Any]) -> list[str]:
         f"Machine: {host['cpu_model']}, {host['cpus_available']} CPUs available, bf16 flags "
         f"{host['cpu_bf16_flags'] or 'none'}, torch {host['torch_version']}, commit {host['git_commit']}"
         f"{' (dirty)' if host['git_dirty'] else ''}, load average {host['load_average_at_start']} at start, "
-        f"{host.get('load_average_at_end')} at end.",
+        f"{host.get('load_average_at_end')} at end.{strain(host)}",
         "",
         f"llama.cpp: llama-cpp-python {llama.get('version', NA)}, built with `{llama.get('build_flags') or NA}`; "
         f"runtime features: {llama.get('system_info') or NA}. Weights: the GGUF as shipped (Q4_1), "

@@ -9,6 +9,7 @@ from typing import Any
 from .aggregate import OVERALL, Summary
 from .dataset import MT_BENCH_CATEGORIES
 from .head_identity import head_line
+from .machine import strain
 from .records import Record
 
 # Column titles of the Spec-Bench leaderboard, in its order.
@@ -270,7 +271,7 @@ def markdown(
         f"tokens, {len(records) // max(1, len(modes))} prompts ({settings['prompts_per_category']} per category), "
         f"modes interleaved prompt by prompt.{_device(settings, machine)} Machine: {machine['cpu_model']}, "
         f"{machine['cpus_available']} CPUs available, torch {machine['torch_version']} with "
-        f"{machine['torch_threads']} threads, load average {_load(machine)}. "
+        f"{machine['torch_threads']} threads, load average {_load(machine)}.{strain(machine)} "
         f"n-gram pool of `distributed`: {settings['distributed_pool']}. {pools}"
         f"{_pinning(settings)}{head_line(settings.get('draft_head'))}"
         f"Run {meta['started_at']}, commit {machine['git_commit']}{' (dirty)' if machine['git_dirty'] else ''}.",

@@ -85,14 +85,16 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, dict[int, list[float]]]
     return times, verifier.step_form
 
 
-def report(args: argparse.Namespace, times: dict[str, dict[int, list[float]]], step: str) -> tuple[dict, str]:
+def report(
+    args: argparse.Namespace, times: dict[str, dict[int, list[float]]], step: str, steal: float | None = None
+) -> tuple[dict, str]:
     meta: dict[str, Any] = {
         "measured_at": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "model": args.shape or Path(args.model).name,
         "context": args.context,
         "reps": args.reps,
         "step": step,
-        "machine": machine.describe(),
+        "machine": machine.describe() | {"cpu_steal": steal},
     }
     rows = []
     for n in sorted(times["kernel"]):
@@ -105,7 +107,7 @@ def report(args: argparse.Namespace, times: dict[str, dict[int, list[float]]], s
         f"{meta['measured_at']}, {m['cpu_model']} ({', '.join(m['cpu_flags'])}), {m['cpus_available']} CPUs, "
         f"torch {m['torch_version']}, commit {m['git_commit']}; {args.context}-token context, a branching tree "
         f"of n - 1 nodes; median of {args.reps} verifies per form, the forms alternating verify by verify. "
-        f"Step: {step}.",
+        f"Step: {step}.{machine.strain(m)}",
         "",
         "| n | kernel c(n) ms | SDPA c(n) ms | SDPA / kernel |",
         "|---|---|---|---|",
@@ -117,8 +119,9 @@ def report(args: argparse.Namespace, times: dict[str, dict[int, list[float]]], s
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    start = machine.cpu_times()
     times, step = measure(args)
-    document, text = report(args, times, step)
+    document, text = report(args, times, step, machine.steal_since(start))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"tree_attention_{document['meta']['model']}"
     (args.out_dir / f"{stem}.json").write_text(json.dumps(document, indent=1) + "\n")
