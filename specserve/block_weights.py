@@ -244,6 +244,11 @@ class BlockWeight:
         self._packed = blocks.packed(self._lanes)
         self._product = kernels.q4_1_linear if blocks.block_format == "Q4_1" else kernels.q8_0_linear
 
+    def kernel_args(self) -> tuple[torch.Tensor, list[int]]:
+        """The packed tiles and (format, out, padded out, in): what the kernel's ``layer_step`` takes a product as."""
+        code = 0 if self.block_format == "Q4_1" else 1
+        return self._packed, [code, self.out_features, self._padded_out, self.in_features]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x.float(), self._packed, self._padded_out, self.in_features)
         return y if self._padded_out == self.out_features else y[:, : self.out_features].contiguous()
@@ -297,6 +302,29 @@ def attend_rows(
     kernels = block_kernels()
     assert kernels is not None, "the fused attention needs the compiled kernel (block_kernels)"
     kernels.attend_rows(q, k, v, keys, values, table, allowed, scaling, out)
+
+
+def layer_step(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    shapes: list[int],
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    table: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+    heads: tuple[int, int, int],
+) -> torch.Tensor:
+    """One decoder layer in one call of the kernel's module (``llama_forward.LlamaForward.kernel_step``): the
+    fused norm, QKV product, rotary embedding, ``attend_rows`` over the layer's arena, O product and residual,
+    norm, gate-up product, SiLU gate, down product and residual, in the order the Python layer runs them.
+    ``heads``: (query heads, key-value heads, head dim)."""
+    kernels = block_kernels()
+    assert kernels is not None, "the fused layer needs the compiled kernel (block_kernels)"
+    return kernels.layer_step(x, weights, shapes, eps, cos, sin, keys, values, table, allowed, scaling, *heads)
 
 
 def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:

@@ -355,6 +355,11 @@ class PackedLinear:
         return (self._fp16 is not None or self._blocks is not None) and self._onednn is not None
 
     @property
+    def blocks(self) -> BlockWeight | None:
+        """The block kernel's weight, where this product reads llama.cpp blocks (at up to the largest bucket)."""
+        return self._blocks
+
+    @property
     def block_format(self) -> BlockFormat | None:
         """The llama.cpp block format the weights are read in ("Q4_1", "Q8_0"), or None."""
         return None if self._blocks is None else self._blocks.block_format

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.block_weights import fused_ops_fit, rms_norm_rows, rotary_rows
+from specserve.block_weights import fused_ops_fit, layer_step, rms_norm_rows, rotary_rows
 from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
 from specserve.packed_linear import PackedLinear, Packing
 
@@ -126,6 +126,17 @@ class Block:
             self.qk_norms = (q_norm.weight.detach(), k_norm.weight.detach())
 
 
+def _kernel_layer(block: Block) -> tuple[list[torch.Tensor], list[int]] | None:
+    """A layer's norms and packed block products as ``block_weights.layer_step`` takes them; None where the layer
+    has biases, per-head norms, or a product not on blocks."""
+    products = (block.qkv, block.o, block.gate_up, block.down)
+    weights = [p.blocks for p in products]
+    if block.qk_norms is not None or any(p.bias is not None for p in products) or None in weights:
+        return None
+    packed, shapes = zip(*(w.kernel_args() for w in weights if w is not None), strict=True)
+    return [block.attn_norm, *packed, block.mlp_norm], [n for shape in shapes for n in shape]
+
+
 class LlamaForward:
     """A step: ids and positions of T rows in, final hidden states [T, hidden] (before the norm) out."""
 
@@ -155,10 +166,40 @@ class LlamaForward:
         self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = (
             rotary_rows if fused else apply_rotary
         )
+        # Each layer's products as the kernel's ``layer_step`` takes them, where a whole layer can run as one call
+        # (block products without biases, no per-head norms): ``kernel_step``.
+        self.kernel_layers: list[tuple[list[torch.Tensor], list[int]]] | None = None
+        if fused and all(_kernel_layer(b) is not None for b in self.blocks):
+            self.kernel_layers = [layer for layer in map(_kernel_layer, self.blocks) if layer is not None]
 
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def kernel_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        table: torch.Tensor,
+        allowed: torch.Tensor,
+    ) -> torch.Tensor:
+        """``__call__`` where every segment attends in the kernel (``ragged_attention.StepPlan.kernel_rows``: its
+        ``table`` and ``allowed``) and the rows fit the block products' buckets: each layer one call of the
+        kernel's module (``block_weights.layer_step``), the same operations in the same order, so the same bits.
+        ``keys`` and ``values``: the arena's, per layer."""
+        assert self.kernel_layers is not None, "the layers do not run as one kernel call each"
+        s = self.shape
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = rotary_tables(positions, self.inv_freq, self.rope_scaling, x.dtype)
+        heads = (s.num_heads, s.num_kv_heads, s.head_dim)
+        for index, (weights, shapes) in enumerate(self.kernel_layers):
+            x = layer_step(
+                x, weights, shapes, s.rms_norm_eps, cos, sin, keys[index], values[index], table, allowed,
+                self.scaling, heads,
+            )  # fmt: skip
+        return x
 
     def __call__(self, attend: Attend, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rows ``attend`` gives no segment (padding) are computed and never read back."""

@@ -219,6 +219,8 @@ class ModelRunner:
             formats = "/".join(sorted({f for b in self._forward.blocks for f in b.block_formats}))
             fused = "; norms and rotary embeddings in one call each" if self._forward.fused else ""
             fused += ", verifies' attention (trees too) in one call a layer" if self._kernel_rows is not None else ""
+            if self._kernel_rows is not None and self._forward.kernel_layers is not None:
+                fused += "; a step whose segments all attend there runs each layer as one kernel call"
             return (
                 f"{kernel} ({formats}) {dtype} products at rows {_row_counts(self.buckets)}, oneDNN beyond; {head}"
                 f"{fused}"
@@ -262,6 +264,17 @@ class ModelRunner:
         """The rows a step of ``rows`` tokens runs as."""
         return bucket_for(rows, self.buckets)
 
+    def _kernel_step(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The step as one kernel call a layer (``LlamaForward.kernel_step``) where it can run so: block products
+        at up to their largest bucket, and every segment attending in the kernel. None: run it layer by layer."""
+        if self._kernel_rows is None or self._forward.kernel_layers is None or input_ids.shape[0] > self.buckets[-1]:
+            return None
+        table, allowed, others = plan.kernel_rows()
+        if others:
+            return None
+        arena = plan.arena
+        return self._forward.kernel_step(input_ids, positions, arena.keys, arena.values, table, allowed)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -283,8 +296,10 @@ class ModelRunner:
             if padding:  # padding rows belong to no segment: attention gives them zeros and nothing reads them
                 input_ids = F.pad(input_ids, (0, padding))
                 positions = F.pad(positions, (0, padding))
-            attend = partial(attend_segments, plan, kernel_rows=self._kernel_rows)
-            hidden = self._forward(attend, input_ids, positions)
+            hidden = self._kernel_step(plan, input_ids, positions)
+            if hidden is None:
+                attend = partial(attend_segments, plan, kernel_rows=self._kernel_rows)
+                hidden = self._forward(attend, input_ids, positions)
         wanted = torch.cat([score_rows, feature_rows])
         normed = self._forward.norm_rows(hidden.index_select(0, wanted).float(), self._norm, self._eps)
         scored = normed[: score_rows.numel()]

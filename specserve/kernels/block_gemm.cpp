@@ -426,6 +426,41 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   });
 }
 
+// One block product, as the Python side's BlockWeight computes it: format 0 Q4_1, 1 Q8_0; ``padded`` outputs
+// (whole tiles), the first ``out`` kept.
+torch::Tensor block_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t format, int64_t out,
+                           int64_t padded, int64_t in) {
+  torch::Tensor y = format == 0 ? product<Q41>(x, packed, padded, in) : product<Q80>(x, packed, padded, in);
+  return padded == out ? y : y.narrow(1, 0, out).contiguous();
+}
+
+// One Llama decoder layer over block products, what llama_forward.LlamaForward runs for a layer when every
+// segment of the step attends in the kernel: the same operations in the same order (so the same bits), from
+// one call instead of some fifteen dispatches from Python. ``weights``: the attention norm, the QKV, O,
+// gate-up and down products' packed blocks, the MLP norm; ``shapes``: per product (format, out, padded, in).
+// Writes the rows' keys and values into the layer's arena ``keys`` / ``values``; returns the residual stream.
+torch::Tensor layer_step(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                         const std::vector<int64_t>& shapes, double eps, const torch::Tensor& cos,
+                         const torch::Tensor& sin, torch::Tensor keys, torch::Tensor values,
+                         const torch::Tensor& table, const torch::Tensor& allowed, double scaling, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim) {
+  TORCH_CHECK(weights.size() == 6 && shapes.size() == 16, "layer_step: 6 weights, 4 products' shapes");
+  auto linear = [&](const torch::Tensor& in, int i) {
+    return block_linear(in, weights[1 + i], shapes[4 * i], shapes[4 * i + 1], shapes[4 * i + 2], shapes[4 * i + 3]);
+  };
+  const int64_t rows = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const torch::Tensor qkv = linear(rms_norm(x, weights[0], eps), 0);
+  const torch::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({rows, heads + kv_heads, head_dim}), cos, sin);
+  const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
+  torch::Tensor attended = torch::zeros({rows, heads, head_dim}, x.options());
+  attend_rows(qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads), v, keys, values, table, allowed, scaling,
+              attended);
+  const torch::Tensor h = x + linear(attended.view({rows, q_size}), 1);
+  const torch::Tensor gate_up = linear(rms_norm(h, weights[5], eps), 2);
+  const int64_t intermediate = gate_up.size(1) / 2;
+  return h + linear(at::silu(gate_up.narrow(1, 0, intermediate)) * gate_up.narrow(1, intermediate, intermediate), 3);
+}
+
 torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t out, int64_t in) {
   return product<Q41>(x, packed, out, in);
 }
@@ -442,5 +477,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "transformers' RMSNorm of fp32 rows [rows, hidden], one call");
   m.def("rotary", &rotary, "llama_ops.apply_rotary of fp32 [rows, heads, head_dim], one call");
   m.def("attend_rows", &attend_rows, "verify segments' attention over the KV arena, with their masks, in place");
+  m.def("layer_step", &layer_step, "one Llama decoder layer over block products, its attention in the kernel");
   m.def("lanes", &lanes, "outputs per tile: the fp32 lanes of this build's vector registers");
 }

@@ -17,6 +17,7 @@ import torch
 from bench.step_invariance import RowProbe
 from specserve.block_weights import block_kernels
 from specserve.packed_linear import ONEDNN_ROWS, available_packing
+from target_service import llama_forward
 from target_service.model_runner import ModelRunner
 from tests.conftest import gguf_like, tiny_llama
 
@@ -81,3 +82,26 @@ def test_a_chain_scored_in_one_step_gets_plain_decodings_bits_on_the_blocks(benc
         for i in range(n):
             decoded = bench.step(1, 0, after=i)
             assert torch.equal(decoded[0], together[i]), f"chain of {n}: row {i} differs from plain decoding"
+
+
+def test_a_layer_as_one_kernel_call_has_the_python_layers_bits(
+    bench: RowProbe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the blocks, a step whose segments all attend in the kernel runs each layer as one call of the kernel's
+    module (``LlamaForward.kernel_step``): the same operations in the same order as the layer in Python."""
+    if bench.form != "blocks":
+        pytest.skip("only block products run a layer as one kernel call")
+    forward = bench.runner._forward
+    assert forward.kernel_layers is not None
+    calls: list[int] = []
+    real = llama_forward.layer_step
+    monkeypatch.setattr(llama_forward, "layer_step", lambda *args: calls.append(1) or real(*args))
+    for own, others in ((1, 0), (3, 5), (2, 25)):
+        calls.clear()
+        one_call = bench.step(own, others)
+        assert len(calls) == len(forward.kernel_layers), "each layer ran as one kernel call"
+        monkeypatch.setattr(forward, "kernel_layers", None)
+        layer_by_layer = bench.step(own, others)
+        monkeypatch.undo()
+        monkeypatch.setattr(llama_forward, "layer_step", lambda *args: calls.append(1) or real(*args))
+        assert torch.equal(one_call, layer_by_layer), f"{own} rows beside {others}: the two forms differ"
