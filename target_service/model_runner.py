@@ -296,8 +296,10 @@ class ModelRunner:
             if padding:  # padding rows belong to no segment: attention gives them zeros and nothing reads them
                 input_ids = F.pad(input_ids, (0, padding))
                 positions = F.pad(positions, (0, padding))
-            hidden = self._kernel_step(plan, input_ids, positions)
-            if hidden is None:
+            one_call_layers = self._kernel_step(plan, input_ids, positions)
+            if one_call_layers is not None:
+                hidden = one_call_layers
+            else:
                 attend = partial(attend_segments, plan, kernel_rows=self._kernel_rows)
                 hidden = self._forward(attend, input_ids, positions)
         wanted = torch.cat([score_rows, feature_rows])
