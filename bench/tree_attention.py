@@ -1,13 +1,21 @@
 """A verify's tree rows attending in the block kernel or through SDPA: ``python -m bench.tree_attention``.
 
 Over the GGUF blocks in fp32, a step's verifies attend in one kernel call a
-layer (``block_weights.attend_rows``); ``ragged_attention.KERNEL_MAX_ROWS``
-bounds the segments it takes, and at 1 only plain decoding's one-row segments
-go there, trees to SDPA per segment (the form before). This measures both in
-one process on one verifier, alternating verify by verify (each form on its own
-session, same context length), so the machine's drift hits both alike:
-c(n) at n = 1 (unchanged, the control), 2, 4, 8, 16 and 32 rows (the pending
-token and a branching tree of n - 1 nodes), and the ratio SDPA / kernel.
+layer (``block_weights.attend_rows``), and a step whose segments all attend
+there runs each layer as one kernel call (``LlamaForward.kernel_step``). Three
+forms on one verifier in one process, alternating verify by verify (each form
+on its own session, same context length), so the machine's drift hits them
+alike:
+
+- ``one call``: as served;
+- ``layers``: the kernel's attention, the layers dispatched op by op from
+  Python (``ModelRunner.one_call_layers`` off);
+- ``sdpa``: ``ragged_attention.KERNEL_MAX_ROWS`` at 1: only plain decoding's
+  one-row segments attend in the kernel, trees through SDPA per segment, and
+  such steps run layer by layer (the form before both).
+
+c(n) at n = 1 (sdpa and one call alike there: the control), 2, 4, 8, 16 and 32
+rows (the pending token and a branching tree of n - 1 nodes), and the ratios.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ from . import machine
 from .verify_cost import DEFAULT_MODEL, SHAPES, build_verifier, draft_tree, model_to_measure
 from .verify_cost import parse_args as verify_cost_args
 
-FORMS = {"kernel": ragged_attention.KERNEL_MAX_ROWS, "sdpa": 1}  # the most rows a segment may attend in the kernel
+# Each form: (the most rows a segment may attend in the kernel, whether layers may run as one kernel call).
+FORMS = {"one call": (ragged_attention.KERNEL_MAX_ROWS, True), "layers": (ragged_attention.KERNEL_MAX_ROWS, False)}
+FORMS["sdpa"] = (1, True)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -57,11 +67,15 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, dict[int, list[float]]]
     cost_args = verify_cost_args(
         [*model_args, "--sizes", ",".join(map(str, sizes)), "--batch-sizes", "", "--reps", reps]
     )
+    # build_verifier makes room for two sessions a size (verify_cost's chain and tree) and its batched ones:
+    # the third form's sessions take the room of a batch of len(sizes) sessions.
+    cost_args.batch_sizes, cost_args.batch_draft_nodes = [len(sizes)], [max(sizes) - 1]
     cost_args.engine_threads = serve_on_this_thread()
     model, label = model_to_measure(cost_args, "float32")
     verifier = build_verifier(model, label, cost_args, "auto")
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, verifier.vocab_size, (args.context + 1,), generator=generator).tolist()
+    runner = verifier.model_runner
     committed: dict[tuple[str, int], int] = {}
     for form in FORMS:
         for n in sizes:
@@ -72,7 +86,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, dict[int, list[float]]]
         for rep in range(args.warmup + args.reps):
             for n in sizes:
                 for form in list(FORMS) if rep % 2 else list(FORMS)[::-1]:
-                    ragged_attention.KERNEL_MAX_ROWS = FORMS[form]
+                    ragged_attention.KERNEL_MAX_ROWS, runner.one_call_layers = FORMS[form]
                     tokens = torch.randint(0, verifier.vocab_size, (n - 1,), generator=generator).tolist()
                     start = time.perf_counter()
                     result = verifier.verify(f"{form}{n}", committed[(form, n)], draft_tree("tree", tokens))
@@ -81,7 +95,7 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, dict[int, list[float]]]
                     if rep >= args.warmup:
                         times[form][n].append(elapsed)
     finally:
-        ragged_attention.KERNEL_MAX_ROWS = FORMS["kernel"]
+        ragged_attention.KERNEL_MAX_ROWS, runner.one_call_layers = FORMS["one call"]
     return times, verifier.step_form
 
 
@@ -97,22 +111,28 @@ def report(
         "machine": machine.describe() | {"cpu_steal": steal},
     }
     rows = []
-    for n in sorted(times["kernel"]):
-        kernel, sdpa = statistics.median(times["kernel"][n]), statistics.median(times["sdpa"][n])
-        rows.append({"n": n, "kernel_ms": kernel * 1e3, "sdpa_ms": sdpa * 1e3, "sdpa_over_kernel": sdpa / kernel})
+    for n in sorted(times["one call"]):
+        one, layers, sdpa = (statistics.median(times[form][n]) * 1e3 for form in FORMS)
+        rows.append({"n": n, "one_call_ms": one, "layers_ms": layers, "sdpa_ms": sdpa})
     m = meta["machine"]
     lines = [
-        f"# Tree rows' attention: the block kernel against SDPA per segment ({meta['model']}, fp32)",
+        f"# Tree rows' attention and one-call layers against SDPA per segment ({meta['model']}, fp32)",
         "",
         f"{meta['measured_at']}, {m['cpu_model']} ({', '.join(m['cpu_flags'])}), {m['cpus_available']} CPUs, "
         f"torch {m['torch_version']}, commit {m['git_commit']}; {args.context}-token context, a branching tree "
         f"of n - 1 nodes; median of {args.reps} verifies per form, the forms alternating verify by verify. "
         f"Step: {step}.{machine.strain(m)}",
         "",
-        "| n | kernel c(n) ms | SDPA c(n) ms | SDPA / kernel |",
-        "|---|---|---|---|",
+        "| n | one call c(n) ms | layers c(n) ms | SDPA c(n) ms | SDPA / layers | layers / one call | SDPA / one call "
+        "|",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['n']} | {r['kernel_ms']:.2f} | {r['sdpa_ms']:.2f} | {r['sdpa_over_kernel']:.2f} |" for r in rows]
+    lines += [
+        f"| {r['n']} | {r['one_call_ms']:.2f} | {r['layers_ms']:.2f} | {r['sdpa_ms']:.2f} | "
+        f"{r['sdpa_ms'] / r['layers_ms']:.2f} | {r['layers_ms'] / r['one_call_ms']:.2f} | "
+        f"{r['sdpa_ms'] / r['one_call_ms']:.2f} |"
+        for r in rows
+    ]
     return {"meta": meta, "rows": rows}, "\n".join(lines) + "\n"
 
 

@@ -90,8 +90,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         help="packed: the head's fc, layer linears and draft logits run on weights prepacked once at start-up "
         "for the CPU's GEMM kernel (oneDNN; MKL for fp32 on Intel), F.linear where the dtype has none; "
         "int8: int8 copies of those weights (CPU; a draft's numerics can cost acceptance, never exactness); "
-        "auto: whichever of packed and int8 a draft step timed at start-up runs faster (int8 only if at least "
-        "10%% faster); linear: F.linear everywhere",
+        "blocks: an fp32 head's weights as Q8_0 blocks on the block kernel (the draft logits' rows are the GGUF "
+        "target's own; the head's weights rounded to 8 bits), its norms, rotary and attention there too; "
+        "auto: whichever of packed, int8 and blocks a draft step timed at start-up runs fastest (another than "
+        "packed only if at least 10%% faster); linear: F.linear everywhere",
     )
     parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)

@@ -185,6 +185,9 @@ class ModelRunner:
         # a layer, not SDPA's per session (``block_weights.attend_rows``), each row as plain decoding would.
         fused_attention = self._forward.fused and self.kv_dtype == torch.float32 and self.dtype == torch.float32
         self._kernel_rows = attend_rows if fused_attention else None
+        # Whether a step whose segments all attend in the kernel runs each layer as one kernel call
+        # (``_kernel_step``); benchmarks turn it off to measure the layers one dispatch at a time.
+        self.one_call_layers = True
 
     def describe(self) -> str:
         """The step's form, for logs and benchmark reports."""
@@ -267,7 +270,8 @@ class ModelRunner:
     def _kernel_step(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The step as one kernel call a layer (``LlamaForward.kernel_step``) where it can run so: block products
         at up to their largest bucket, and every segment attending in the kernel. None: run it layer by layer."""
-        if self._kernel_rows is None or self._forward.kernel_layers is None or input_ids.shape[0] > self.buckets[-1]:
+        fits = input_ids.shape[0] <= self.buckets[-1] and self.one_call_layers
+        if self._kernel_rows is None or self._forward.kernel_layers is None or not fits:
             return None
         table, allowed, others = plan.kernel_rows()
         if others:

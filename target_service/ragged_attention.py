@@ -15,7 +15,8 @@ Batch invariance: the products are row-invariant on a CPU (``packed_linear``).
 Over the GGUF blocks in fp32 (``block_weights.attend_rows``) a verify's rows
 attend in one call a layer, each row over the keys it may see in slot order,
 whatever the other rows: a draft node's row has the bits plain decoding of its
-path would have, so fp32 speculation is plain decoding by construction.
+path would have, so fp32 speculation is plain decoding by construction (in
+steps of up to the block products' 32 rows; wider ones run oneDNN's products).
 
 SDPA (bf16, other packings, prefill chunks) is not row-invariant: PyTorch's
 CPU SDPA rounds 1, 2-3 and 4+ query rows apart, and its last key block (blocks

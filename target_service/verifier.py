@@ -382,6 +382,11 @@ class Verifier:
         return released
 
     @property
+    def model_runner(self) -> ModelRunner:
+        """The engine's forward (benchmarks switch its step forms)."""
+        return self._runner
+
+    @property
     def step_form(self) -> str:
         """How the engine's step runs: prepacked products and row buckets, or eager (``ModelRunner.describe``)."""
         return self._runner.describe()
