@@ -270,8 +270,9 @@ class ModelRunner:
     def _kernel_step(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The step as one kernel call a layer (``LlamaForward.kernel_step``) where it can run so: block products
         at up to their largest bucket, and every segment attending in the kernel. None: run it layer by layer."""
-        fits = input_ids.shape[0] <= self.buckets[-1] and self.one_call_layers
-        if self._kernel_rows is None or self._forward.kernel_layers is None or not fits:
+        if self._kernel_rows is None or self._forward.kernel_layers is None or not self.one_call_layers:
+            return None
+        if not self.buckets or input_ids.shape[0] > self.buckets[-1]:
             return None
         table, allowed, others = plan.kernel_rows()
         if others:
