@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_service.head_products import pack_of, product
-from specserve.block_weights import attend_rows, fused_ops_fit, rms_norm_rows, rotary_rows
+from specserve.block_weights import attend_rows, fused_ops_fit, rms_norm_rows, rotary_rows, serial_kernels
 from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
 
 if TYPE_CHECKING:
@@ -129,6 +129,20 @@ class HeadStep:
         ``allowed`` [n, cached + n] (True: may attend) masks the attention; None: every cached position and
         the new rows causally. ``last_logits_only``: logits of the last row only ([1, vocab]).
         """
+        if self._head.packing != "blocks":
+            return self._step(features, next_tokens, positions, cache, allowed, last_logits_only)
+        with serial_kernels():  # the head's thread is not the engine's: no OpenMP team of its own
+            return self._step(features, next_tokens, positions, cache, allowed, last_logits_only)
+
+    def _step(
+        self,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HeadCache,
+        allowed: torch.Tensor | None,
+        last_logits_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         head = self._head
         rows = features.shape[0]
         embedded = head.embedding[next_tokens].to(features.dtype)

@@ -32,10 +32,12 @@ the products run on ``packed_linear``'s other kernels.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -252,6 +254,21 @@ class BlockWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x.float(), self._packed, self._padded_out, self.in_features)
         return y if self._padded_out == self.out_features else y[:, : self.out_features].contiguous()
+
+
+@contextlib.contextmanager
+def serial_kernels() -> Iterator[None]:
+    """Within it, this thread runs the block kernel's loops itself, with no OpenMP team: for a thread that is not
+    the engine's (the draft head's), whose own team would slow the engine's (see the kernel's ``for_range``)."""
+    kernels = block_kernels()
+    if kernels is None:
+        yield
+        return
+    before = kernels.set_serial(True)
+    try:
+        yield
+    finally:
+        kernels.set_serial(before)
 
 
 def fused_ops_fit(hidden_size: int, head_dim: int) -> bool:

@@ -31,6 +31,21 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
+// Whether this thread runs the kernels' loops itself, without an OpenMP team (``set_serial``). A thread
+// that is not the engine's (the draft head's, beside a verifier in the process or on the same cores) would
+// otherwise start a team of its own on its first parallel loop: two teams in a process make libgomp's
+// workers stop spinning in both, and the second team's spinning workers take the engine's cores.
+thread_local bool serial = false;
+
+template <typename Body>
+void for_range(int64_t begin, int64_t end, int64_t grain, const Body& body) {
+  if (serial) {
+    if (begin < end) body(begin, end);
+  } else {
+    at::parallel_for(begin, end, grain, body);
+  }
+}
+
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 using Vec = __m512;
@@ -158,7 +173,7 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
   const int64_t tile_bytes = in / kBlock * F::kBytes;
   // Threads split the output tiles, each reading its own weights once; each tile runs every row tile (of
   // kRows, the rest as one smaller tile) over its weights while they are in cache.
-  at::parallel_for(0, out / kLanes, 4, [&](int64_t begin, int64_t end) {
+  for_range(0, out / kLanes, 4, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* w = wp + t * tile_bytes;
       int64_t r = 0;
@@ -400,7 +415,7 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t chunks = dim / kLanes;
-  at::parallel_for(0, static_cast<int64_t>(items.size()) / 4, 1, [&](int64_t begin, int64_t end) {
+  for_range(0, static_cast<int64_t>(items.size()) / 4, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> run;  // the slots a row sees, in order (relative to its region's start)
     std::vector<float> scores;
     for (int64_t w = begin; w < end; ++w) {
@@ -468,6 +483,11 @@ torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& packed, i
   return product<Q80>(x, packed, out, in);
 }
 int64_t lanes() { return kLanes; }
+bool set_serial(bool on) {
+  const bool before = serial;
+  serial = on;
+  return before;
+}
 
 }  // namespace
 
@@ -478,5 +498,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "llama_ops.apply_rotary of fp32 [rows, heads, head_dim], one call");
   m.def("attend_rows", &attend_rows, "verify segments' attention over the KV arena, with their masks, in place");
   m.def("layer_step", &layer_step, "one Llama decoder layer over block products, its attention in the kernel");
+  m.def("set_serial", &set_serial, "this thread runs the kernels' loops itself (True) or on its team; returns before");
   m.def("lanes", &lanes, "outputs per tile: the fp32 lanes of this build's vector registers");
 }

@@ -20,6 +20,7 @@ from specserve.block_weights import (
     q8_0_blocks,
     quantize_q4_1,
     quantize_q8_0,
+    serial_kernels,
 )
 from specserve.packed_linear import ONEDNN_ROWS, PackedLinear, block_packing, fp32_head_packing, invariant_rows
 from specserve.token_tree import TokenTree
@@ -271,3 +272,19 @@ def test_where_the_kernel_cannot_build_or_is_turned_off_the_products_run_elsewhe
         monkeypatch.undo()
         block_kernels.cache_clear()
     assert block_kernels() is not None
+
+
+def test_serial_kernels_run_the_same_loops_on_this_thread_and_restore_the_setting() -> None:
+    """A draft head's thread runs the kernel without an OpenMP team of its own; the bits are the team's."""
+    kernels = block_kernels()
+    assert kernels is not None
+    found = find_blocks(quantize_q4_1(weight(out=96, in_=128)))
+    assert found is not None
+    weight_ = BlockWeight(found)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(4))
+    on_team = weight_(x)
+    with serial_kernels():
+        assert kernels.set_serial(True) is True  # inside: serial (the call returns the setting before it)
+        alone = weight_(x)
+    assert kernels.set_serial(False) is False, "the setting before the block came back"
+    assert torch.equal(alone, on_team)
