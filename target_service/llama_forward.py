@@ -169,8 +169,9 @@ class LlamaForward:
         # Each layer's products as the kernel's ``layer_step`` takes them, where a whole layer can run as one call
         # (block products without biases, no per-head norms): ``kernel_step``.
         self.kernel_layers: list[tuple[list[torch.Tensor], list[int]]] | None = None
-        if fused and all(_kernel_layer(b) is not None for b in self.blocks):
-            self.kernel_layers = [layer for layer in map(_kernel_layer, self.blocks) if layer is not None]
+        layers = [_kernel_layer(b) for b in self.blocks] if fused else []
+        if fused and None not in layers:
+            self.kernel_layers = [layer for layer in layers if layer is not None]
 
     @property
     def dtype(self) -> torch.dtype:
