@@ -104,8 +104,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="what every mode's target runs in (baseline-fp32: float32); auto: bf16 where the CPU has AMX or "
-        "AVX512-BF16, else float32",
+        help="what every mode's target runs in (baseline-fp32: float32); auto: as the verifier's --dtype (float32 "
+        "for the packaged GGUF model on any CPU)",
     )
     parser.add_argument(
         "--device",

@@ -4,12 +4,13 @@ bf16 pays on GPUs and on CPUs whose matrix units take it natively (Intel AMX,
 AVX512-BF16 on recent Intel and AMD cores); elsewhere bf16 matmuls are
 emulated and slower than fp32, so fp32 it is. One exception: a model whose
 layers come as llama.cpp Q4_1/Q8_0 blocks (a GGUF file, the default target's)
-runs in fp32 on a CPU without AMX, where the block kernel reads those blocks
+runs in fp32 on every CPU, where the block kernel reads those blocks
 (``specserve.block_weights``): fewer bytes than bf16's and the fp32 model's
-products, so faster and exactly lossless (measured on an AVX512-BF16 EPYC,
-in turn: plain decoding 1.51x bf16's, speculative 1.26-1.31x, and later
-changes to the fp32 step widened that; bench/README, "The block kernel".
-With AMX, bf16 is kept, unmeasured against the blocks).
+products, so faster and exactly lossless. Measured on an AVX512-BF16 EPYC, in
+turn: plain decoding 1.51x bf16's, speculative 1.26-1.31x (bench/README, "The
+block kernel"); on an AMX Xeon, in turn: plain decoding 2.4x bf16's on AMX,
+speculative 1.4-1.5x, and c(n) lower up to 8 rows (bench/README, "The block
+kernel against AMX").
 """
 
 from __future__ import annotations
@@ -65,16 +66,16 @@ def choose_dtype(
 ) -> DtypeChoice:
     """``requested`` unless it is "auto"; then bf16 where the device runs it natively, else fp32.
 
-    ``block_weights``: the model's layers are llama.cpp blocks the CPU's block kernel reads (fp32 then,
-    unless the CPU has AMX).
+    ``block_weights``: the model's layers are llama.cpp blocks the CPU's block kernel reads (fp32 then, AMX or
+    not).
     """
     if requested != "auto":
         return DtypeChoice(requested, "requested")
     if device.startswith("cuda"):
         return DtypeChoice("bfloat16", "auto: CUDA device")
     have = cpu_flags() if flags is None else flags
-    if block_weights and "amx_bf16" not in have:
-        return DtypeChoice("float32", "auto: GGUF Q4_1/Q8_0 blocks read in fp32 by the block kernel, no AMX")
+    if block_weights:
+        return DtypeChoice("float32", "auto: GGUF Q4_1/Q8_0 blocks read in fp32 by the block kernel")
     native = [flag for flag in BF16_CPU_FLAGS if flag in have]
     if native:
         return DtypeChoice("bfloat16", f"auto: CPU has {', '.join(native)}")

@@ -54,8 +54,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         "--dtype",
         default=env("SPECSERVE_DTYPE", defaults.dtype),
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="the target's layers; auto: bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32 "
-        "(acceptance always reads fp32 logits)",
+        help="the target's layers; auto: bf16 on CUDA and on CPUs with AMX or AVX512-BF16, else fp32, "
+        "and fp32 on any CPU for a GGUF model of Q4_1/Q8_0 blocks (acceptance always reads fp32 logits)",
     )
     parser.add_argument(
         "--cache-dir",

@@ -17,11 +17,11 @@ def test_auto_picks_bf16_only_where_the_hardware_runs_it_natively() -> None:
     assert choose_dtype("float32", "cuda").dtype == "float32"
 
 
-def test_auto_reads_a_gguf_models_blocks_in_fp32_except_with_amx() -> None:
+def test_auto_reads_a_gguf_models_blocks_in_fp32_on_every_cpu() -> None:
     blocks = choose_dtype("auto", "cpu", frozenset({"avx512f", "avx512_bf16"}), block_weights=True)
     assert blocks.dtype == "float32" and "block kernel" in blocks.reason
     assert choose_dtype("auto", "cpu", frozenset({"avx2"}), block_weights=True).dtype == "float32"
-    assert choose_dtype("auto", "cpu", frozenset({"amx_bf16", "avx512_bf16"}), block_weights=True).dtype == "bfloat16"
+    assert choose_dtype("auto", "cpu", frozenset({"amx_bf16", "avx512_bf16"}), block_weights=True).dtype == "float32"
     assert choose_dtype("bfloat16", "cpu", frozenset({"avx512_bf16"}), block_weights=True).dtype == "bfloat16"
     assert choose_dtype("auto", "cuda:0", block_weights=True).dtype == "bfloat16"
 
