@@ -57,10 +57,17 @@ class InProcessVerifier:
         num_successors: int = 0,
         return_features: bool = False,
         token_masks: TokenMasks | None = None,
+        draft_ns: int = 0,
     ) -> VerifyResult:
         return await asyncio.wrap_future(
             self._verifier.submit_verify(
-                session_id, num_committed, tree, num_successors, return_features, token_masks=token_masks
+                session_id,
+                num_committed,
+                tree,
+                num_successors,
+                return_features,
+                token_masks=token_masks,
+                draft_ns=draft_ns,
             )
         )
 

@@ -147,6 +147,7 @@ class GrpcVerifier:
         num_successors: int = 0,
         return_features: bool = False,
         token_masks: TokenMasks | None = None,
+        draft_ns: int = 0,
     ) -> VerifyResult:
         request = verifier_pb2.VerifyRequest(
             session_id=session_id,
@@ -155,6 +156,7 @@ class GrpcVerifier:
             num_successors=num_successors,
             return_features=return_features,
             token_masks=masks_to_proto(token_masks),
+            draft_micros=max(0, draft_ns) // 1000,
         )
         try:
             r = await self._stub.Verify(request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata())

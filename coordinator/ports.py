@@ -54,10 +54,12 @@ class VerifierPort(Protocol):
         num_successors: int = 0,
         return_features: bool = False,
         token_masks: TokenMasks | None = None,
+        draft_ns: int = 0,
     ) -> VerifyResult:
         """Verify ``tree``; ``num_successors`` > 0 also asks for that many of the target's likeliest next tokens
         per scored position (Token Recycling), ``return_features`` for its hidden states at the committed positions,
-        ``token_masks`` (structured output) limits the tokens the target may pick at each scored row."""
+        ``token_masks`` (structured output) limits the tokens the target may pick at each scored row, ``draft_ns``
+        says how long the drafter took to send ``tree`` (0: none was asked; the draft budget counts it)."""
         ...
 
     async def release(self, session_id: str) -> None: ...

@@ -174,6 +174,7 @@ class Generation:
         self._unreported: list[int] = []  # committed tokens the drafter has not been told about
         self._successors: list[tuple[int, tuple[int, ...]]] = []  # last round's target top tokens
         self._unreported_features: list[np.ndarray] = []  # target features the drafter has not had
+        self._draft_wait_ns = 0  # this round's wait for the drafter's tree (0: none asked)
         self._draft_budget: int | None = None  # the verifier's last word on how many nodes pay at its load
         self._accepted_nodes: tuple[int, ...] = ()  # the verifier's accepted node indices in the drafter's tree
         self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
@@ -251,6 +252,7 @@ class Generation:
         prefix = self._forced_prefix(max_nodes, remaining, room)
         if prefix:  # the drafter drafts after what the constraint forces next; its tree starts with it
             max_nodes = min(len(prefix) + max_nodes, self._tree_caps(remaining, room)[0])
+        self._draft_wait_ns = 0
         tree, drafted = await self._propose(max_nodes, prefix)
         fitted = self._fit(tree, remaining, room)
         pending = self._committed[-1]
@@ -398,7 +400,8 @@ class Generation:
             self._drop_drafter(exc)
             return None
         finally:
-            self.stats.draft_ns += time.perf_counter_ns() - started
+            self._draft_wait_ns = time.perf_counter_ns() - started
+            self.stats.draft_ns += self._draft_wait_ns
         limits = self.policy.tree_limits
         if limits is not None and self._grammar is not None:
             # The fit cuts a constrained tree to the verifier's depth; a drafter told a forced prefix cannot know
@@ -478,7 +481,9 @@ class Generation:
                     self.stats.prefill_ns += prefill.prefill_ns
                     lost = False
                 # Masks travel only with constrained requests: unconstrained calls stay as they were.
-                extra = {"token_masks": masks} if masks is not None else {}
+                extra: dict[str, Any] = {"token_masks": masks} if masks is not None else {}
+                if tree.token_ids and self._draft_wait_ns:  # the draft budget counts the wait for the tree
+                    extra["draft_ns"] = self._draft_wait_ns
                 result = await self.verifier.verify(
                     self.session_id, len(self._committed), tree, num_successors, self._wants_features, **extra
                 )

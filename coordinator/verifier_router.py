@@ -30,7 +30,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from coordinator.discovery import Replica
 from coordinator.ports import VerifierInfo, VerifierPort
@@ -217,8 +217,11 @@ class StickyVerifierRouter:
         num_successors: int = 0,
         return_features: bool = False,
         token_masks: TokenMasks | None = None,
+        draft_ns: int = 0,
     ) -> VerifyResult:
-        extra = {"token_masks": token_masks} if token_masks is not None else {}
+        extra: dict[str, Any] = {"token_masks": token_masks} if token_masks is not None else {}
+        if draft_ns:
+            extra["draft_ns"] = draft_ns
         return await self._call(
             session_id,
             False,

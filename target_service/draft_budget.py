@@ -16,6 +16,16 @@ alpha (1 - alpha^k) / (1 - alpha).
 Trees accept at least as much as a chain of the same depth, so the estimate
 errs towards smaller trees.
 
+A drafted round also waits for its tree: the coordinator sends how long its
+drafter took (``draft_micros``), and each session's budget counts that time,
+smoothed over its recent drafted rounds, as a cost of every k > 0. A session
+is served in rounds, each one draft and one verify, so for one stream the
+round costs their sum; on two shared cores drafting also takes the
+verifier's CPU. Where drafting costs more than the tree saves (a draft head
+of four steps on a 2-core CPU: 12.6 ms a round beside a 29.6 ms verify and a
+plain token's 18.2 ms, tau 1.91), the budget goes to 0 and the session
+decodes plainly, and its probe rounds measure the drafter again.
+
 alpha is learnt for the whole engine and for each session (``SessionAcceptance``,
 starting from the engine's): drafts pay on some requests (a summary copies
 its document, n-gram drafts land) and not on others, so each session's
@@ -174,13 +184,14 @@ class DraftBudget:
 
     # Each verified tree weighs this much less than the next: the estimate follows the last few hundred.
     DECAY = 0.99
+    CACHE_LIMIT = 4096  # budgets kept by (sessions, alpha, drafting time to 0.5 ms)
 
     def __init__(self, curve: CostCurve, max_nodes: int, prior_accepted: float = 3.0, prior_tried: float = 5.0) -> None:
         self.curve = curve
         self.max_nodes = max_nodes
         self._accepted = prior_accepted
         self._tried = prior_tried
-        self._cache: dict[tuple[int, float], int] = {}
+        self._cache: dict[tuple[int, float, float], int] = {}
 
     @property
     def alpha(self) -> float:
@@ -201,17 +212,20 @@ class DraftBudget:
         a = self.alpha if alpha is None else min(0.98, alpha)
         return a * (1 - a**nodes) / (1 - a)
 
-    def nodes_for(self, sessions: int, alpha: float | None = None) -> int:
+    def nodes_for(self, sessions: int, alpha: float | None = None, draft_s: float = 0.0) -> int:
         """The k in [0, max_nodes] that maximises tokens committed per second with ``sessions`` sharing steps.
 
-        ``alpha``: the session's own acceptance rate (default: the engine's).
+        ``alpha``: the session's own acceptance rate (default: the engine's). ``draft_s``: what a drafted round
+        waits for its tree (0: nothing known), added to the step's cost for every k > 0.
         """
         sessions = max(1, sessions)
-        key = (sessions, round(self.alpha if alpha is None else alpha, 2))
+        key = (sessions, round(self.alpha if alpha is None else alpha, 2), round(max(0.0, draft_s) * 2000) / 2000)
         if key not in self._cache:
+            if len(self._cache) >= self.CACHE_LIMIT:  # sessions' rates and drafting times vary: keep it bounded
+                self._cache.clear()
             best_k, best_rate = 0, 0.0
             for k in range(self.max_nodes + 1):
-                cost = self.curve.step_s(sessions, sessions * (1 + k))
+                cost = self.curve.step_s(sessions, sessions * (1 + k)) + (key[2] if k else 0.0)
                 rate = sessions * (1 + self.expected_accepted(k, key[1])) / cost
                 if rate > best_rate * 1.0001:  # ties go to the smaller tree
                     best_k, best_rate = k, rate
@@ -227,13 +241,23 @@ class SessionAcceptance:
     PROBE_AFTER = 16  # rounds without a tree before a zero budget becomes a probe: at most ~1 round in 17 pays it
     PROBE_NODES = 4
 
+    DRAFT_DECAY = 0.8  # weight of the drafting time known before each new drafted round's
+
     def __init__(self) -> None:
         self._accepted = 0.0
         self._tried = 0.0
         self._rounds_without_tree = 0
+        self.draft_s = 0.0  # what a drafted round waits for its tree, smoothed (0: no drafted round yet)
 
     def alpha(self, engine_alpha: float) -> float:
         return (self._accepted + self.PRIOR_TRIES * engine_alpha) / (self._tried + self.PRIOR_TRIES)
+
+    def observe_draft(self, seconds: float) -> None:
+        """A drafted round's wait for its tree (from the coordinator); rounds without a drafter send none."""
+        if seconds <= 0:
+            return
+        decay = self.DRAFT_DECAY if self.draft_s else 0.0  # the first drafted round is taken as it is
+        self.draft_s = decay * self.draft_s + (1 - decay) * seconds
 
     def observe(self, tree_depth: int, num_accepted: int) -> None:
         """One verified round: a tree (depth > 0) teaches the rate; an empty one lets it drift to the prior."""

@@ -61,6 +61,7 @@ class VerifyCall(Call):
     token_masks: TokenMasks | None = None  # structured output: allowed tokens per scored row (None: all)
     # Per row, the one token its mask allows (-1: more than one); those rows skip the head (None: none do).
     forced_tokens: np.ndarray | None = None
+    draft_ns: int = 0  # what the coordinator waited for this tree from its drafter (0: none asked)
 
     @property
     def num_tokens(self) -> int:

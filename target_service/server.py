@@ -92,6 +92,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 request.return_features,
                 owner=_owner(context),
                 token_masks=token_masks,
+                draft_ns=request.draft_micros * 1000,
             )
             result = _wait(submitted, context)
         return verify_result_to_proto(result)

@@ -299,15 +299,17 @@ class Verifier:
         num_successors: int = 0,
         return_features: bool = False,
         token_masks: TokenMasks | None = None,
+        draft_ns: int = 0,
     ) -> VerifyResult:
         """Verify ``tree`` on top of the session.
 
         ``num_successors`` > 0 also returns that many of the target's likeliest next tokens at every scored
         position (for Token Recycling); ``return_features`` its hidden states at the committed ones.
         ``token_masks`` (structured output) limits the tokens the target may pick at each scored row.
+        ``draft_ns``: how long the tree took to draft (``submit_verify``).
         """
         result: VerifyResult = self.submit_verify(
-            session_id, num_committed, tree, num_successors, return_features, token_masks=token_masks
+            session_id, num_committed, tree, num_successors, return_features, token_masks=token_masks, draft_ns=draft_ns
         ).result()
         return result
 
@@ -320,7 +322,13 @@ class Verifier:
         return_features: bool = False,
         owner: str = "",
         token_masks: TokenMasks | None = None,
+        draft_ns: int = 0,
     ) -> Future[VerifyResult]:
+        """Score ``tree`` after the session's pending token and commit what acceptance keeps.
+
+        ``draft_ns``: how long the coordinator waited for the tree from its drafter (0: none asked); the
+        session's next draft budget counts it (``draft_budget``).
+        """
         try:
             tree.validate(self.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
             if token_masks is not None:
@@ -338,6 +346,7 @@ class Verifier:
             return_features=return_features,
             token_masks=token_masks,
             forced_tokens=token_masks.forced_tokens(self.vocab_size) if token_masks is not None else None,
+            draft_ns=max(0, draft_ns),
         )
         return self._submit(call)
 
@@ -765,6 +774,7 @@ class Verifier:
         accepted = commit(self._arena, session, tree, acceptance)
         self._budget.observe(max(tree.depths(), default=0), len(accepted))
         session.acceptance.observe(max(tree.depths(), default=0), len(accepted))
+        session.acceptance.observe_draft(call.draft_ns / 1e9)
         budget = self._session_budget(session, load)
         k = min(call.num_successors, self.vocab_size)
         successors = logits.topk(k, dim=-1).indices.tolist() if k > 0 else []
@@ -790,8 +800,9 @@ class Verifier:
         """Draft nodes that pay for this session at ``load``, by its acceptance so far (this round's included)."""
         if not self._guard.arm_now:  # the guard's "off" arm is its own probe of "no drafts": no probes inside it
             return 0
-        by_cost = self._budget.nodes_for(load, session.acceptance.alpha(self._budget.alpha))
-        return session.acceptance.budget(by_cost, self.limits.max_tree_nodes)
+        acceptance = session.acceptance
+        by_cost = self._budget.nodes_for(load, acceptance.alpha(self._budget.alpha), acceptance.draft_s)
+        return acceptance.budget(by_cost, self.limits.max_tree_nodes)
 
 
 class _NeverProbe:

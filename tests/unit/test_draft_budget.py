@@ -87,6 +87,31 @@ def test_a_session_the_cost_model_stopped_probes_again_and_resumes_when_its_draf
     assert session.budget(0, max_nodes=64) == 0  # a tree came back: no probe until the next quiet stretch
 
 
+def test_drafting_time_counts_against_drafting_and_can_switch_it_off() -> None:
+    # The 2-core AMX Xeon's fp32 curve (ms) and its in-process round: tau 1.91 from 8-node trees, 12.6 ms of
+    # drafting a round. Drafting free, the cost model drafts; counted, plain decoding commits more per second.
+    curve = CostCurve((1, 2, 4, 8, 16), (15.8, 17.5, 20.5, 29.7, 54.2))
+    budget = DraftBudget(curve, max_nodes=32, prior_accepted=0.91, prior_tried=1.91)
+    free = budget.nodes_for(1)
+    assert free > 0
+    assert 0 < budget.nodes_for(1, draft_s=2.0) <= free  # cheap drafts (n-grams): still worth it
+    assert budget.nodes_for(1, draft_s=12.6) == 0
+    tokens_per_ms = (1 + budget.expected_accepted(free)) / (curve.forward_s(1 + free) + 12.6)
+    assert tokens_per_ms < 1 / curve.forward_s(1)  # what the zero budget was chosen over
+
+
+def test_a_session_smooths_its_drafting_time_over_drafted_rounds_only() -> None:
+    session = SessionAcceptance()
+    assert session.draft_s == 0.0  # nothing known: the cost model alone
+    session.observe_draft(0.010)
+    assert session.draft_s == pytest.approx(0.010)  # the first drafted round is taken as it is
+    session.observe_draft(0.0)  # a round without a drafter says nothing about drafting
+    assert session.draft_s == pytest.approx(0.010)
+    for _ in range(50):
+        session.observe_draft(0.002)
+    assert session.draft_s == pytest.approx(0.002, rel=0.01)
+
+
 def test_measure_curve_times_each_size_and_the_per_session_cost() -> None:
     calls: list[tuple[int, int]] = []
     clock_now = [0.0]

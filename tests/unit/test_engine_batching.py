@@ -232,3 +232,15 @@ def test_a_session_with_no_draft_budget_is_offered_a_probe_after_a_quiet_stretch
     result = verifier.verify("s", 2 + len(budgets), TokenTree.chain([3, 4]))
     assert result.draft_budget_nodes == 0
     verifier.close()
+
+
+def test_a_session_whose_drafts_take_longer_than_they_save_is_told_to_stop_drafting() -> None:
+    rows_free = CostCurve((1, 64), (1.0, 1.0))  # in seconds: a tree costs what one token does
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8, cost_curve=rows_free, throughput_guard=False)
+    for session in ("quick", "slow"):
+        verifier.prefill(session, [1, 2], SamplingParams())
+    quick = verifier.verify("quick", 2, TokenTree.chain([3]), draft_ns=1_000_000)  # a millisecond's draft
+    slow = verifier.verify("slow", 2, TokenTree.chain([3]), draft_ns=10_000_000_000)  # ten steps' worth
+    assert quick.draft_budget_nodes is not None and quick.draft_budget_nodes > 0  # rows free, drafts cheap
+    assert slow.draft_budget_nodes == 0  # no tree saves ten steps: plain decoding commits more
+    verifier.close()

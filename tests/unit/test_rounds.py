@@ -151,9 +151,11 @@ class TreeSizeRecorder(InProcessVerifier):
         super().__init__(Verifier(MODEL, "fp"))
         self.tree_sizes: list[int] = []
 
-    async def verify(self, session_id: str, num_committed: int, tree: TokenTree, *rest: Any) -> VerifyResult:
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, *rest: Any, **options: Any
+    ) -> VerifyResult:
         self.tree_sizes.append(len(tree))
-        return await super().verify(session_id, num_committed, tree, *rest)
+        return await super().verify(session_id, num_committed, tree, *rest, **options)
 
 
 @pytest.mark.parametrize("cap", [3, 4])  # below 3 nodes the drafter finds no tree worth its cost on this model
@@ -168,6 +170,30 @@ def test_a_cap_bounds_the_draft_tokens_of_every_round(cap: int) -> None:
     assert max(recorder.tree_sizes) <= cap
     assert stats.num_drafts == sum(size > 0 for size in recorder.tree_sizes)
     assert len(stats.num_accepted_tokens_per_pos) <= cap
+
+
+class DraftWaitRecorder(InProcessVerifier):
+    """Records each verify's tree size and the drafting time the round loop sent with it."""
+
+    def __init__(self) -> None:
+        super().__init__(Verifier(MODEL, "fp"))
+        self.calls: list[tuple[int, int]] = []
+
+    async def verify(
+        self, session_id: str, num_committed: int, tree: TokenTree, *rest: Any, **options: Any
+    ) -> VerifyResult:
+        self.calls.append((len(tree), options.get("draft_ns", 0)))
+        return await super().verify(session_id, num_committed, tree, *rest, **options)
+
+
+def test_a_drafted_round_tells_the_verifier_how_long_its_tree_took() -> None:
+    recorder = DraftWaitRecorder()
+    tokens, _, stats = run(generation(GenerationRequest([1, 2, 3, 1, 2, 3, 1, 2], 30), verifier=recorder))
+    assert tokens == plain_greedy(MODEL, [1, 2, 3, 1, 2, 3, 1, 2], 30)
+    drafted = [wait for size, wait in recorder.calls if size]
+    assert drafted and all(wait > 0 for wait in drafted)  # every tree comes with its drafting time
+    assert all(wait == 0 for size, wait in recorder.calls if not size)  # a round without a tree sends none
+    assert sum(drafted) <= stats.draft_ns  # the same clock as the request's own drafting time
 
 
 def test_a_cap_above_the_servers_limit_is_the_servers_limit() -> None:
@@ -202,11 +228,12 @@ class ForgetfulVerifier(InProcessVerifier):
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        **options: Any,
     ) -> VerifyResult:
         self._calls += 1
         if self._calls % self._every == 0:
             self._verifier_ref.release(session_id)
-        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
+        return await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
 
 
 def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -> None:
@@ -233,8 +260,9 @@ class TimedVerifier(ForgetfulVerifier):
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        **options: Any,
     ) -> VerifyResult:
-        result = await super().verify(session_id, num_committed, tree, num_successors, return_features)
+        result = await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
         return dataclasses.replace(result, verify_ns=10)
 
 
@@ -272,10 +300,11 @@ class MortalReplica(InProcessVerifier):
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        **options: Any,
     ) -> VerifyResult:
         self._verifies -= 1
         self._check_alive()
-        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
+        return await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
 
 
 @pytest.mark.parametrize("dies_after", [0, 4])  # while verifying the first round, or mid-stream
@@ -306,9 +335,10 @@ class SlowVerifier(InProcessVerifier):
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        **options: Any,
     ) -> VerifyResult:
         await asyncio.sleep(0.05)
-        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
+        return await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
 
 
 def test_the_deadline_ends_the_request_and_releases_its_session() -> None:

@@ -132,7 +132,7 @@ class RejectingVerifier(InProcessVerifier):
         super().__init__(Verifier(MODEL, "fp"))
         self.refused = 0
 
-    async def verify(self, session_id, num_committed, tree, num_successors=0, return_features=False):  # type: ignore[no-untyped-def]
+    async def verify(self, session_id, num_committed, tree, num_successors=0, return_features=False, **options):  # type: ignore[no-untyped-def]
         if len(tree):
             self.refused += 1
             raise InvalidArgument("tree has 2 nodes; this verifier accepts at most 1")

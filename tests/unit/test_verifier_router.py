@@ -2,6 +2,7 @@
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -50,6 +51,7 @@ class FakeReplica:
         tree: TokenTree,
         num_successors: int = 0,
         return_features: bool = False,
+        **options: Any,
     ) -> VerifyResult:
         self._fail()
         self.calls.append(("verify", session_id))
