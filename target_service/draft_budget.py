@@ -20,10 +20,13 @@ A drafted round also waits for its tree: the coordinator sends how long its
 drafter took (``draft_micros``), and each session's budget counts that time,
 smoothed over its recent drafted rounds, as a cost of every k > 0. A session
 is served in rounds, each one draft and one verify, so for one stream the
-round costs their sum; on two shared cores drafting also takes the
-verifier's CPU. Where drafting costs more than the tree saves (a draft head
-of four steps on a 2-core CPU: 12.6 ms a round beside a 29.6 ms verify and a
-plain token's 18.2 ms, tau 1.91), the budget goes to 0 and the session
+round costs their sum (and on two shared cores drafting also takes the
+verifier's CPU); with L sessions the engine steps for the others while one
+drafts, so a draft counts 1/L of its time (measured under load, counting it
+whole turned drafting off at N = 16 and cost 16% of the aggregate rate).
+Where drafting costs more than the tree saves (a draft head of four steps on
+a 2-core CPU: 12.6 ms a round beside a 29.6 ms verify and a plain token's
+18.2 ms, tau 1.91), the budget goes to 0 and the session
 decodes plainly, and its probe rounds measure the drafter again.
 
 alpha is learnt for the whole engine and for each session (``SessionAcceptance``,
@@ -35,7 +38,8 @@ again now and then. The engine's rate learns only from trees, so where it too
 says "no drafts" (a long context on a CPU, where every extra row costs) no
 session would ever draft again: a session with no tree for ``PROBE_AFTER``
 rounds gets a small probe budget instead of none, and its answer revises both
-rates.
+rates. A probe that lands nothing doubles the wait for the next (up to
+``PROBE_AFTER_MAX``): a request whose drafts never land pays for few probes.
 """
 
 from __future__ import annotations
@@ -216,7 +220,8 @@ class DraftBudget:
         """The k in [0, max_nodes] that maximises tokens committed per second with ``sessions`` sharing steps.
 
         ``alpha``: the session's own acceptance rate (default: the engine's). ``draft_s``: what a drafted round
-        waits for its tree (0: nothing known), added to the step's cost for every k > 0.
+        waits for its tree (0: nothing known), for every k > 0 added to the step's cost divided by ``sessions``:
+        alone, a session's draft leaves the engine idle; among others, the engine steps for them meanwhile.
         """
         sessions = max(1, sessions)
         key = (sessions, round(self.alpha if alpha is None else alpha, 2), round(max(0.0, draft_s) * 2000) / 2000)
@@ -225,7 +230,7 @@ class DraftBudget:
                 self._cache.clear()
             best_k, best_rate = 0, 0.0
             for k in range(self.max_nodes + 1):
-                cost = self.curve.step_s(sessions, sessions * (1 + k)) + (key[2] if k else 0.0)
+                cost = self.curve.step_s(sessions, sessions * (1 + k)) + (key[2] / sessions if k else 0.0)
                 rate = sessions * (1 + self.expected_accepted(k, key[1])) / cost
                 if rate > best_rate * 1.0001:  # ties go to the smaller tree
                     best_k, best_rate = k, rate
@@ -239,6 +244,7 @@ class SessionAcceptance:
     DECAY = 0.9  # a request's drafts change character within tens of rounds
     PRIOR_TRIES = 2.0
     PROBE_AFTER = 16  # rounds without a tree before a zero budget becomes a probe: at most ~1 round in 17 pays it
+    PROBE_AFTER_MAX = 128  # each probe that lands nothing doubles the wait for the next, up to this
     PROBE_NODES = 4
 
     DRAFT_DECAY = 0.8  # weight of the drafting time known before each new drafted round's
@@ -247,6 +253,8 @@ class SessionAcceptance:
         self._accepted = 0.0
         self._tried = 0.0
         self._rounds_without_tree = 0
+        self._probe_after = self.PROBE_AFTER  # quiet rounds before the next probe
+        self._probing = False  # the last budget sent was a probe
         self.draft_s = 0.0  # what a drafted round waits for its tree, smoothed (0: no drafted round yet)
 
     def alpha(self, engine_alpha: float) -> float:
@@ -267,18 +275,23 @@ class SessionAcceptance:
             self._accepted += num_accepted
             self._tried += num_accepted + (1 if num_accepted < tree_depth else 0)
             self._rounds_without_tree = 0
+            if num_accepted:
+                self._probe_after = self.PROBE_AFTER
+            elif self._probing:  # a probe that landed nothing: the next comes after twice the quiet stretch
+                self._probe_after = min(2 * self._probe_after, self.PROBE_AFTER_MAX)
         else:
             self._rounds_without_tree += 1
 
     def budget(self, nodes: int, max_nodes: int) -> int:
-        """The budget to send: the cost model's ``nodes``, or a probe after ``PROBE_AFTER`` rounds without a tree.
+        """The budget to send: the cost model's ``nodes``, or a probe after a quiet stretch without a tree.
 
-        The probe repeats each round until a tree comes back (a drafter with
-        nothing to propose sends none, at no cost).
+        The stretch is ``PROBE_AFTER`` rounds, doubled by each probe that lands nothing (up to
+        ``PROBE_AFTER_MAX``: a request whose drafts never land, a translation say, pays for a probe about once
+        in 129 rounds) and back to ``PROBE_AFTER`` once drafts land. The probe repeats each round until a tree
+        comes back (a drafter with nothing to propose sends none, at no cost).
         """
-        if nodes == 0 and self._rounds_without_tree >= self.PROBE_AFTER:
-            return min(self.PROBE_NODES, max_nodes)
-        return nodes
+        self._probing = nodes == 0 and self._rounds_without_tree >= self._probe_after
+        return min(self.PROBE_NODES, max_nodes) if self._probing else nodes
 
 
 class ThroughputGuard:

@@ -100,6 +100,16 @@ def test_drafting_time_counts_against_drafting_and_can_switch_it_off() -> None:
     assert tokens_per_ms < 1 / curve.forward_s(1)  # what the zero budget was chosen over
 
 
+def test_among_other_sessions_a_draft_counts_a_share_of_its_time() -> None:
+    # Steps whose cost is mostly per session (as under load on a CPU): extra rows in a shared step are cheap.
+    curve = CostCurve((1, 2, 4, 8, 16, 32), (15.8, 17.5, 20.5, 29.7, 54.2, 103.1), per_session_s=5.0)
+    budget = DraftBudget(curve, max_nodes=32, prior_accepted=0.91, prior_tried=1.91)
+    assert budget.nodes_for(1, draft_s=12.6) == 0  # alone, the engine waits for the whole draft
+    assert budget.nodes_for(8, draft_s=12.6) > 0  # among eight, it steps for the other seven meanwhile
+    counted_whole = (1 + budget.expected_accepted(1)) / (curve.step_s(8, 16) + 12.6)
+    assert counted_whole < 1 / curve.step_s(8, 8)  # counted whole, the draft would have switched drafting off
+
+
 def test_a_session_smooths_its_drafting_time_over_drafted_rounds_only() -> None:
     session = SessionAcceptance()
     assert session.draft_s == 0.0  # nothing known: the cost model alone
@@ -110,6 +120,33 @@ def test_a_session_smooths_its_drafting_time_over_drafted_rounds_only() -> None:
     for _ in range(50):
         session.observe_draft(0.002)
     assert session.draft_s == pytest.approx(0.002, rel=0.01)
+
+
+def test_probes_that_land_nothing_come_ever_less_often_and_a_landing_one_brings_them_back() -> None:
+    session = SessionAcceptance()
+
+    def quiet_rounds_before_a_probe() -> int:
+        """Rounds with no tree (the cost model's budget 0) until the session is offered a probe."""
+        quiet = 0
+        while session.budget(0, max_nodes=64) == 0:
+            session.observe(tree_depth=0, num_accepted=0)
+            quiet += 1
+        return quiet
+
+    waits = []
+    for _ in range(5):
+        waits.append(quiet_rounds_before_a_probe())
+        session.observe(tree_depth=4, num_accepted=0)  # the probe's tree: nothing accepted
+    first = SessionAcceptance.PROBE_AFTER
+    assert waits == [first, 2 * first, 4 * first, SessionAcceptance.PROBE_AFTER_MAX, SessionAcceptance.PROBE_AFTER_MAX]
+    waits = [quiet_rounds_before_a_probe()]
+    session.observe(tree_depth=4, num_accepted=2)  # this probe lands
+    waits.append(quiet_rounds_before_a_probe())
+    assert waits == [SessionAcceptance.PROBE_AFTER_MAX, first]
+    session.observe(tree_depth=4, num_accepted=0)
+    session.budget(3, max_nodes=64)  # the cost model drafts again: its tree is no probe
+    session.observe(tree_depth=3, num_accepted=0)
+    assert quiet_rounds_before_a_probe() == 2 * first  # only the probe's empty answer doubled the wait
 
 
 def test_measure_curve_times_each_size_and_the_per_session_cost() -> None:
