@@ -148,10 +148,10 @@ def test_the_verifier_counts_the_drafting_time_a_round_reports(cluster: LocalClu
             )
             budgets[session] = stub.Verify(request, timeout=30).draft_budget_nodes
             stub.Release(verifier_pb2.ReleaseRequest(session_id=session), timeout=30)
-        # A second row costs a step at most 1.11x one row on every CPU measured: one draft node pays when drafting
-        # is free; no tree saves the ten seconds a draft took.
-        assert budgets == {"drafts-quickly": budgets["drafts-quickly"], "drafts-slowly": 0}
+        # This cluster's verifier runs without a start-up profile (a flat cost curve of one second a step, any
+        # size): drafting that costs nothing pays, and no tree saves the ten seconds a draft took.
         assert budgets["drafts-quickly"] > 0
+        assert budgets["drafts-slowly"] == 0
 
 
 def test_drafter_stream_must_start_with_start(cluster: LocalCluster) -> None:
