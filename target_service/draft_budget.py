@@ -18,8 +18,7 @@ errs towards smaller trees.
 
 A drafted round also waits for its tree: the coordinator sends how long its
 drafter took (``draft_micros``), and each session's budget counts that time,
-smoothed over its recent drafted rounds (not the first: it digests the
-prompt, once), as a cost of every k > 0. A session
+smoothed over its recent drafted rounds, as a cost of every k > 0. A session
 is served in rounds, each one draft and one verify, so for one stream the
 round costs their sum (and on two shared cores drafting also takes the
 verifier's CPU); with L sessions the engine steps for the others while one
@@ -256,24 +255,16 @@ class SessionAcceptance:
         self._rounds_without_tree = 0
         self._probe_after = self.PROBE_AFTER  # quiet rounds before the next probe
         self._probing = False  # the last budget sent was a probe
-        self.draft_s = 0.0  # what a drafted round waits for its tree, smoothed (0: none counted yet)
-        self._drafted_rounds = 0
+        self.draft_s = 0.0  # what a drafted round waits for its tree, smoothed (0: no drafted round yet)
 
     def alpha(self, engine_alpha: float) -> float:
         return (self._accepted + self.PRIOR_TRIES * engine_alpha) / (self._tried + self.PRIOR_TRIES)
 
     def observe_draft(self, seconds: float) -> None:
-        """A drafted round's wait for its tree (from the coordinator); rounds without a drafter send none.
-
-        A session's first drafted round is not counted: its wait holds what a drafter does once, digesting the
-        prompt (47 ms for a 660-token one in process, against 6-13 ms a round after), and a budget sized by it
-        would keep a long prompt's session from drafting until a probe."""
+        """A drafted round's wait for its tree (from the coordinator); rounds without a drafter send none."""
         if seconds <= 0:
             return
-        self._drafted_rounds += 1
-        if self._drafted_rounds == 1:
-            return
-        decay = self.DRAFT_DECAY if self.draft_s else 0.0  # the first round counted is taken as it is
+        decay = self.DRAFT_DECAY if self.draft_s else 0.0  # the first drafted round is taken as it is
         self.draft_s = decay * self.draft_s + (1 - decay) * seconds
 
     def observe(self, tree_depth: int, num_accepted: int) -> None:
