@@ -297,10 +297,11 @@ class SessionAcceptance:
 class ThroughputGuard:
     """Keeps speculation on only while it measurably wins: an A/B check of the cost model at run time.
 
-    The cost curve sees the verifier's forward passes only. It misses what a
-    round costs elsewhere: drafting (on drafters that share hardware with the
-    verifier, as on one machine, every drafted round takes cores from the
-    verifier), and the rounds' round trips. So the engine keeps serving one
+    The cost curve sees the verifier's forward passes, and the budget the wait
+    for each round's tree. It misses what a round costs elsewhere: the cores
+    drafting takes (on drafters that share hardware with the verifier, as on
+    one machine, every drafted round takes cores from the verifier), and the
+    rounds' round trips. So the engine keeps serving one
     arm ("model": the curve's budget, or "off": no drafts) and every
     ``exploit_s`` probes the other for ``probe_s``; the probe's arm takes over
     when it wins by ``margin``. Each phase's first ``settle_s`` is not
