@@ -16,6 +16,7 @@ the two together), and drafts stay guesses the verifier checks either way.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -129,9 +130,8 @@ class HeadStep:
         ``allowed`` [n, cached + n] (True: may attend) masks the attention; None: every cached position and
         the new rows causally. ``last_logits_only``: logits of the last row only ([1, vocab]).
         """
-        if self._head.packing != "blocks":
-            return self._step(features, next_tokens, positions, cache, allowed, last_logits_only)
-        with serial_kernels():  # the head's thread is not the engine's: no OpenMP team of its own
+        # On the block kernel the head's thread, not the engine's, runs its loops itself: no OpenMP team of its own.
+        with serial_kernels() if self._head.packing == "blocks" else contextlib.nullcontext():
             return self._step(features, next_tokens, positions, cache, allowed, last_logits_only)
 
     def _step(

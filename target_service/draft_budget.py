@@ -224,13 +224,14 @@ class DraftBudget:
         alone, a session's draft leaves the engine idle; among others, the engine steps for them meanwhile.
         """
         sessions = max(1, sessions)
-        key = (sessions, round(self.alpha if alpha is None else alpha, 2), round(max(0.0, draft_s) * 2000) / 2000)
+        draft = round(max(0.0, draft_s) * 2000) / 2000  # to 0.5 ms: the cache's key
+        key = (sessions, round(self.alpha if alpha is None else alpha, 2), draft)
         if key not in self._cache:
             if len(self._cache) >= self.CACHE_LIMIT:  # sessions' rates and drafting times vary: keep it bounded
                 self._cache.clear()
             best_k, best_rate = 0, 0.0
             for k in range(self.max_nodes + 1):
-                cost = self.curve.step_s(sessions, sessions * (1 + k)) + (key[2] / sessions if k else 0.0)
+                cost = self.curve.step_s(sessions, sessions * (1 + k)) + (draft / sessions if k else 0.0)
                 rate = sessions * (1 + self.expected_accepted(k, key[1])) / cost
                 if rate > best_rate * 1.0001:  # ties go to the smaller tree
                     best_k, best_rate = k, rate
