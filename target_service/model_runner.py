@@ -211,7 +211,8 @@ class ModelRunner:
                 f"one gathered window of at most {self._static.max_window} slots; eager beyond"
             )
         if self.packing == "none":
-            return "eager F.linear products (--compile off or no packed kernel here)"
+            eager = "eager F.linear products (--compile off or no packed kernel here)"
+            return eager if self.head_packing == "none" else f"{eager}; {head}"
         if self.packing == "int8":
             return (
                 f"int8 weight-only products (bf16 activations, {str(self.dtype).removeprefix('torch.')} between "

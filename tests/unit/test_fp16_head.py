@@ -8,6 +8,8 @@ which greedy identity through trees rests on).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -73,14 +75,20 @@ def test_inexact_weights_are_refused() -> None:
 
 
 def test_a_row_gets_the_same_bits_at_every_row_count() -> None:
+    """FBGEMM's fp16 product computes a row alike at every row count on AVX512 CPUs; on a 2-core AVX2-only
+    EPYC it rounds 1, 2, 7, 14 and 31 rows otherwise (its AVX2 kernel tiles rows differently). The start-up
+    check keeps the counts that agree and pads a step to the next of them, so every count gives the same
+    bits either way."""
     weight = bf16_weight(1000, 576)
     buckets = invariant_rows("fp16", torch.float32, {(1000, 576)})
-    assert buckets == ONEDNN_ROWS, f"FBGEMM's fp16 product rounds a row by its row count here: kept {buckets}"
+    assert buckets and set(buckets) <= set(ONEDNN_ROWS) and max(buckets) == max(ONEDNN_ROWS)
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert buckets == ONEDNN_ROWS, f"FBGEMM's fp16 product rounds a row by its row count here: kept {buckets}"
     head = PackedLinear(weight, None, "fp16", buckets)
     x = torch.randn(max(ONEDNN_ROWS), 576, generator=torch.Generator().manual_seed(3))
     alone = head(x[:1])
     for rows in ONEDNN_ROWS:
-        assert torch.equal(head(x[:rows])[:1], alone), f"row 0 alone and among {rows} rows differ"
+        assert torch.equal(head(x[:rows])[:1], alone), f"row 0 alone and among {rows} rows differ (kept {buckets})"
 
 
 def test_a_bf16_model_reads_its_head_in_fp16_and_an_fp32_model_in_fp32() -> None:
@@ -89,7 +97,8 @@ def test_a_bf16_model_reads_its_head_in_fp16_and_an_fp32_model_in_fp32() -> None
     assert fp32.head_packing != "fp16"
     bf16 = ModelRunner(model.to(torch.bfloat16), "auto")
     assert bf16.head_packing == "fp16"
-    assert "fp32 head FBGEMM fp16-weight at rows 1-32, oneDNN beyond" in bf16.describe()
+    # Rows 1-32 where every count is row-invariant (AVX512); the kept counts elsewhere (AVX2: not 1, 2, 7 ...).
+    assert re.search(r"fp32 head FBGEMM fp16-weight at rows (1-32|\[[0-9, ]+\]), oneDNN beyond", bf16.describe())
     assert ModelRunner(model, "off").head_packing == "none"
 
 

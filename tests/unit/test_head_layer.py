@@ -77,18 +77,21 @@ def test_on_q8_0_blocks_the_served_layer_runs_the_kernels_fused_ops_and_still_eq
     step = head._new_step()
     assert head.packing == "blocks" and step.fused
     with torch.inference_mode():
-        drafting_session(head, hidden=128)
+        # The kernel's fused norms, rotary and attention sum in their own order (8 lanes on AVX2, 16 on AVX512),
+        # not transformers': 1.1e-5 apart at worst (features of order 1) on an AVX2-only EPYC, within 1e-5 on the
+        # AVX512 CPUs this ran on before.
+        drafting_session(head, hidden=128, tolerance=3e-5)
 
 
-def drafting_session(head: DraftHead, hidden: int = HIDDEN) -> None:
+def drafting_session(head: DraftHead, hidden: int = HIDDEN, tolerance: float = 1e-5) -> None:
     ours, theirs = HeadCache(), DynamicCache()
 
     def check(
         features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor | None = None
     ) -> None:
         served, reference = both(head, ours, theirs, features, tokens, positions, allowed)
-        torch.testing.assert_close(served.features, reference.features, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(served.logits, reference.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(served.features, reference.features, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(served.logits, reference.logits, rtol=tolerance, atol=tolerance)
         assert ours.get_seq_length() == theirs.get_seq_length()
 
     for start, stop in ((0, 50), (50, 90), (90, 91)):  # 91 positions: the first 64-slot buffer grows
