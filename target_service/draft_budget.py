@@ -57,11 +57,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Seconds of one forward by tokens scored, plus seconds per session sharing it."""
+    """Seconds of one forward by tokens scored, plus seconds per session sharing it and per cached token.
+
+    The sizes are timed over ``context`` cached tokens. Attention makes every scored row cost more over a
+    longer context, about linearly in the cached tokens it reads: ``per_row_context_s`` is that slope, per
+    row and per cached token beyond ``context``. A tree over a long prompt costs more than the curve at
+    ``context`` says (seen on an AMX Xeon: sessions over 660-token prompts drafted trees the short-context
+    curve priced as paying, and lost).
+    """
 
     tokens: tuple[int, ...]  # increasing
     seconds: tuple[float, ...]
     per_session_s: float = 0.0
+    context: int = 0  # cached tokens under each timed size
+    per_row_context_s: float = 0.0  # extra seconds a row costs per cached token beyond ``context`` (0: not measured)
 
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.seconds):
@@ -76,8 +85,10 @@ class CostCurve:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
-    def step_s(self, sessions: int, tokens: int) -> float:
-        return self.forward_s(tokens) + sessions * self.per_session_s
+    def step_s(self, sessions: int, tokens: int, context: int = 0) -> float:
+        """A step of ``sessions`` scoring ``tokens`` in all, each over ``context`` cached tokens (0: the curve's)."""
+        longer = max(0, context - self.context)  # a shorter context costs a little less: not modelled, a margin
+        return self.forward_s(tokens) + sessions * self.per_session_s + tokens * longer * self.per_row_context_s
 
     def plausible(self) -> bool:
         """No size costs more than ``STALL_FACTOR`` times linear growth from the one before (a stalled timing)."""
@@ -85,7 +96,8 @@ class CostCurve:
         return all(s1 <= STALL_FACTOR * s0 * n1 / n0 for n0, s0, n1, s1 in pairs)
 
     def to_json(self) -> str:
-        return json.dumps({"tokens": self.tokens, "seconds": self.seconds, "per_session_s": self.per_session_s})
+        fields = ("tokens", "seconds", "per_session_s", "context", "per_row_context_s")
+        return json.dumps({name: getattr(self, name) for name in fields})
 
     @classmethod
     def from_json(cls, text: str) -> CostCurve:
@@ -93,7 +105,11 @@ class CostCurve:
         try:
             data = json.loads(text)
             return cls(
-                tuple(map(int, data["tokens"])), tuple(map(float, data["seconds"])), float(data["per_session_s"])
+                tuple(map(int, data["tokens"])),
+                tuple(map(float, data["seconds"])),
+                float(data["per_session_s"]),
+                int(data["context"]),
+                float(data["per_row_context_s"]),
             )
         except (KeyError, TypeError, json.JSONDecodeError) as exc:
             raise ValueError(f"not a cost curve: {exc}") from exc
@@ -183,19 +199,52 @@ def measure_curve(
     return CostCurve(curve.tokens, curve.seconds, per_session)
 
 
+def measure_context_cost(
+    run: Callable[[int, int], None],
+    sizes: Sequence[int],
+    contexts: tuple[int, int],
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds a scored row costs per cached token: ``run(tokens, context)`` timed at two contexts.
+
+    Each size is timed over the short and the long context in turn (the minimum of ``repeats`` sweeps after
+    a warm-up, as ``measure_curve``), and the differences are fitted as ``rows * slope * (long - short)``
+    by least squares through zero, which weighs the larger sizes (the trees the budget prices) most. Never
+    negative: a longer context costs no less.
+    """
+    short, long = contexts
+    if long <= short:
+        raise ValueError(f"the second context must be the longer, not {contexts}")
+    ordered = sorted(set(sizes))
+    best = {(n, c): float("inf") for n in ordered for c in contexts}
+    for n in ordered:  # warm-up
+        run(n, long)
+    for _ in range(repeats):
+        for n in ordered:
+            for c in contexts:
+                start = clock()
+                run(n, c)
+                best[n, c] = min(best[n, c], clock() - start)
+    extra = {n: best[n, long] - best[n, short] for n in ordered}
+    slope = sum(n * extra[n] for n in ordered) / sum(n * n for n in ordered) / (long - short)
+    return max(0.0, slope)
+
+
 class DraftBudget:
     """The draft-node budget per session for a batch of a given size; learns the acceptance rate."""
 
     # Each verified tree weighs this much less than the next: the estimate follows the last few hundred.
     DECAY = 0.99
-    CACHE_LIMIT = 4096  # budgets kept by (sessions, alpha, drafting time to 0.5 ms)
+    CACHE_LIMIT = 4096  # budgets kept by (sessions, alpha, drafting time to 0.5 ms, context to CONTEXT_STEP)
+    CONTEXT_STEP = 64  # cached tokens: contexts are priced in steps of this
 
     def __init__(self, curve: CostCurve, max_nodes: int, prior_accepted: float = 3.0, prior_tried: float = 5.0) -> None:
         self.curve = curve
         self.max_nodes = max_nodes
         self._accepted = prior_accepted
         self._tried = prior_tried
-        self._cache: dict[tuple[int, float, float], int] = {}
+        self._cache: dict[tuple[int, float, float, int], int] = {}
 
     @property
     def alpha(self) -> float:
@@ -216,22 +265,24 @@ class DraftBudget:
         a = self.alpha if alpha is None else min(0.98, alpha)
         return a * (1 - a**nodes) / (1 - a)
 
-    def nodes_for(self, sessions: int, alpha: float | None = None, draft_s: float = 0.0) -> int:
+    def nodes_for(self, sessions: int, alpha: float | None = None, draft_s: float = 0.0, context: int = 0) -> int:
         """The k in [0, max_nodes] that maximises tokens committed per second with ``sessions`` sharing steps.
 
         ``alpha``: the session's own acceptance rate (default: the engine's). ``draft_s``: what a drafted round
         waits for its tree (0: nothing known), for every k > 0 added to the step's cost divided by ``sessions``:
         alone, a session's draft leaves the engine idle; among others, the engine steps for them meanwhile.
+        ``context``: the session's cached tokens, taken as every session's (0: the curve's own context).
         """
         sessions = max(1, sessions)
         draft = round(max(0.0, draft_s) * 2000) / 2000  # to 0.5 ms: the cache's key
-        key = (sessions, round(self.alpha if alpha is None else alpha, 2), draft)
+        context = context // self.CONTEXT_STEP * self.CONTEXT_STEP
+        key = (sessions, round(self.alpha if alpha is None else alpha, 2), draft, context)
         if key not in self._cache:
             if len(self._cache) >= self.CACHE_LIMIT:  # sessions' rates and drafting times vary: keep it bounded
                 self._cache.clear()
             best_k, best_rate = 0, 0.0
             for k in range(self.max_nodes + 1):
-                cost = self.curve.step_s(sessions, sessions * (1 + k)) + (draft / sessions if k else 0.0)
+                cost = self.curve.step_s(sessions, sessions * (1 + k), context) + (draft / sessions if k else 0.0)
                 rate = sessions * (1 + self.expected_accepted(k, key[1])) / cost
                 if rate > best_rate * 1.0001:  # ties go to the smaller tree
                     best_k, best_rate = k, rate

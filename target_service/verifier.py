@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,14 @@ from specserve.token_masks import InvalidTokenMasksError, TokenMasks
 from specserve.token_tree import InvalidTreeError, TokenTree
 from target_service import step_inputs
 from target_service.config import VerifierConfig
-from target_service.draft_budget import CostCurve, DraftBudget, ThroughputGuard, flat_curve, measure_curve
+from target_service.draft_budget import (
+    CostCurve,
+    DraftBudget,
+    ThroughputGuard,
+    flat_curve,
+    measure_context_cost,
+    measure_curve,
+)
 from target_service.engine_calls import Call, PrefillCall, ReleaseCall, StepWork, VerifyCall, fail, resolve
 from target_service.engine_threads import compute_on_this_thread
 from target_service.kv_arena import KVArena
@@ -70,6 +77,12 @@ from target_service.tree_acceptance import accept, commit, masked_logits
 log = logging.getLogger(__name__)
 
 __all__ = ["PREFILL_HEADROOM_TOKENS", "EngineStats", "EngineStep", "Verifier", "VerifierLimits"]
+
+# The start-up profile times its sizes over the first context, then sizes up to PROFILE_CONTEXT_MAX_ROWS over
+# both, for what attention adds per row per cached token (``CostCurve.per_row_context_s``). Spec-Bench's prompts
+# run to ~700 tokens and a long answer's context grows past 1000.
+PROFILE_CONTEXTS = (128, 1024)
+PROFILE_CONTEXT_MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -408,31 +421,42 @@ class Verifier:
         about 1.33), for about 2 s more at start-up; the curve sizes every tree this verifier checks.
         """
         sizes = tuple(n for n in sizes if n <= self.limits.max_batch_tokens)
-        context = 128
-        scratch = self._runner.new_arena((context + max(sizes) + 16) * 8 + 16 * 8)
-        regions = [scratch.allocate(context + max(sizes)) for _ in range(8)]
-        prompt = torch.randint(0, self.vocab_size, (context + max(sizes),), device=self.device)
+        context, long_context = PROFILE_CONTEXTS
+        long_context = min(long_context, self.limits.max_session_tokens - max(sizes))
+        sizes_by_region = [max(context, long_context) + max(sizes)] + [context + max(sizes)] * 7
+        scratch = self._runner.new_arena(sum(n + 16 for n in sizes_by_region) + 16 * 8)
+        regions = [scratch.allocate(n) for n in sizes_by_region]
+        prompt = torch.randint(0, self.vocab_size, (sizes_by_region[0],), device=self.device)
 
-        def run(sessions: int, tokens: int) -> None:
+        def run(sessions: int, tokens: int, cached: int = context) -> None:
             per = max(1, tokens // sessions)
             plan = StepPlan(scratch)
             ids, pos = [], []
             for i in range(sessions):
                 region = regions[i]
                 assert region is not None
-                region.length = context
-                plan.segments.append(Segment.chunk(region, context, slice(i * per, (i + 1) * per), self.device))
+                region.length = cached
+                plan.segments.append(Segment.chunk(region, cached, slice(i * per, (i + 1) * per), self.device))
                 ids.append(prompt[:per])
-                pos.append(torch.arange(context, context + per, device=self.device))
+                pos.append(torch.arange(cached, cached + per, device=self.device))
             rows = torch.arange(sessions * per, device=self.device)
             self._runner.forward(plan, torch.cat(ids), torch.cat(pos), rows, rows[:0])
 
-        for region in regions:  # fill the context once
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        for i, region in enumerate(regions):  # fill the contexts once (the first session's long enough for both)
             assert region is not None
-            plan = StepPlan(scratch, [Segment.chunk(region, 0, slice(0, context), self.device)])
-            empty = torch.zeros(0, dtype=torch.long, device=self.device)
-            self._runner.forward(plan, prompt[:context], torch.arange(context, device=self.device), empty, empty)
+            fill = max(context, long_context) if i == 0 else context
+            plan = StepPlan(scratch, [Segment.chunk(region, 0, slice(0, fill), self.device)])
+            self._runner.forward(plan, prompt[:fill], torch.arange(fill, device=self.device), empty, empty)
         curve = measure_curve(run, sizes, repeats)
+        if long_context > context:
+            slope = measure_context_cost(
+                lambda tokens, cached: run(1, tokens, cached),
+                [n for n in sizes if n <= PROFILE_CONTEXT_MAX_ROWS],
+                (context, long_context),
+                repeats,
+            )
+            curve = replace(curve, context=context, per_row_context_s=slope)
         self.use_cost_curve(curve)
         return curve
 
@@ -442,10 +466,13 @@ class Verifier:
             self._budget = DraftBudget(curve, self.limits.max_tree_nodes)
         ratios = ", ".join(f"{n}: {r:.2f}" for n, r in curve.ratios().items())
         log.info(
-            "cost curve c(n)/c(1) {%s}; c(1) = %.1f ms, %.2f ms per extra session",
+            "cost curve c(n)/c(1) {%s}; c(1) = %.1f ms over %d cached tokens, %.2f ms per extra session, "
+            "%.2f ms per row per 1000 cached tokens more",
             ratios,
             curve.seconds[0] * 1e3,
+            curve.context,
             curve.per_session_s * 1e3,
+            curve.per_row_context_s * 1e6,
         )
 
     def close(self) -> None:
@@ -801,7 +828,8 @@ class Verifier:
         if not self._guard.arm_now:  # the guard's "off" arm is its own probe of "no drafts": no probes inside it
             return 0
         acceptance = session.acceptance
-        by_cost = self._budget.nodes_for(load, acceptance.alpha(self._budget.alpha), acceptance.draft_s)
+        alpha = acceptance.alpha(self._budget.alpha)
+        by_cost = self._budget.nodes_for(load, alpha, acceptance.draft_s, session.region.length)
         return acceptance.budget(by_cost, self.limits.max_tree_nodes)
 
 

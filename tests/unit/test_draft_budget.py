@@ -10,6 +10,7 @@ from target_service.draft_budget import (
     SessionAcceptance,
     ThroughputGuard,
     flat_curve,
+    measure_context_cost,
     measure_curve,
 )
 
@@ -328,3 +329,42 @@ def test_a_burst_of_contention_slows_one_sweep_not_every_timing_of_one_size() ->
     curve = measure_curve(run, (1, 8, 16, 32), repeats=3, clock=lambda: clock_now[0])
     assert curve.seconds == pytest.approx((1.01, 1.08, 1.16, 1.32))
     assert curve.ratios()[8] == pytest.approx(1.08 / 1.01)
+
+
+def test_a_longer_context_prices_every_row_more_and_a_tree_over_it_shrinks() -> None:
+    """Attention reads every cached token for every row: over a long prompt a tree costs more than at the
+    context the curve was timed at, and the budget drafts less there."""
+    per_row_context_s = 0.0008  # c(1) = 1: a row costs 0.8 of a short step more per 1000 cached tokens
+    curve = CostCurve(CPU_FP32.tokens, CPU_FP32.seconds, 0.02, context=128, per_row_context_s=per_row_context_s)
+    assert curve.step_s(1, 8, context=1128) == pytest.approx(CPU_FP32.step_s(1, 8) + 8 * 1000 * per_row_context_s)
+    assert curve.step_s(1, 8, context=64) == CPU_FP32.step_s(1, 8)  # shorter: the curve's price, not less
+    assert curve.step_s(1, 8) == CPU_FP32.step_s(1, 8)  # no context given: the curve's own
+    assert CostCurve.from_json(curve.to_json()) == curve
+    budget = DraftBudget(curve, max_nodes=64, prior_accepted=8, prior_tried=10)
+    by_context = [budget.nodes_for(1, context=context) for context in (128, 512, 1024, 4096)]
+    assert by_context[0] == DraftBudget(CPU_FP32, max_nodes=64, prior_accepted=8, prior_tried=10).nodes_for(1)
+    assert by_context[0] > by_context[1] and by_context == sorted(by_context, reverse=True)
+
+
+def test_a_cost_curve_written_before_it_had_a_context_is_measured_again() -> None:
+    """Cached curves from before the context slope do not parse: the verifier profiles anew rather than
+    pricing long contexts as short ones for ever."""
+    old = '{"tokens": [1, 8], "seconds": [0.01, 0.02], "per_session_s": 0.001}'
+    with pytest.raises(ValueError, match="not a cost curve"):
+        CostCurve.from_json(old)
+
+
+def test_measure_context_cost_fits_the_extra_time_per_row_and_cached_token() -> None:
+    clock_now = [0.0]
+    runs: list[tuple[int, int]] = []
+
+    def run(tokens: int, context: int) -> None:
+        runs.append((tokens, context))
+        clock_now[0] += 0.01 + tokens * 0.002 + tokens * context * 3e-6
+
+    slope = measure_context_cost(run, (1, 4, 16), (128, 1024), repeats=2, clock=lambda: clock_now[0])
+    assert slope == pytest.approx(3e-6)
+    assert {(16, 128), (16, 1024)} <= set(runs)
+    assert measure_context_cost(lambda tokens, context: None, (1, 8), (128, 1024), clock=lambda: 0.0) == 0.0
+    with pytest.raises(ValueError, match="longer"):
+        measure_context_cost(run, (1,), (1024, 128))

@@ -244,3 +244,37 @@ def test_a_session_whose_drafts_take_longer_than_they_save_is_told_to_stop_draft
     assert quick.draft_budget_nodes is not None and quick.draft_budget_nodes > 0  # rows free, drafts cheap
     assert slow.draft_budget_nodes == 0  # no tree saves ten steps: plain decoding commits more
     verifier.close()
+
+
+def test_a_session_over_a_long_context_is_given_a_smaller_tree() -> None:
+    """The budget prices a session's rows over its own cached tokens (``CostCurve.per_row_context_s``)."""
+    # Rows free over 16 cached tokens; each row costs a short step's worth more per 100 cached tokens.
+    curve = CostCurve((1, 64), (1.0, 1.0), context=16, per_row_context_s=0.01)
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8, cost_curve=curve, throughput_guard=False)
+    verifier.prefill("short", [1, 2], SamplingParams())
+    verifier.prefill("long", [1 + i % 40 for i in range(400)], SamplingParams())
+    short = verifier.verify("short", 2, TokenTree.chain([3]))
+    long = verifier.verify("long", 400, TokenTree.chain([3]))
+    assert short.draft_budget_nodes is not None and short.draft_budget_nodes > 0  # rows free: a tree pays
+    assert long.draft_budget_nodes == 0  # 400 tokens: a row costs 4 steps more, no tree pays for it
+    verifier.close()
+
+
+def test_the_start_up_profile_measures_what_a_cached_token_adds_to_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile times rows over its short and its long context (clamped to the sessions' limit) and keeps the
+    slope it fits in the curve the budgets use."""
+    timed: list[tuple[int, int]] = []
+
+    def measure(run, sizes, contexts, repeats):  # type: ignore[no-untyped-def]
+        for tokens in sizes:
+            for context in contexts:
+                run(tokens, context)  # a real step over each context
+                timed.append((tokens, context))
+        return 2.5e-6
+
+    monkeypatch.setattr("target_service.verifier.measure_context_cost", measure)
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8)  # the tiny model holds 512 tokens a session
+    curve = verifier.profile_cost(sizes=(1, 2, 4, 8), repeats=1)
+    assert timed == [(n, c) for n in (1, 2, 4, 8) for c in (128, 512 - 8)]
+    assert (curve.context, curve.per_row_context_s) == (128, 2.5e-6) and verifier.cost_curve == curve
+    verifier.close()
