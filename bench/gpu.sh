@@ -9,6 +9,7 @@
 #   step-invariance: batch invariance of the step (bench.step_invariance), eager and graphs, fp32 and bf16;
 #   verify-cost: c(n) for n = 1..64 and batched steps, eager (--compile off) against CUDA graphs (auto):
 #      SmolLM2-135M's shape (bf16, fp32) and Llama-3.1-8B's (bf16), random weights;
+#   decode-head (with MODEL; not in the default PARTS): plain decoding against speculation with the draft head;
 #   decode-eager (with MODEL): the graphs against the engine's eager step on three prompts.
 # PARTS picks parts by name (default: all, in this order).
 # Results go to RESULTS (default bench/out/gpu); with OUT set (a lent device machine) they are also packed
@@ -41,6 +42,11 @@ if [ -n "${MODEL:-}" ]; then
   NGRAM=inproc:prompt_lookup+ngram_pool+token_recycling
   want decode && decode 200 decode-bfloat16 --dtype bfloat16 --modes baseline,hf-plain,$NGRAM
   want decode && decode 150 decode-float32 --dtype float32 --modes baseline,$NGRAM
+  # The draft head too (inproc: head and n-gram sources, the head's products on the host's CPU as a drafter
+  # worker runs them): needs the pinned transformers 5.23 on the device (carried as a wheel where the image
+  # has another), or the head refuses the vocabulary.
+  want decode-head && decode 200 decode-head-bfloat16 --dtype bfloat16 --modes baseline,inproc
+  want decode-head && decode 150 decode-head-float32 --dtype float32 --modes baseline,inproc
   want decode-eager && decode 150 decode-eager-bf16 --dtype bfloat16 --modes baseline,baseline-eager \
     --categories writing,coding,math_reasoning
 fi
