@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from specserve.hardware import BF16_CPU_FLAGS, cpu_cores, cpu_flags, cpu_model
+from target_service.engine_threads import compute_threads
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
@@ -100,7 +101,7 @@ def describe() -> dict[str, Any]:
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": compute_threads(),  # the engine's, not the serving thread's one (engine_threads)
         "torch_interop_threads": torch.get_num_interop_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "load_average_at_start": load_average(),

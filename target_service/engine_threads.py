@@ -32,13 +32,25 @@ from __future__ import annotations
 
 import torch
 
+_handed_over = 0  # the threads ``serve_on_this_thread`` took from the serving thread for the engine's (0: none)
+
 
 def serve_on_this_thread() -> int:
     """Keep this thread's torch work on one thread (no OpenMP team of its own); returns the thread count torch
     had, for ``compute_on_this_thread``."""
+    global _handed_over
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    _handed_over = max(_handed_over, threads)
     return threads
+
+
+def compute_threads() -> int:
+    """The torch threads the heavy work runs on: what ``serve_on_this_thread`` took, else this thread's own.
+
+    For reports: after ``serve_on_this_thread`` the serving thread says 1, which is not what the engine uses.
+    """
+    return _handed_over or torch.get_num_threads()
 
 
 def compute_on_this_thread(threads: int) -> None:

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from target_service.engine_threads import compute_on_this_thread, serve_on_this_thread
+from target_service.engine_threads import compute_on_this_thread, compute_threads, serve_on_this_thread
 from target_service.main import parse_config
 
 
@@ -26,6 +26,7 @@ def test_the_serving_thread_gives_its_threads_to_the_computing_one() -> None:
         worker.start()
         worker.join()
         assert seen == [before]
+        assert compute_threads() == before  # what reports name: the engine's threads, not this thread's one
     finally:
         torch.set_num_threads(before)
 
