@@ -62,8 +62,8 @@ class CostCurve:
     The sizes are timed over ``context`` cached tokens. Attention makes every scored row cost more over a
     longer context, about linearly in the cached tokens it reads: ``per_row_context_s`` is that slope, per
     row and per cached token beyond ``context``. A tree over a long prompt costs more than the curve at
-    ``context`` says (seen on an AMX Xeon: sessions over 660-token prompts drafted trees the short-context
-    curve priced as paying, and lost).
+    ``context`` says (on a 2-core AVX2 EPYC a verify of 8 tokens took 30 ms over 128 cached tokens and 52 ms
+    over 1024, a plain step 13 and 17 ms: each extra row twice as dear).
     """
 
     tokens: tuple[int, ...]  # increasing
