@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-_handed_over = 0  # the threads ``serve_on_this_thread`` took from the serving thread for the engine's (0: none)
+_handed_over = 0  # the threads the last ``serve_on_this_thread`` took from the serving thread (0: none yet)
 
 
 def serve_on_this_thread() -> int:
@@ -41,7 +41,7 @@ def serve_on_this_thread() -> int:
     global _handed_over
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    _handed_over = max(_handed_over, threads)
+    _handed_over = threads
     return threads
 
 
