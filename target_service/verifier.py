@@ -82,7 +82,7 @@ __all__ = ["PREFILL_HEADROOM_TOKENS", "EngineStats", "EngineStep", "Verifier", "
 # both, for what attention adds per row per cached token (``CostCurve.per_row_context_s``). Spec-Bench's prompts
 # run to ~700 tokens and a long answer's context grows past 1000.
 PROFILE_CONTEXTS = (128, 1024)
-PROFILE_CONTEXT_MAX_ROWS = 32
+PROFILE_CONTEXT_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -426,7 +426,7 @@ class Verifier:
         sizes_by_region = [max(context, long_context) + max(sizes)] + [context + max(sizes)] * 7
         scratch = self._runner.new_arena(sum(n + 16 for n in sizes_by_region) + 16 * 8)
         regions = [scratch.allocate(n) for n in sizes_by_region]
-        prompt = torch.randint(0, self.vocab_size, (sizes_by_region[0],), device=self.device)
+        prompt = torch.randint(0, self.vocab_size, (context + max(sizes),), device=self.device)
 
         def run(sessions: int, tokens: int, cached: int = context) -> None:
             per = max(1, tokens // sessions)
@@ -443,11 +443,16 @@ class Verifier:
             self._runner.forward(plan, torch.cat(ids), torch.cat(pos), rows, rows[:0])
 
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        for i, region in enumerate(regions):  # fill the contexts once (the first session's long enough for both)
+        for region in regions:  # fill the contexts once
             assert region is not None
-            fill = max(context, long_context) if i == 0 else context
-            plan = StepPlan(scratch, [Segment.chunk(region, 0, slice(0, fill), self.device)])
-            self._runner.forward(plan, prompt[:fill], torch.arange(fill, device=self.device), empty, empty)
+            plan = StepPlan(scratch, [Segment.chunk(region, 0, slice(0, context), self.device)])
+            self._runner.forward(plan, prompt[:context], torch.arange(context, device=self.device), empty, empty)
+        first = regions[0]
+        assert first is not None
+        for cached in (*scratch.keys, *scratch.values):
+            # The long context's other slots: zeros time as keys do (attention reads every one alike), where a
+            # prefill of them would cost seconds at a start on a 2-core CPU.
+            cached[:, first.start + context : first.start + max(context, long_context)].zero_()
         curve = measure_curve(run, sizes, repeats)
         if long_context > context:
             slope = measure_context_cost(
