@@ -51,8 +51,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,19 @@ STALL_FACTOR = 1.5
 STALL_RETRIES = 3
 
 
+def fastest_in_turn(
+    points: Sequence[T], run: Callable[[T], None], repeats: int, clock: Callable[[], float]
+) -> dict[T, float]:
+    """Each point's least time over ``repeats`` sweeps of all the points in turn (no warm-up: the caller's)."""
+    best = dict.fromkeys(points, float("inf"))
+    for _ in range(repeats):
+        for point in points:
+            start = clock()
+            run(point)
+            best[point] = min(best[point], clock() - start)
+    return best
+
+
 def measure_curve(
     run: Callable[[int, int], None],
     sizes: Sequence[int],
@@ -179,10 +195,7 @@ def measure_curve(
     ordered = sorted(set(sizes))
     for n in ordered:  # warm-up
         run(1, n)
-    best = dict.fromkeys(ordered, float("inf"))
-    for _ in range(repeats):
-        for n in ordered:
-            best[n] = min(best[n], timed_once(1, n))
+    best = fastest_in_turn(ordered, lambda n: run(1, n), repeats, clock)
     seconds: list[float] = []
     for i, n in enumerate(ordered):
         took = best[n]
@@ -217,15 +230,10 @@ def measure_context_cost(
     if long <= short:
         raise ValueError(f"the second context must be the longer, not {contexts}")
     ordered = sorted(set(sizes))
-    best = {(n, c): float("inf") for n in ordered for c in contexts}
     for n in ordered:  # warm-up
         run(n, long)
-    for _ in range(repeats):
-        for n in ordered:
-            for c in contexts:
-                start = clock()
-                run(n, c)
-                best[n, c] = min(best[n, c], clock() - start)
+    points = [(n, c) for n in ordered for c in contexts]
+    best = fastest_in_turn(points, lambda point: run(*point), repeats, clock)
     extra = {n: best[n, long] - best[n, short] for n in ordered}
     slope = sum(n * extra[n] for n in ordered) / sum(n * n for n in ordered) / (long - short)
     return max(0.0, slope)

@@ -422,8 +422,8 @@ class Verifier:
         """
         sizes = tuple(n for n in sizes if n <= self.limits.max_batch_tokens)
         context, long_context = PROFILE_CONTEXTS
-        long_context = min(long_context, self.limits.max_session_tokens - max(sizes))
-        sizes_by_region = [max(context, long_context) + max(sizes)] + [context + max(sizes)] * 7
+        long_context = max(context, min(long_context, self.limits.max_session_tokens - max(sizes)))
+        sizes_by_region = [long_context + max(sizes)] + [context + max(sizes)] * 7
         scratch = self._runner.new_arena(sum(n + 16 for n in sizes_by_region) + 16 * 8)
         regions = [scratch.allocate(n) for n in sizes_by_region]
         prompt = torch.randint(0, self.vocab_size, (context + max(sizes),), device=self.device)
@@ -452,7 +452,7 @@ class Verifier:
         for cached in (*scratch.keys, *scratch.values):
             # The long context's other slots: zeros time as keys do (attention reads every one alike), where a
             # prefill of them would cost seconds at a start on a 2-core CPU.
-            cached[:, first.start + context : first.start + max(context, long_context)].zero_()
+            cached[:, first.start + context : first.start + long_context].zero_()
         curve = measure_curve(run, sizes, repeats)
         if long_context > context:
             slope = measure_context_cost(
