@@ -12,13 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.grpc_clients import GrpcDrafter
+from coordinator.grpc_clients import GrpcDrafter, GrpcDraftStream
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.server import DrafterServicer, IdleTimer
 from draft_service.work_ahead import WorkAhead
-from specserve.drain import Drain
-from specserve.errors import DrafterDraining, Unavailable
+from specserve.drain import DRAINING_METADATA, Drain
+from specserve.errors import DrafterDraining, DrafterFailed, Unavailable
 from specserve.local_cluster import free_port
 from specserve.results import DraftFeedback
 from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, stop_when_drained
@@ -174,7 +174,7 @@ def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused()
                     assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
 
                 # Refused as it opens, before any message: a message written meanwhile could race the refusal and
-                # end in gRPC's own INTERNAL (GrpcDraftStream reads the trailers for that: the last test here).
+                # end in gRPC's own INTERNAL (GrpcDraftStream waits for the trailers then: the last tests here).
                 refused = Stream(stub)
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await refused.call.read()
@@ -271,5 +271,63 @@ def test_the_coordinator_reads_a_draining_drafters_refusal_as_draining_not_as_a_
                 assert str(refusal) == "the drafter is shutting down"
         finally:
             await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+class RacedCall:
+    """A Draft call as grpc.aio leaves it when the session's first write races the drafter's refusal.
+
+    The write fails in gRPC core, grpc.aio records INTERNAL (no trailers) as the call's status, and the drafter's
+    own status (UNAVAILABLE with the draining trailer), already received, replaces it ``turns`` event-loop turns
+    later: the order of events behind the once-in-five flake of the test above.
+    """
+
+    def __init__(self, turns: int, peer_code: grpc.StatusCode, peer_trailers: tuple[tuple[str, str], ...]) -> None:
+        self.turns = turns
+        self.peer = (peer_code, peer_trailers)
+        self.status: tuple[grpc.StatusCode, tuple[tuple[str, str], ...]] | None = None
+
+    async def write(self, request: object) -> None:
+        self.status = (grpc.StatusCode.INTERNAL, ())
+        asyncio.get_running_loop().create_task(self._peer_status_lands())
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "Internal error from Core"
+        )
+
+    async def _peer_status_lands(self) -> None:
+        for _ in range(self.turns):
+            await asyncio.sleep(0)
+        self.status = self.peer
+
+    def done(self) -> bool:
+        return self.status is not None
+
+    async def code(self) -> grpc.StatusCode:
+        assert self.status is not None
+        return self.status[0]
+
+    async def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        assert self.status is not None
+        return self.status[1]
+
+
+@pytest.mark.parametrize("turns", [0, 1, 5])
+def test_a_first_write_that_races_a_draining_refusal_still_reads_as_draining(turns: int) -> None:
+    async def scenario() -> None:
+        call = RacedCall(turns, grpc.StatusCode.UNAVAILABLE, tuple(DRAINING_METADATA))
+        stream = GrpcDraftStream(call, "10.0.0.7:50052", wants_features=False)
+        with pytest.raises(DrafterDraining, match="shutting down"):
+            await stream.start("s", [1, 2, 3], "")
+
+    asyncio.run(scenario())
+
+
+def test_a_write_that_fails_for_another_reason_still_reads_as_a_lost_connection() -> None:
+    async def scenario() -> None:
+        for peer_code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+            stream = GrpcDraftStream(RacedCall(1, peer_code, ()), "10.0.0.7:50052", wants_features=False)
+            with pytest.raises(DrafterFailed, match="connection lost"):
+                await stream.start("s", [1, 2, 3], "")
 
     asyncio.run(scenario())
