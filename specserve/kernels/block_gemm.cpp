@@ -300,59 +300,141 @@ inline Vec vexp(Vec x) {
   return vscale2(vfma(p, vmul(r, r), vadd(r, vbroadcast(&one))), n);
 }
 
-// One query head's attention over the keys and values at ``run`` (slots from a region's start, in order),
-// into ``out``: scores kLanes keys at a time (vsum_lanes), one pass of maxima, exponentials and sums over them
-// in order, then the values weighted in the same order. kChunks vectors a head.
+// Attention is read in blocks of this many key (and value) slots: a block, 16 KB at most, stays in L1 while
+// every query of a group uses it, where one query at a time read each key and value from L2 once per query.
+constexpr int64_t kKeyBlock = 32;
+// Most queries (rows x query heads sharing one key-value head) a work item attends together: more share each
+// block read; fewer split a step's work more evenly between the threads.
+constexpr int64_t kGroupQueries = 8;
+
+// kLanes keys' scores for one query ``q`` (kChunks vectors): each key's dot product as kChunks FMAs, the keys'
+// sums at once (vsum_lanes, the same tree of sums in every lane, so a key's score does not depend on its lane),
+// times ``scaling``; lanes past ``count`` keys -inf (no key, no weight). ``key(t)``: the t-th key's values.
+template <int kChunks, typename Key>
+inline Vec score_keys(const Vec* q, int64_t count, const Key& key, Vec scaling) {
+  Vec acc[kLanes];
+  for (int64_t t = 0; t < kLanes; ++t) {
+    acc[t] = vzero();
+    if (t >= count) continue;
+    const float* k = key(t);
+    for (int c = 0; c < kChunks; ++c) acc[t] = vfma(q[c], vload(k + c * kLanes), acc[t]);
+  }
+  Vec block = vmul(vsum_lanes(acc), scaling);
+  if (count < kLanes) {
+    alignas(64) float lanes[kLanes];
+    vstore(lanes, block);
+    for (int64_t t = count; t < kLanes; ++t) lanes[t] = -INFINITY;
+    block = vload(lanes);
+  }
+  return block;
+}
+
+// One query of a group: where it reads and writes, and the new rows its mask lets it see after the cached
+// tokens (slots from the region's start, in order).
+struct Query {
+  const float* q;
+  float* out;
+  std::vector<int64_t> fresh;
+};
+
+// A work item's scratch, kept by its thread across items.
+struct GroupScratch {
+  std::vector<Query> queries;
+  std::vector<float> scores;  // per query: its run's scores, then weights, padded to whole vectors
+  std::vector<float> sums;    // per query: kChunks vectors of weighted values
+};
+
+// Queries that share one key-value head and one region's ``cached`` tokens (a segment's rows, each with some of
+// the query heads of that key-value head): each attends over the cached tokens, then the new rows its mask
+// allows, in slot order. Per query the operations and their order are attend-one-query-alone's, whatever the
+// group: every key scored by score_keys into the run's scores, one pass of maxima over them, one of exponentials
+// and their sum in whole vectors along the run, then the values weighted along the run, one FMA chain per
+// vector of the output. So a row's bits do not depend on the rows beside it; only the reads are shared: the
+// cached keys and values come in blocks of kKeyBlock slots, each used by every query of the group in turn.
 template <int kChunks>
-void attend_row(const float* query, const float* keys, const float* values, const std::vector<int64_t>& run,
-                float scale, std::vector<float>& scores, float* out) {
+void attend_group(GroupScratch& s, int64_t cached, const float* keys, const float* values, float scale) {
   constexpr int64_t dim = kChunks * kLanes;
-  const int64_t length = static_cast<int64_t>(run.size());
-  scores.resize(static_cast<size_t>((length + kLanes - 1) / kLanes * kLanes));
-  Vec q[kChunks];
-  for (int c = 0; c < kChunks; ++c) q[c] = vload(query + c * kLanes);
+  const int64_t count = static_cast<int64_t>(s.queries.size());
+  int64_t stride = 0;  // per query's scores: its longest run, padded to whole vectors, and one vector more
+  for (const Query& query : s.queries) stride = std::max(stride, cached + static_cast<int64_t>(query.fresh.size()));
+  stride = (stride + kLanes - 1) / kLanes * kLanes + kLanes;
+  s.scores.resize(static_cast<size_t>(count * stride));
+  s.sums.resize(static_cast<size_t>(count * dim));
   const Vec scaling = vbroadcast(&scale);
   const float lowest = -INFINITY;
-  Vec top = vbroadcast(&lowest);
-  for (int64_t j0 = 0; j0 < length; j0 += kLanes) {
-    Vec acc[kLanes];
-    const int64_t keys_here = std::min<int64_t>(kLanes, length - j0);
-    for (int64_t t = 0; t < kLanes; ++t) {
-      acc[t] = vzero();
-      if (t >= keys_here) continue;
-      const float* key = keys + run[j0 + t] * dim;
-      for (int c = 0; c < kChunks; ++c) acc[t] = vfma(q[c], vload(key + c * kLanes), acc[t]);
+  std::vector<Vec> tops(static_cast<size_t>(count), vbroadcast(&lowest));
+  // Scores: the cached keys block by block (each block's keys serving every query), then each query's new rows.
+  for (int64_t block = 0; block < cached; block += kKeyBlock) {
+    const int64_t end = std::min(block + kKeyBlock, cached);
+    for (int64_t g = 0; g < count; ++g) {
+      Vec q[kChunks];
+      for (int c = 0; c < kChunks; ++c) q[c] = vload(s.queries[g].q + c * kLanes);
+      float* scores = s.scores.data() + g * stride;
+      for (int64_t j0 = block; j0 < end; j0 += kLanes) {
+        const Vec b = score_keys<kChunks>(q, std::min<int64_t>(kLanes, end - j0),
+                                          [&](int64_t t) { return keys + (j0 + t) * dim; }, scaling);
+        vstore(scores + j0, b);
+        tops[g] = vmax(tops[g], b);
+      }
     }
-    Vec block = vmul(vsum_lanes(acc), scaling);
-    if (keys_here < kLanes) {  // lanes past the run: no key, no weight
-      alignas(64) float lanes[kLanes];
-      vstore(lanes, block);
-      for (int64_t t = keys_here; t < kLanes; ++t) lanes[t] = -INFINITY;
-      block = vload(lanes);
+  }
+  for (int64_t g = 0; g < count; ++g) {
+    const Query& query = s.queries[g];
+    const int64_t fresh = static_cast<int64_t>(query.fresh.size()), length = cached + fresh;
+    Vec q[kChunks];
+    for (int c = 0; c < kChunks; ++c) q[c] = vload(query.q + c * kLanes);
+    float* scores = s.scores.data() + g * stride;
+    for (int64_t i0 = 0; i0 < fresh; i0 += kLanes) {
+      const Vec b = score_keys<kChunks>(q, std::min<int64_t>(kLanes, fresh - i0),
+                                        [&](int64_t t) { return keys + query.fresh[i0 + t] * dim; }, scaling);
+      vstore(scores + cached + i0, b);
+      tops[g] = vmax(tops[g], b);
     }
-    vstore(scores.data() + j0, block);
-    top = vmax(top, block);
+    for (int64_t j = length; j < (length + kLanes - 1) / kLanes * kLanes; ++j) scores[j] = -INFINITY;
+    // Weights: e^(score - the run's highest), summed in whole vectors along the run (padding lanes included).
+    alignas(64) float lanes[kLanes];
+    vstore(lanes, tops[g]);
+    const float highest = *std::max_element(lanes, lanes + kLanes);
+    const Vec shift = vbroadcast(&highest);
+    Vec total = vzero();
+    for (int64_t j0 = 0; j0 < length; j0 += kLanes) {
+      const Vec e = vexp(vsub(vload(scores + j0), shift));
+      vstore(scores + j0, e);
+      total = vadd(total, e);
+    }
+    scores[stride - 1] = 1.0f / vsum(total);  // the norm, past the padded run
   }
-  alignas(64) float tops[kLanes];
-  vstore(tops, top);
-  const float highest = *std::max_element(tops, tops + kLanes);
-  const Vec shift = vbroadcast(&highest);
-  Vec total = vzero();
-  for (int64_t j0 = 0; j0 < length; j0 += kLanes) {
-    const Vec e = vexp(vsub(vload(scores.data() + j0), shift));
-    vstore(scores.data() + j0, e);
-    total = vadd(total, e);
+  // Values: the cached ones block by block, every query's chains going on where the last block left them, then
+  // each query's new rows, and the norm.
+  for (int64_t block = 0; block < cached; block += kKeyBlock) {
+    const int64_t end = std::min(block + kKeyBlock, cached);
+    for (int64_t g = 0; g < count; ++g) {
+      float* sum = s.sums.data() + g * dim;
+      const float* weights = s.scores.data() + g * stride;
+      Vec acc[kChunks];
+      for (int c = 0; c < kChunks; ++c) acc[c] = block == 0 ? vzero() : vload(sum + c * kLanes);
+      for (int64_t j = block; j < end; ++j) {
+        const Vec p = vbroadcast(weights + j);
+        const float* value = values + j * dim;
+        for (int c = 0; c < kChunks; ++c) acc[c] = vfma(p, vload(value + c * kLanes), acc[c]);
+      }
+      for (int c = 0; c < kChunks; ++c) vstore(sum + c * kLanes, acc[c]);
+    }
   }
-  const float norm = 1.0f / vsum(total);
-  Vec acc[kChunks];
-  for (int c = 0; c < kChunks; ++c) acc[c] = vzero();
-  for (int64_t j = 0; j < length; ++j) {
-    const Vec p = vbroadcast(scores.data() + j);
-    const float* value = values + run[j] * dim;
-    for (int c = 0; c < kChunks; ++c) acc[c] = vfma(p, vload(value + c * kLanes), acc[c]);
+  for (int64_t g = 0; g < count; ++g) {
+    const Query& query = s.queries[g];
+    const float* sum = s.sums.data() + g * dim;
+    const float* weights = s.scores.data() + g * stride;
+    Vec acc[kChunks];
+    for (int c = 0; c < kChunks; ++c) acc[c] = cached == 0 ? vzero() : vload(sum + c * kLanes);
+    for (int64_t i = 0; i < static_cast<int64_t>(query.fresh.size()); ++i) {
+      const Vec p = vbroadcast(weights + cached + i);
+      const float* value = values + query.fresh[i] * dim;
+      for (int c = 0; c < kChunks; ++c) acc[c] = vfma(p, vload(value + c * kLanes), acc[c]);
+    }
+    const Vec n = vbroadcast(weights + stride - 1);
+    for (int c = 0; c < kChunks; ++c) vstore(query.out + c * kLanes, vmul(acc[c], n));
   }
-  const Vec n = vbroadcast(&norm);
-  for (int c = 0; c < kChunks; ++c) vstore(out + c * kLanes, vmul(acc[c], n));
 }
 
 // Verify segments' attention over the KV arena, every segment of a step in one call a layer (plain
@@ -362,11 +444,10 @@ void attend_row(const float* query, const float* keys, const float* values, cons
 // written into the arena at region start + cached + i, then each query head of row i attends over the
 // region's cached tokens and the new rows its mask allows, in slot order.
 //
-// Each row alone, in the same order whatever the other rows: the keys a row may see are laid out in one
-// run (cached ones, then the allowed new ones in slot order), scored by a fixed tree of sums each, then one
-// pass of maxima, exponentials and sums over the run, and the values weighted in the same order. A tree
-// lists parents before children, so a draft node sees its context and ancestors in position order: the
-// run plain decoding of that path would see, and the row comes out with plain decoding's bits.
+// Each row alone, in the same order whatever the other rows (attend_group): the keys a row may see are its
+// region's cached ones, then the allowed new ones in slot order. A tree lists parents before children, so a
+// draft node sees its context and ancestors in position order: the run plain decoding of that path would
+// see, and the row comes out with plain decoding's bits.
 void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& keys,
                  torch::Tensor& values, const torch::Tensor& segments, const torch::Tensor& allowed, double scaling,
                  torch::Tensor& out) {
@@ -383,17 +464,23 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   const int64_t* sp = seg.data_ptr<int64_t>();
   const bool* mp = mask.data_ptr<bool>();
   const int64_t count = seg.size(0), group = heads / kv_heads;
-  // One item a query head of a new row: (segment, row within it, where its mask row starts, head), a
-  // segment's items by key-value head, so that a thread's consecutive items read the same keys and values
-  // (one head's context fits a core's L2 where all of a row's heads' may not).
+  // One work item per segment, key-value head and run of at most kGroupQueries of its queries (a query: a new
+  // row and one of the query heads sharing that key-value head, row by row): (segment, key-value head, where
+  // the segment's mask starts, first query, queries).
   std::vector<int64_t> items;
   int64_t mask_at = 0;
   for (int64_t s = 0; s < count; ++s) {
     const int64_t rows = sp[4 * s + 1], slot = sp[4 * s + 2] + sp[4 * s + 3];
     TORCH_CHECK(rows > 0 && slot + rows <= slots && sp[4 * s] + rows <= q.size(0), "attention: rows past the arena");
+    // At least two items a thread where the queries allow (one row's few query heads): a thread's last item
+    // then waits less for the other's.
+    const int64_t queries = rows * group, threads = serial ? 1 : at::get_num_threads();
+    const int64_t parts = std::min(queries, std::max((queries + kGroupQueries - 1) / kGroupQueries,
+                                                     (2 * threads + kv_heads * count - 1) / (kv_heads * count)));
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
-      for (int64_t i = 0; i < rows; ++i) {
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) items.insert(items.end(), {s, i, mask_at + i * rows, h});
+      for (int64_t p = 0; p < parts; ++p) {  // as even as whole queries allow
+        const int64_t first = queries * p / parts, next = queries * (p + 1) / parts;
+        items.insert(items.end(), {s, kvh, mask_at, first, next - first});
       }
     }
     mask_at += rows * rows;
@@ -415,26 +502,29 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t chunks = dim / kLanes;
-  for_range(0, static_cast<int64_t>(items.size()) / 4, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> run;  // the slots a row sees, in order (relative to its region's start)
-    std::vector<float> scores;
+  for_range(0, static_cast<int64_t>(items.size()) / 5, 1, [&](int64_t begin, int64_t end) {
+    GroupScratch scratch;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t* item = items.data() + 4 * w;
-      const int64_t s = item[0], i = item[1], h = item[3], kvh = h / group;
+      const int64_t* item = items.data() + 5 * w;
+      const int64_t s = item[0], kvh = item[1], mask_row0 = item[2];
       const int64_t first = sp[4 * s], rows = sp[4 * s + 1], start = sp[4 * s + 2], cached = sp[4 * s + 3];
-      run.resize(static_cast<size_t>(cached));
-      for (int64_t j = 0; j < cached; ++j) run[j] = j;
-      for (int64_t j = 0; j < rows; ++j) {
-        if (mp[item[2] + j]) run.push_back(cached + j);
+      scratch.queries.resize(static_cast<size_t>(item[4]));
+      for (int64_t n = 0; n < item[4]; ++n) {
+        const int64_t query = item[3] + n, i = query / group, h = kvh * group + query % group;
+        Query& entry = scratch.queries[n];
+        entry.q = qp + (first + i) * q.stride(0) + h * q.stride(1);
+        entry.out = op + ((first + i) * heads + h) * dim;
+        entry.fresh.clear();
+        for (int64_t j = 0; j < rows; ++j) {
+          if (mp[mask_row0 + i * rows + j]) entry.fresh.push_back(cached + j);
+        }
       }
-      const float* query = qp + (first + i) * q.stride(0) + h * q.stride(1);
       const int64_t base = (kvh * slots + start) * dim;
-      float* o = op + ((first + i) * heads + h) * dim;
       switch (chunks) {
-        case 2: attend_row<2>(query, kp + base, vp + base, run, scale, scores, o); break;
-        case 4: attend_row<4>(query, kp + base, vp + base, run, scale, scores, o); break;
-        case 8: attend_row<8>(query, kp + base, vp + base, run, scale, scores, o); break;
-        case 16: attend_row<16>(query, kp + base, vp + base, run, scale, scores, o); break;
+        case 2: attend_group<2>(scratch, cached, kp + base, vp + base, scale); break;
+        case 4: attend_group<4>(scratch, cached, kp + base, vp + base, scale); break;
+        case 8: attend_group<8>(scratch, cached, kp + base, vp + base, scale); break;
+        case 16: attend_group<16>(scratch, cached, kp + base, vp + base, scale); break;
         default: TORCH_CHECK(false, "attention: head_dim of ", chunks, " vectors");
       }
     }
