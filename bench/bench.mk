@@ -12,10 +12,13 @@
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/out/numerics/)
 #   make bench-structured     structured output: JSON-schema prompts constrained with speculation, without, and unconstrained
 #   make bench-forced-rows    a verifier step under token masks: rows that allow one token skip the LM head
+#   make bench-kernel-ab      the block kernel's attention and products against BASE's (default HEAD) in one process,
+#                             in turn, bits compared (bench/out/kernel-ab/)
 #   make bench-peers          specserve against llama.cpp on the same prompts (bench/out/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
 # All write to bench/out/ (git-ignored); a run is copied under bench/results/ only where a README cites it. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
-# BENCH_HEAD_ARGS / BENCH_PEERS_ARGS / BENCH_SAMPLING_ARGS / BENCH_STRUCTURED_ARGS / BENCH_FORCED_ROWS_ARGS, e.g.
+# BENCH_HEAD_ARGS / BENCH_PEERS_ARGS / BENCH_SAMPLING_ARGS / BENCH_STRUCTURED_ARGS / BENCH_FORCED_ROWS_ARGS /
+# BENCH_KERNEL_AB_ARGS, e.g.
 #   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/out/tmp"
 #   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtypes bfloat16 --device cuda"
 #   make bench-load BENCH_LOAD_ARGS="--levels 1,2 --max-new-tokens 8 --verifier-arg='--dtype bfloat16'"
@@ -34,8 +37,10 @@ BENCH_SAMPLING_ARGS ?=
 BENCH_STRUCTURED_ARGS ?=
 BENCH_STARTUP_ARGS ?=
 BENCH_FORCED_ROWS_ARGS ?=
+BENCH_KERNEL_AB_ARGS ?=
+BASE ?= HEAD
 
-.PHONY: bench-forced-rows bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
+.PHONY: bench-kernel-ab bench-forced-rows bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -67,6 +72,9 @@ bench-structured: proto
 
 bench-forced-rows: proto
 	$(PY) -m bench.forced_rows $(BENCH_FORCED_ROWS_ARGS)
+
+bench-kernel-ab: proto
+	$(PY) -m bench.kernel_ab --base $(BASE) $(BENCH_KERNEL_AB_ARGS)
 
 bench-numerics: proto
 	$(PY) -m bench.numerics $(BENCH_NUMERICS_ARGS)

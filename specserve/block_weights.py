@@ -37,7 +37,7 @@ import hashlib
 import logging
 import os
 import platform
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -57,7 +57,8 @@ BLOCK_GEMM_ENV = "SPECSERVE_BLOCK_GEMM"  # "off": never use the block kernel (be
 _SOURCE = Path(__file__).with_name("kernels") / "block_gemm.cpp"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo (what the kernel is built for), or the platform's processor name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -72,32 +73,40 @@ def block_kernels() -> ModuleType | None:
     """The compiled block kernel, or None (disabled by ``SPECSERVE_BLOCK_GEMM=off``, not x86, no compiler)."""
     if os.environ.get(BLOCK_GEMM_ENV, "") == "off":
         return None
-    flags = _cpu_flags().split()
+    flags = cpu_flags().split()
     if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= set(flags):
         return None
-    from torch.utils import cpp_extension  # imports setuptools: only where the kernel is wanted
-
-    cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
     try:
-        # A build for another CPU, torch, source or flags must not be reused: all four name the build. So does the
-        # source's path: ninja's build file names it, and two checkouts sharing a build would rebuild in turn.
-        named = [_SOURCE.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags), str(_SOURCE)]
-        key = hashlib.sha256("\n".join(named).encode()).hexdigest()[:16]
-        build = default_cache_root() / "kernels" / f"block_gemm-{key}"
-        build.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(
-            name=f"specserve_block_gemm_{key}",
-            sources=[str(_SOURCE)],
-            extra_cflags=cflags,
-            # at::parallel_for is inline OpenMP: without -fopenmp it runs on one thread. The libgomp it links is
-            # the one torch loaded already (same soname), so both share one thread pool.
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+        return build_kernels(_SOURCE, flags)
     except Exception as exc:  # no source, no writable cache, no compiler, a failed build: the others still serve
         log.warning("the block-weight kernel did not build (%s); products run on the other kernels", exc)
         return None
+
+
+def build_kernels(source: Path, flags: Sequence[str]) -> ModuleType:
+    """``source`` compiled as the block kernel is, for a CPU with ``flags``; raises where it does not build.
+
+    ``bench.kernel_ab`` builds an earlier revision's kernel this way beside the current one.
+    """
+    from torch.utils import cpp_extension  # imports setuptools: only where the kernel is wanted
+
+    cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+    # A build for another CPU, torch, source or flags must not be reused: all four name the build. So does the
+    # source's path: ninja's build file names it, and two checkouts sharing a build would rebuild in turn.
+    named = [source.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags), str(source)]
+    key = hashlib.sha256("\n".join(named).encode()).hexdigest()[:16]
+    build = default_cache_root() / "kernels" / f"block_gemm-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=f"specserve_block_gemm_{key}",
+        sources=[str(source)],
+        extra_cflags=cflags,
+        # at::parallel_for is inline OpenMP: without -fopenmp it runs on one thread. The libgomp it links is
+        # the one torch loaded already (same soname), so both share one thread pool.
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        verbose=False,
+    )
 
 
 def gguf_block_layers(source: ModelSource) -> bool:
