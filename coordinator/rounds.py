@@ -400,8 +400,11 @@ class Generation:
             self._drop_drafter(exc)
             return None
         finally:
-            self._draft_wait_ns = time.perf_counter_ns() - started
-            self.stats.draft_ns += self._draft_wait_ns
+            waited_ns = time.perf_counter_ns() - started
+            self.stats.draft_ns += waited_ns
+            self._draft_wait_ns = waited_ns
+        # The draft budget counts what drafted rounds usually wait for, not the drafter's probes of its sources.
+        self._draft_wait_ns = max(0, waited_ns - reply.probe_ns)
         limits = self.policy.tree_limits
         if limits is not None and self._grammar is not None:
             # The fit cuts a constrained tree to the verifier's depth; a drafter told a forced prefix cannot know

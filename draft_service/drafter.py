@@ -28,6 +28,7 @@ from draft_service.namespace_state import NamespaceState
 from draft_service.ngram_pool import NgramPool
 from draft_service.proposers import PoolProposer, PromptLookupProposer, Proposer, TokenRecyclingProposer
 from draft_service.session_memory import SESSION, UNBOUNDED, SessionMemory
+from draft_service.source_gate import GateCounts, SourceGate
 from draft_service.tree_builder import (
     EMPTY,
     AcceptanceStats,
@@ -66,6 +67,7 @@ class PredraftCounts:
 class _Predraft:
     tree: DraftTree
     draft_ns: int  # what drafting it cost, ahead of time
+    gated: bool = False  # the costly sources (SourceGate) drafted it too
 
 
 def _cut(draft: DraftTree, max_nodes: int) -> DraftTree:
@@ -167,8 +169,15 @@ class DraftSession:
         memory: SessionMemory | None = None,
         predraft_counts: PredraftCounts | None = None,
         namespace: NamespaceState | None = None,
+        gate: SourceGate | None = None,
     ) -> None:
         self.session_id = session_id
+        # Whether the costly sources (those drafting from the target's features: the head) earn their time.
+        self._gate = gate if gate is not None else SourceGate()
+        self._gated = frozenset(proposer.name for proposer in proposers if proposer.wants_features)
+        self._gate_open = True  # the costly sources draft the trees of this round (and its pre-drafts)
+        self._gated_s = 0.0  # their drafting time since this round's drafting began
+        self._drafted_gated = False  # they drafted the last tree
         self._namespace = namespace  # its pool namespace's shared state: accounted after each step, like the session
         self._predraft_counts = predraft_counts if predraft_counts is not None else PredraftCounts()
         self._memory = memory  # where this session's bytes are counted (and its sources' state may be freed)
@@ -249,6 +258,12 @@ class DraftSession:
             self._memory.used(self)
 
     def _propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        try:
+            return self._answer(feedback, max_nodes)
+        finally:
+            self._gate.replied()
+
+    def _answer(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         start = time.perf_counter_ns()
         self._observe(feedback)
         ready = self._predrafts.get(feedback.new_tokens) if feedback.new_tokens else None
@@ -256,6 +271,7 @@ class DraftSession:
         self._max_nodes = max(0, max_nodes)
         self._verified = None
         self._prefix_len, self._drafted = 0, EMPTY
+        self._drafted_gated = False
         if max_nodes <= 0:
             self._pool.flush()
             self._last = EMPTY
@@ -264,6 +280,7 @@ class DraftSession:
         # A constraint forces these next: draft after them, and hang the draft under them.
         prefix = feedback.forced_prefix[:max_nodes]
         room = max_nodes - len(prefix)
+        probe_ns = 0
         if ready is not None and prefix:  # usable only where it drafted the forced tokens too
             under = _after(ready.tree, prefix)
             ready = _Predraft(under, ready.draft_ns) if under is not None and len(under.tree) else None
@@ -272,8 +289,17 @@ class DraftSession:
         elif ready is not None:
             self._predraft_counts.used += 1
             drafted = _cut(ready.tree, room)
+            self._drafted_gated = ready.gated
         else:
+            self._gate_open = bool(self._gated) and self._gate.opens()
+            self._gated_s = 0.0
             drafted = self._draft([*self.tokens, *prefix], room)
+            if self._gate_open:
+                self._gate.ran(self._gated_s)
+                probe_ns = round(self._gated_s * 1e9) if self._gate.probing else 0
+            else:
+                self._gate.sat_out()
+            self._drafted_gated = self._gate_open
         self._last = _graft(prefix, drafted)
         self._prefix_len, self._drafted = len(prefix), drafted
         # With a constraint the tree verified is not this one: its outcomes come with it (``verified``).
@@ -282,7 +308,7 @@ class DraftSession:
         elapsed = time.perf_counter_ns() - start
         if ready is not None:
             return DraftReply(self._last.tree, elapsed, predrafted=True, predraft_ns=ready.draft_ns)
-        return DraftReply(self._last.tree, elapsed)
+        return DraftReply(self._last.tree, elapsed, probe_ns=min(probe_ns, elapsed))
 
     def verified(self, verified: VerifiedTree) -> None:
         """The verifier checks ``verified`` for the last proposal, not our tree: pre-draft for its outcomes.
@@ -320,7 +346,8 @@ class DraftSession:
         bonus = self._guess_bonus(context, accepted, guess)
         if bonus is not None:
             tree = self._draft([*context, bonus], self._max_nodes)
-            self._predrafts[(*accepted, bonus)] = _Predraft(tree, time.perf_counter_ns() - start)
+            elapsed = time.perf_counter_ns() - start
+            self._predrafts[(*accepted, bonus)] = _Predraft(tree, elapsed, bool(self._gated) and self._gate_open)
             self._predraft_counts.drafted += 1
         return True
 
@@ -347,29 +374,41 @@ class DraftSession:
         guesses += [token for token in left or () if token not in guesses]
         return guesses[guess] if guess < len(guesses) else None
 
-    def _learn(self, accepted: Sequence[int]) -> None:
+    def _learn(self, accepted: Sequence[int]) -> int | None:
         """Credit the sources for the last tree; its forced prefix is not theirs, and their draft under it is
-        credited at its own depths (as drafted after the prefix), which is what their statistics estimate."""
+        credited at its own depths (as drafted after the prefix), which is what their statistics estimate.
+        Returns the accepted nodes that only the costly sources drafted (None: they did not draft the tree)."""
         k = self._prefix_len
-        if len(accepted) >= k:  # the prefix is certain: a shorter path means the round was cut (length, EOS)
-            learn_from_acceptance(self._builder.stats, self._drafted, [node - k for node in accepted[k:]])
+        if len(accepted) < k:  # the prefix is certain: a shorter path means the round was cut (length, EOS)
+            return None
+        own = [node - k for node in accepted[k:]]
+        learn_from_acceptance(self._builder.stats, self._drafted, own)
+        if not self._drafted_gated:
+            return None
+        return sum(1 for node in own if self._drafted.sources[node] and self._drafted.sources[node] <= self._gated)
 
     def _draft(self, tokens: list[int], max_nodes: int) -> DraftTree:
         return self._builder.build(self._proposals(tokens, max_nodes), max_nodes)
 
     def _proposals(self, tokens: list[int], max_nodes: int) -> list[tuple[str, TokenTree]]:
-        return [
+        proposals = []
+        for proposer in self._proposers:
+            gated = proposer.name in self._gated
+            if gated and not self._gate_open:
+                continue
+            start = self._gate.clock()
             # A source may hold ids that are not the target's (a poisoned shared pool): they never leave.
-            (proposer.name, proposer.propose(tokens, max_nodes).within_vocab(self._vocab_size))
-            for proposer in self._proposers
-        ]
+            proposals.append((proposer.name, proposer.propose(tokens, max_nodes).within_vocab(self._vocab_size)))
+            if gated:
+                self._gated_s += self._gate.clock() - start
+        return proposals
 
     def _observe(self, feedback: DraftFeedback) -> None:
         if feedback.new_tokens:
             accepted = feedback.accepted_node_indices
             # The verifier's indices refer to the tree it checked: learn only if that was our last tree.
-            if is_accepted_path(self._last.tree, accepted, feedback.new_tokens):
-                self._learn(accepted)
+            gain = self._learn(accepted) if is_accepted_path(self._last.tree, accepted, feedback.new_tokens) else None
+            self._gate.committed(len(feedback.new_tokens), gain)
             previous = len(self.tokens)
             self.tokens.extend(feedback.new_tokens)
             # Only generated output teaches the shared pool; a window's key may reach into the prompt.
@@ -422,6 +461,7 @@ class Drafter:
         # Open sessions' and namespaces' bytes, bounded (--max-memory-mib): the least recently used ones' state goes.
         self.memory = memory if memory is not None else SessionMemory(max_bytes=UNBOUNDED)
         self.predraft_counts = PredraftCounts()
+        self.gate_counts = GateCounts()  # every session's SourceGate decisions, for metrics
 
     @property
     def wants_features(self) -> bool:
@@ -483,6 +523,7 @@ class Drafter:
             self.memory,
             self.predraft_counts,
             state,
+            SourceGate(counts=self.gate_counts),
         )
         self.memory.opened(session)
         return session

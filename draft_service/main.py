@@ -254,7 +254,7 @@ async def serve(config: DrafterConfig) -> None:
     await server.start()
     mark_serving(health, [SERVICE_NAME])
     if config.metrics_port:
-        metrics = DrafterMetrics(drafter.memory, pools, drafter.predraft_counts)
+        metrics = DrafterMetrics(drafter.memory, pools, drafter.predraft_counts, drafter.gate_counts)
         track_watches(metrics.registry, health)
         metrics.serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)

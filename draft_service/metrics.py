@@ -22,14 +22,16 @@ from draft_service.drafter import PredraftCounts
 from draft_service.namespace_state import NAMESPACE
 from draft_service.pools import PoolRegistry
 from draft_service.session_memory import SESSION, SessionMemory
+from draft_service.source_gate import GateCounts
 
 
 class _Totals(Collector):
     """Counters kept as running totals by the drafter, read at each scrape."""
 
-    def __init__(self, memory: SessionMemory, predraft: PredraftCounts) -> None:
+    def __init__(self, memory: SessionMemory, predraft: PredraftCounts, gate: GateCounts) -> None:
         self._memory = memory
         self._counts = predraft
+        self._gate = gate
 
     def collect(self) -> Iterable[Metric]:
         return [
@@ -59,11 +61,22 @@ class _Totals(Collector):
                 "Sessions' work ahead dropped from its queue unstarted because their next report came first",
                 value=self._counts.dropped,
             ),
+            CounterMetricFamily(
+                "specserve_drafter_draft_head_rounds",
+                "Drafted rounds whose tree the draft head drafted (a session's head runs while its accepted drafts "
+                "pay for its drafting time, and on probes)",
+                value=self._gate.ran,
+            ),
+            CounterMetricFamily(
+                "specserve_drafter_draft_head_skips",
+                "Drafted rounds the draft head sat out because its accepted drafts did not pay for its time",
+                value=self._gate.skipped,
+            ),
         ]
 
 
 class DrafterMetrics:
-    def __init__(self, memory: SessionMemory, pools: PoolRegistry, predraft: PredraftCounts) -> None:
+    def __init__(self, memory: SessionMemory, pools: PoolRegistry, predraft: PredraftCounts, gate: GateCounts) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # what the default registry had
@@ -89,7 +102,7 @@ class DrafterMetrics:
         Gauge(
             "specserve_drafter_namespaces", "(vocabulary, pool namespace) pairs whose state is held", registry=r
         ).set_function(lambda: memory.count(NAMESPACE))
-        r.register(_Totals(memory, predraft))
+        r.register(_Totals(memory, predraft, gate))
 
     def serve(self, port: int, host: str) -> None:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""

@@ -71,6 +71,8 @@ class DraftReply:
     # The tree was drafted ahead, while the verifier checked the last round, for the outcome that happened.
     predrafted: bool = False
     predraft_ns: int = 0  # drafting time of a predrafted tree: time hidden behind verification
+    # Of draft_ns, the time of sources run only to judge them (draft_service.source_gate): not a wait to budget for.
+    probe_ns: int = 0
 
 
 @dataclass(frozen=True)

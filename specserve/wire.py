@@ -177,12 +177,17 @@ def draft_reply_to_proto(reply: DraftReply) -> drafter_pb2.DraftResponse:
         draft_ns=reply.draft_ns,
         predrafted=reply.predrafted,
         predraft_ns=reply.predraft_ns,
+        probe_ns=reply.probe_ns,
     )
 
 
 def draft_reply_from_proto(message: drafter_pb2.DraftResponse) -> DraftReply:
     return DraftReply(
-        tree_from_proto(message.tree), int(message.draft_ns), message.predrafted, int(message.predraft_ns)
+        tree_from_proto(message.tree),
+        int(message.draft_ns),
+        message.predrafted,
+        int(message.predraft_ns),
+        max(0, int(message.probe_ns)),
     )
 
 

@@ -166,7 +166,7 @@ def exported() -> tuple[set[str], set[str]]:
 
     drafter, pools = build_drafter(DrafterConfig(sources=NGRAM_SOURCES))
     drafter.open_session("s", [1, 2, 3], "fp")
-    drafter_metrics = DrafterMetrics(drafter.memory, pools, drafter.predraft_counts)
+    drafter_metrics = DrafterMetrics(drafter.memory, pools, drafter.predraft_counts, drafter.gate_counts)
 
     names: set[str] = set()
     labels: set[str] = set()

@@ -196,6 +196,49 @@ def test_a_drafted_round_tells_the_verifier_how_long_its_tree_took() -> None:
     assert sum(drafted) <= stats.draft_ns  # the same clock as the request's own drafting time
 
 
+class ProbingStream:
+    """A draft stream whose every other tree says all its drafting was a probe of a source (``probe_ns``)."""
+
+    def __init__(self, inner: DraftStream) -> None:
+        self._inner = inner
+        self.wants_features = inner.wants_features
+        self.probed: list[bool] = []  # per tree sent, whether its reply said probe
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        reply = await self._inner.propose(feedback, max_nodes)
+        probe = len(self.probed) % 2 == 0
+        if len(reply.tree):
+            self.probed.append(probe)
+        return dataclasses.replace(reply, probe_ns=10**12 if probe else 0)
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+class ProbingDrafter:
+    def __init__(self) -> None:
+        self._inner = drafter()
+        self.streams: list[ProbingStream] = []
+
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
+    ) -> DraftStream:
+        self.streams.append(ProbingStream(await self._inner.open(session_id, prompt_tokens, vocab_fingerprint)))
+        return self.streams[-1]
+
+
+def test_the_wait_sent_for_the_draft_budget_leaves_out_the_drafters_probes() -> None:
+    recorder, probing = DraftWaitRecorder(), ProbingDrafter()
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    tokens, _, stats = run(generation(GenerationRequest(prompt, 30), verifier=recorder, draft=probing))
+    assert tokens == plain_greedy(MODEL, prompt, 30)
+    sent = [wait for size, wait in recorder.calls if size]
+    probed = probing.streams[0].probed
+    assert len(sent) == len(probed) >= 2
+    assert all((wait == 0) == probe for wait, probe in zip(sent, probed, strict=True))
+    assert stats.draft_ns >= sum(sent) and stats.draft_ns > 0, "the request's own drafting time keeps the probes"
+
+
 def test_a_cap_above_the_servers_limit_is_the_servers_limit() -> None:
     capped = GenerationRequest([1, 2, 3], 4, speculation=Speculation(max_draft_tokens=100))
     _, _, stats = run(generation(capped))

@@ -1,0 +1,113 @@
+"""Whether a session's costly draft sources (the draft head) earn the time a round waits for them.
+
+The n-gram sources draft in microseconds; the draft head drafts from forwards of its own, several a round,
+and the round waits for them (unless the tree was pre-drafted on an idle core). Where its drafts add fewer
+tokens per second of its time than the session commits per second of a round, every round that runs it
+commits less per second than one that does not. Worse, the verifier sizes each session's trees from what
+its drafted rounds wait for (``VerifyRequest.draft_micros``, ``DraftBudget``): a slow head there keeps every
+source's trees small, the cheap sources' too. On a 2-core Zen 4 EPYC beside the verifier, SmolLM2's head took
+2-13 ms a draft against an 8 ms target step, and Spec-Bench's `inproc` committed 1.04 tokens a round with it
+against 1.20 without it (bench/README, "The draft head's gate").
+
+So per session a ``SourceGate`` weighs the costly sources each round: they run while the tokens only they
+drafted that the verifier accepted, per second of their drafting, are at least the tokens the session
+commits per second of a round (a round's tokens over the time from one reply to the next plus its drafting).
+Before that is known they run (``WARM_ROUNDS``); while they do not pay, they run again after
+``PROBE_AFTER`` rounds, then twice as many up to ``PROBE_AFTER_MAX``, so that a session whose text turns
+predictable gets them back. Those runs are exploration, not what the session's rounds wait for: the reply
+says how long they took (``DraftReply.probe_ns``) and the coordinator leaves it out of the wait the draft
+budget counts. Drafts never change output: this only moves time between drafting and verifying.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class GateCounts:
+    """Every session's gate decisions since the drafter started (read by metrics)."""
+
+    ran: int = 0  # drafted rounds whose tree the costly sources drafted
+    skipped: int = 0  # drafted rounds they sat out because they did not pay
+
+
+class Smoothed:
+    """An exponentially weighted mean, None until its first value."""
+
+    def __init__(self, decay: float) -> None:
+        self._decay = decay
+        self.value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self._decay * self.value + (1 - self._decay) * x
+
+
+class SourceGate:
+    """One session's decision, round by round, to run its costly draft sources (see the module)."""
+
+    DECAY = 0.8  # weight of what was known before each new round's figure
+    WARM_ROUNDS = 4  # drafted rounds that run the sources before they are judged
+    PROBE_AFTER = 8  # rounds without them before they run again
+    PROBE_AFTER_MAX = 64  # each probe that does not pay doubles the wait for the next, up to this
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, counts: GateCounts | None = None) -> None:
+        self.clock = clock  # also times the costly sources (DraftSession)
+        self.counts = counts if counts is not None else GateCounts()
+        self._tokens = Smoothed(self.DECAY)  # tokens committed per round
+        self._round_s = Smoothed(self.DECAY)  # seconds per round, reply to reply, drafting included
+        self._gain = Smoothed(self.DECAY)  # per round they ran: accepted nodes only they drafted
+        self._cost_s = Smoothed(self.DECAY)  # per round they ran the round before too: their drafting seconds
+        self._runs = 0
+        self._quiet = 0  # rounds since they last ran, while they do not pay
+        self._probe_after = self.PROBE_AFTER
+        self._replied_at: float | None = None
+        self._ran_last = False  # they ran for the last round's tree
+        self.probing = False  # the last ``opens`` ran them only to judge them (warming up, or a probe)
+
+    def committed(self, tokens: int, gain: int | None) -> None:
+        """The verifier's report on the last round: ``tokens`` committed, ``gain`` of them drafted only by the
+        costly sources (None: they did not draft that tree). Also closes the round's time."""
+        now = self.clock()
+        if self._replied_at is not None:
+            self._round_s.add(now - self._replied_at)
+            self._tokens.add(tokens)
+        if gain is not None:
+            self._gain.add(gain)
+
+    def opens(self) -> bool:
+        """Whether the costly sources draft this round's tree (call once per drafted round)."""
+        self.probing = self._runs < self.WARM_ROUNDS or not self.pays()
+        if not self.probing:
+            self._quiet, self._probe_after = 0, self.PROBE_AFTER
+        elif self._runs >= self.WARM_ROUNDS:
+            self._quiet += 1
+            if self._quiet <= self._probe_after:
+                self.counts.skipped += 1
+                return False
+            self._quiet, self._probe_after = 0, min(2 * self._probe_after, self.PROBE_AFTER_MAX)
+        self.counts.ran += 1
+        return True
+
+    def ran(self, seconds: float) -> None:
+        """They drafted this round's tree in ``seconds``. After a round without them the time is not their
+        usual one (the head first catches up on the features it missed), so it informs only their gain."""
+        if self._ran_last or self._runs == 0:
+            self._cost_s.add(seconds)
+        self._runs += 1
+        self._ran_last = True
+
+    def sat_out(self) -> None:
+        self._ran_last = False
+
+    def replied(self) -> None:
+        """The round's tree went out: the next report closes the round."""
+        self._replied_at = self.clock()
+
+    def pays(self) -> bool:
+        gain, cost, tokens, round_s = self._gain.value, self._cost_s.value, self._tokens.value, self._round_s.value
+        if gain is None or cost is None or tokens is None or not round_s:
+            return True  # not known yet: run them
+        return gain * round_s >= tokens * cost  # gain / cost >= tokens / round_s, without dividing by zero

@@ -1,0 +1,140 @@
+"""A session's costly draft sources (the draft head) run while their accepted drafts pay for their time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from draft_service.drafter import DraftSession
+from draft_service.ngram_pool import InMemoryNgramPool
+from draft_service.source_gate import GateCounts, SourceGate
+from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost
+from specserve.results import DraftFeedback, DraftReply
+from specserve.token_tree import TokenTree
+
+RIGHT, WRONG, BONUS = 5, 9, 7
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Source:
+    """A draft source that proposes one token, taking ``seconds`` of the fake clock to do it."""
+
+    def __init__(self, name: str, token: int | None, seconds: float, clock: FakeClock, costly: bool) -> None:
+        self.name, self.wants_features = name, costly
+        self._token, self._seconds, self._clock = token, seconds, clock
+        self.calls = 0
+
+    def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree:
+        self.calls += 1
+        self._clock.now += self._seconds
+        return TokenTree.chain([self._token]) if self._token is not None else TokenTree()
+
+    def observe(self, feedback: DraftFeedback) -> None:
+        pass
+
+    def digest(self, tokens: Sequence[int]) -> bool:
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def forget(self) -> None:
+        pass
+
+
+def session_with(clock: FakeClock, *sources: Source, counts: GateCounts | None = None) -> DraftSession:
+    builder = TreeBuilder(AcceptanceStats(), VerifyCost({0: 1.0, 8: 1.0}))  # flat: every node is worth keeping
+    return DraftSession("s", [1, 2, 3], InMemoryNgramPool(), sources, builder, gate=SourceGate(clock, counts))
+
+
+def play(session: DraftSession, clock: FakeClock, rounds: int, verify_s: float) -> list[DraftReply]:
+    """``rounds`` rounds against a verifier that takes ``verify_s`` and accepts RIGHT wherever it was drafted."""
+    replies: list[DraftReply] = []
+    feedback = DraftFeedback()
+    for _ in range(rounds):
+        reply = session.propose(feedback, max_nodes=2)
+        replies.append(reply)
+        clock.now += verify_s
+        right = [i for i, token in enumerate(reply.tree.token_ids) if token == RIGHT]
+        accepted = tuple(right[:1])
+        feedback = DraftFeedback(new_tokens=(RIGHT, BONUS) if accepted else (RIGHT,), accepted_node_indices=accepted)
+    return replies
+
+
+def test_a_slow_source_whose_drafts_are_never_taken_sits_out_after_warming_up_and_is_probed() -> None:
+    clock = FakeClock()
+    cheap = Source("cheap", RIGHT, 0.0001, clock, costly=False)
+    head = Source("draft_model", WRONG, 0.010, clock, costly=True)
+    counts = GateCounts()
+    session = session_with(clock, cheap, head, counts=counts)
+    warm, quiet = SourceGate.WARM_ROUNDS, SourceGate.PROBE_AFTER
+    replies = play(session, clock, warm + quiet + 1, verify_s=0.005)
+    assert cheap.calls == len(replies), "the cheap source drafts every round"
+    assert head.calls == warm + 1, "warming up, then quiet, then one probe"
+    ran = [r.probe_ns > 0 for r in replies]
+    assert ran == [True] * warm + [False] * quiet + [True], "its time is reported as probing, and only then"
+    assert all(r.probe_ns <= r.draft_ns for r in replies)
+    assert all(RIGHT in r.tree.token_ids for r in replies), "the trees keep the cheap source's draft"
+    assert (counts.ran, counts.skipped) == (warm + 1, quiet)
+    # The probe found nothing either: the next one waits twice as long.
+    more = play(session, clock, 2 * quiet + 1, verify_s=0.005)
+    assert [r.probe_ns > 0 for r in more] == [False] * (2 * quiet) + [True]
+
+
+def test_a_source_whose_accepted_drafts_pay_for_its_time_runs_every_round_and_is_not_a_probe() -> None:
+    clock = FakeClock()
+    head = Source("draft_model", RIGHT, 0.002, clock, costly=True)
+    session = session_with(clock, head)
+    # Alone it commits 2 tokens a 7 ms round (286/s); its drafts add 1 token per 2 ms of its time (500/s).
+    replies = play(session, clock, 20, verify_s=0.005)
+    assert head.calls == 20
+    assert [r.probe_ns > 0 for r in replies] == [True] * SourceGate.WARM_ROUNDS + [False] * (
+        20 - SourceGate.WARM_ROUNDS
+    )
+
+
+def test_the_same_source_at_five_times_the_cost_stops_paying() -> None:
+    clock = FakeClock()
+    head = Source("draft_model", RIGHT, 0.010, clock, costly=True)
+    session = session_with(clock, head)
+    # 1 token per 10 ms of its time (100/s) against rounds of 2 tokens in 15 ms (133/s): plain rounds do better.
+    play(session, clock, 20, verify_s=0.005)
+    assert head.calls < 20
+
+
+def test_the_gate_weighs_gain_per_second_against_the_sessions_rate() -> None:
+    clock = FakeClock()
+    gate = SourceGate(clock)
+    assert gate.opens() and gate.probing, "nothing known: it runs, to find out"
+    for _ in range(SourceGate.WARM_ROUNDS):
+        gate.ran(0.004)
+        gate.replied()
+        clock.now += 0.010
+        gate.committed(3, gain=1)  # 3 tokens a 10 ms round: 300/s; its 1 token per 4 ms: 250/s
+        gate.opens()
+    assert not gate.pays()
+    gate.committed(3, gain=3)  # drafting 3 of them makes it worth it
+    gate.committed(3, gain=3)
+    assert gate.pays()
+    assert gate.opens() and not gate.probing
+
+
+def test_after_sitting_out_a_run_counts_its_gain_not_its_catch_up_time() -> None:
+    clock = FakeClock()
+    gate = SourceGate(clock)
+    gate.ran(0.002)
+    gate.sat_out()
+    gate.ran(0.050)  # the head first feeds the features it missed: not what a round of it usually costs
+    gate.committed(2, gain=1)
+    clock.now += 0.010
+    gate.replied()
+    clock.now += 0.010
+    gate.committed(2, gain=1)
+    assert gate.pays(), "priced at 2 ms, not 50"
