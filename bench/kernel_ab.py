@@ -11,7 +11,12 @@ on a shared 2-core VM) hits them alike:
   step reads them: each layer's keys and values come from memory, not from
   the cache a lone call would leave them in;
 - ``products``: the layers' four Q4_1 products (fused QKV, O, gate-up, down)
-  at n rows, one copy of the weights per layer, then the LM head's Q8_0 one.
+  at n rows, one copy of the weights per layer, then the LM head's Q8_0 one;
+- ``verify``: whole verifies of the packaged model (``--model``), a tree of n - 1
+  draft nodes over ``--contexts`` cached tokens, each build on its own session,
+  the builds alternating verify by verify (the engine reaches the kernel
+  through ``block_weights.block_kernels``, swapped between verifies; the LM
+  head's products keep the current build, bound when the model was packed).
 
 Both builds must give the same bits on the same inputs (the report says
 whether they did; they are checked before timing). For the whole step, run
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import subprocess
@@ -34,6 +40,7 @@ from typing import Any
 
 import torch
 
+import specserve.block_weights as block_weights
 from specserve.block_weights import (
     BlockWeight,
     block_kernels,
@@ -44,19 +51,23 @@ from specserve.block_weights import (
     quantize_q8_0,
 )
 from specserve.model_loading import default_cache_root
+from specserve.sampling import SamplingParams
+from target_service.engine_threads import serve_on_this_thread
 
 from . import machine
 from .gemm_kernels import products
-from .verify_cost import SHAPES
+from .verify_cost import DEFAULT_MODEL, SHAPES, build_verifier, draft_tree, model_to_measure
+from .verify_cost import parse_args as verify_cost_args
 
 SOURCE = "specserve/kernels/block_gemm.cpp"
-PARTS = ("attention", "products")
+PARTS = ("attention", "products", "verify")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench.kernel_ab", description=__doc__.splitlines()[0])
     parser.add_argument("--base", default="HEAD", help="the git revision whose kernel is the baseline")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
+    parser.add_argument("--parts", default="attention,products", help=f"comma-separated, from {', '.join(PARTS)}")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the verify part's model")
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--contexts", default="128,512,1024", help="cached tokens before the rows (attention)")
     parser.add_argument("--layers", type=int, default=30, help="arenas and weight copies cycled through")
@@ -152,6 +163,52 @@ def products_case(
     return {"part": "products", "rows": rows, "context": None, "identical": identical} | ms(seconds)
 
 
+def verify_cases(
+    builds: dict[str, ModuleType], model_name: str, sizes: list[int], context: int, reps: int, threads: int
+) -> list[dict[str, Any]]:
+    """Whole verifies with each build, alternating verify by verify: median seconds per build and size."""
+    argv = ["--model", model_name, "--dtypes", "float32", "--context", str(context)]
+    args = verify_cost_args([*argv, "--sizes", ",".join(map(str, sizes)), "--batch-sizes", "", "--reps", str(reps)])
+    # build_verifier's room: two sessions a size (its chain and tree), and a batch of len(sizes) more
+    args.batch_sizes, args.batch_draft_nodes = [len(sizes)], [max(sizes) - 1]
+    args.engine_threads = threads
+    model, label = model_to_measure(args, "float32")
+    verifier = build_verifier(model, label, args, "auto")
+    generator = torch.Generator().manual_seed(context)
+    prompt = torch.randint(0, verifier.vocab_size, (context + 1,), generator=generator).tolist()
+    committed = {}
+    for name in builds:
+        for n in sizes:
+            verifier.prefill(f"{name}{n}", prompt, SamplingParams())
+            committed[(name, n)] = len(prompt)
+    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in builds}
+    outputs: dict[str, dict[int, list[int]]] = {name: {n: [] for n in sizes} for name in builds}
+    current = block_weights.block_kernels
+    try:
+        for rep in range(reps + 1):  # the first verifies of each session warm it up
+            for n in sizes:
+                # Both builds' sessions verify the same trees on the same context: their commits must agree.
+                tokens = torch.randint(0, verifier.vocab_size, (n - 1,), generator=generator).tolist()
+                for name in list(builds) if rep % 2 else list(builds)[::-1]:
+                    kernel = builds[name]
+                    block_weights.block_kernels = functools.partial(lambda k: k, kernel)  # type: ignore[assignment]
+                    start = time.perf_counter()
+                    result = verifier.verify(f"{name}{n}", committed[(name, n)], draft_tree("tree", tokens))
+                    elapsed = time.perf_counter() - start
+                    committed[(name, n)] += len(result.committed)
+                    outputs[name][n] += result.committed
+                    if rep:
+                        times[name][n].append(elapsed)
+    finally:
+        block_weights.block_kernels = current
+        verifier.close()
+    return [
+        {"part": "verify", "rows": n, "context": context, "identical": outputs["base"][n] == outputs["current"][n]}
+        | ms({name: statistics.median(times[name][n]) for name in builds})
+        for n in sizes
+    ]
+
+
 def ms(seconds: dict[str, float]) -> dict[str, float]:
     return {"base_ms": seconds["base"] * 1e3, "current_ms": seconds["current"] * 1e3}
 
@@ -164,7 +221,8 @@ def markdown(meta: dict[str, Any], results: list[dict[str, Any]]) -> str:
         f"{meta['measured_at']}, {m['cpu_model']} ({', '.join(m['cpu_flags'])}), {m['cpus_available']} CPUs, "
         f"{m['torch_threads']} threads, torch {m['torch_version']}, commit {m['git_commit']}"
         f"{' (dirty)' if m['git_dirty'] else ''}; both builds in one process, in turn, median of {meta['reps']} "
-        f"passes over {meta['layers']} layers' arenas or weights.{machine.strain(m)}",
+        f"passes over {meta['layers']} layers' arenas or weights (attention, products) or of {meta['reps']} verifies "
+        f"(verify: same bits = the same tokens committed).{machine.strain(m)}",
         "",
         "| part | rows | context | base ms | current ms | current / base | same bits |",
         "|---|---|---|---|---|---|---|",
@@ -196,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine.describe(),
     }
     results = []
+    threads = 0
     with torch.inference_mode():
         for part in parts:
             if part == "attention":
@@ -204,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         results.append(attention_case(builds, shape, n, context, args.layers, args.reps))
             elif part == "products":
                 results += [products_case(builds, shape, n, args.layers, args.reps) for n in rows]
+            elif part == "verify":
+                # The verifier's engine thread computes on the threads this one hands over (taken once).
+                threads = threads or serve_on_this_thread()
+                for context in [int(c) for c in args.contexts.split(",") if c.strip()]:
+                    results += verify_cases(builds, args.model, rows, context, args.reps, threads)
             else:
                 raise SystemExit(f"--parts: unknown part {part!r} (from {', '.join(PARTS)})")
     meta["machine"]["cpu_steal"] = machine.steal_since(start)

@@ -30,3 +30,12 @@ def test_a_small_run_compares_both_builds_part_by_part(tmp_path: Path) -> None:
     text = (tmp_path / "kernel_ab.md").read_text()
     assert "| attention | 3 | 20 |" in text and "against HEAD's" in text
     assert document["meta"]["machine"]["cpu_model"] in text
+
+
+@pytest.mark.skipif(block_kernels() is None, reason="the block kernel does not build here")
+def test_whole_verifies_of_the_packaged_model_alternate_builds_and_commit_the_same_tokens(tmp_path: Path) -> None:
+    argv = ["--base", "HEAD", "--parts", "verify", "--rows", "1,3", "--contexts", "16", "--reps", "2"]
+    assert main([*argv, "--out-dir", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "kernel_ab.json").read_text())["results"]
+    assert [(r["part"], r["rows"], r["context"]) for r in results] == [("verify", 1, 16), ("verify", 3, 16)]
+    assert all(r["identical"] and r["base_ms"] > 0 and r["current_ms"] > 0 for r in results)
