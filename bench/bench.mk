@@ -12,8 +12,8 @@
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/out/numerics/)
 #   make bench-structured     structured output: JSON-schema prompts constrained with speculation, without, and unconstrained
 #   make bench-forced-rows    a verifier step under token masks: rows that allow one token skip the LM head
-#   make bench-kernel-ab      the block kernel's attention and products against BASE's (default HEAD) in one process,
-#                             in turn, bits compared (bench/out/kernel-ab/)
+#   make bench-kernel-ab      the block kernel's attention and products (--parts verify: whole verifies) against BASE's
+#                             (default HEAD) in one process, in turn, bits compared (bench/out/kernel-ab/)
 #   make bench-peers          specserve against llama.cpp on the same prompts (bench/out/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
 # All write to bench/out/ (git-ignored); a run is copied under bench/results/ only where a README cites it. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
