@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from draft_service.drafter import DraftSession
 from draft_service.ngram_pool import InMemoryNgramPool
+from draft_service.proposers import _Stateless
 from draft_service.source_gate import GateCounts, SourceGate
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost
 from specserve.results import DraftFeedback, DraftReply
@@ -22,8 +23,9 @@ class FakeClock:
         return self.now
 
 
-class Source:
-    """A draft source that proposes one token, taking ``seconds`` of the fake clock to do it."""
+class Source(_Stateless):
+    """A draft source that proposes one token, taking ``seconds`` of the fake clock to do it; ``costly``: it
+    drafts from the target's features, as the draft head does (what the gate weighs)."""
 
     def __init__(self, name: str, token: int | None, seconds: float, clock: FakeClock, costly: bool) -> None:
         self.name, self.wants_features = name, costly
@@ -34,19 +36,6 @@ class Source:
         self.calls += 1
         self._clock.now += self._seconds
         return TokenTree.chain([self._token]) if self._token is not None else TokenTree()
-
-    def observe(self, feedback: DraftFeedback) -> None:
-        pass
-
-    def digest(self, tokens: Sequence[int]) -> bool:
-        return False
-
-    @property
-    def nbytes(self) -> int:
-        return 0
-
-    def forget(self) -> None:
-        pass
 
 
 def session_with(clock: FakeClock, *sources: Source, counts: GateCounts | None = None) -> DraftSession:
