@@ -177,6 +177,7 @@ class DraftSession:
         self._gated = frozenset(proposer.name for proposer in proposers if proposer.wants_features)
         self._gate_open = True  # the costly sources draft the trees of this round (and its pre-drafts)
         self._gated_s = 0.0  # their drafting time since this round's drafting began
+        self._gated_nodes = 0  # and the nodes they offered
         self._drafted_gated = False  # they drafted the last tree
         self._namespace = namespace  # its pool namespace's shared state: accounted after each step, like the session
         self._predraft_counts = predraft_counts if predraft_counts is not None else PredraftCounts()
@@ -283,7 +284,7 @@ class DraftSession:
         probe_ns = 0
         if ready is not None and prefix:  # usable only where it drafted the forced tokens too
             under = _after(ready.tree, prefix)
-            ready = _Predraft(under, ready.draft_ns) if under is not None and len(under.tree) else None
+            ready = _Predraft(under, ready.draft_ns, ready.gated) if under is not None and len(under.tree) else None
         if room <= 0:
             ready, drafted = None, EMPTY
         elif ready is not None:
@@ -292,14 +293,17 @@ class DraftSession:
             self._drafted_gated = ready.gated
         else:
             self._gate_open = bool(self._gated) and self._gate.opens()
-            self._gated_s = 0.0
+            self._gated_s, self._gated_nodes = 0.0, 0
             drafted = self._draft([*self.tokens, *prefix], room)
             if self._gate_open:
-                self._gate.ran(self._gated_s)
                 probe_ns = round(self._gated_s * 1e9) if self._gate.probing else 0
+                if self._gated_nodes:
+                    self._gate.ran(self._gated_s)
+                else:
+                    self._gate.had_nothing()
             else:
                 self._gate.sat_out()
-            self._drafted_gated = self._gate_open
+            self._drafted_gated = self._gate_open and self._gated_nodes > 0
         self._last = _graft(prefix, drafted)
         self._prefix_len, self._drafted = len(prefix), drafted
         # With a constraint the tree verified is not this one: its outcomes come with it (``verified``).
@@ -347,7 +351,8 @@ class DraftSession:
         if bonus is not None:
             tree = self._draft([*context, bonus], self._max_nodes)
             elapsed = time.perf_counter_ns() - start
-            self._predrafts[(*accepted, bonus)] = _Predraft(tree, elapsed, bool(self._gated) and self._gate_open)
+            gated = bool(self._gated) and self._gate_open and any(self._gated & sources for sources in tree.sources)
+            self._predrafts[(*accepted, bonus)] = _Predraft(tree, elapsed, gated)
             self._predraft_counts.drafted += 1
         return True
 
@@ -401,6 +406,7 @@ class DraftSession:
             proposals.append((proposer.name, proposer.propose(tokens, max_nodes).within_vocab(self._vocab_size)))
             if gated:
                 self._gated_s += self._gate.clock() - start
+                self._gated_nodes += len(proposals[-1][1])
         return proposals
 
     def _observe(self, feedback: DraftFeedback) -> None:

@@ -102,6 +102,15 @@ class SourceGate:
     def sat_out(self) -> None:
         self._ran_last = False
 
+    def had_nothing(self) -> None:
+        """They ran for this round but offered no draft (the head still catching up on a long prompt's
+        features): nothing to judge them by, so the round neither counts as a run nor uses up a probe."""
+        self._ran_last = False
+        self.counts.ran -= 1
+        if self._runs >= self.WARM_ROUNDS and not self.pays():  # a probe: the next drafted round probes again
+            self._probe_after = max(self.PROBE_AFTER, self._probe_after // 2)  # as before this one doubled it
+            self._quiet = self._probe_after
+
     def replied(self) -> None:
         """The round's tree went out: the next report closes the round."""
         self._replied_at = self.clock()

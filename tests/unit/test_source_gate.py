@@ -127,3 +127,19 @@ def test_after_sitting_out_a_run_counts_its_gain_not_its_catch_up_time() -> None
     clock.now += 0.010
     gate.committed(2, gain=1)
     assert gate.pays(), "priced at 2 ms, not 50"
+
+
+def test_rounds_where_the_costly_source_has_nothing_yet_are_not_judged() -> None:
+    """The head offers nothing until it has fed a long prompt's features: those rounds are no evidence."""
+    clock = FakeClock()
+    head = Source("draft_model", None, 0.010, clock, costly=True)  # nothing to offer, for now
+    session = session_with(clock, head)
+    play(session, clock, 10, verify_s=0.005)
+    assert head.calls == 10, "still warming up: it runs every round until it has drafted WARM_ROUNDS trees"
+    head._token = RIGHT  # caught up: its drafts are taken, at 10 ms each against 5 ms rounds
+    play(session, clock, SourceGate.WARM_ROUNDS, verify_s=0.005)
+    assert head.calls == 10 + SourceGate.WARM_ROUNDS
+    head._token = None  # a probe that finds it with nothing does not use up the probe
+    replies = play(session, clock, SourceGate.PROBE_AFTER + 3, verify_s=0.005)
+    assert head.calls == 10 + SourceGate.WARM_ROUNDS + 3, "quiet, then a probe with nothing, retried each round"
+    assert [r.probe_ns > 0 for r in replies][-3:] == [True, True, True]
