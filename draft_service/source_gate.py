@@ -92,9 +92,10 @@ class SourceGate:
         return True
 
     def ran(self, seconds: float) -> None:
-        """They drafted this round's tree in ``seconds``. After a round without them the time is not their
-        usual one (the head first catches up on the features it missed), so it informs only their gain."""
-        if self._ran_last or self._runs == 0:
+        """They drafted this round's tree in ``seconds``. Only a run that follows a run of theirs is timed: the
+        first, and one after rounds without them, begins by catching up on the features they missed (a whole
+        prompt's at first), which is not what a round of theirs costs; it informs only their gain."""
+        if self._ran_last:
             self._cost_s.add(seconds)
         self._runs += 1
         self._ran_last = True
