@@ -53,7 +53,7 @@ def test_evicted_sessions_are_rebuilt_without_losing_or_repeating_tokens(
         # the generation's session is the one left to evict next time.
         with grpc.insecure_channel(one_session_cluster.verifier_address) as channel:
             stub = verifier_pb2_grpc.VerifierServiceStub(channel)
-            while not stop.wait(0.3):
+            while not stop.wait(0.1):  # 96 tokens take about a second on a fast CPU
                 session_id = uuid.uuid4().hex
                 stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, token_ids=[1, 2, 3]), timeout=30)
                 stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=30)
@@ -61,11 +61,11 @@ def test_evicted_sessions_are_rebuilt_without_losing_or_repeating_tokens(
     evictor = threading.Thread(target=evict_repeatedly)
     evictor.start()
     try:
-        tokens, stats = generate(one_session_cluster.coordinator_address, text, 48)
+        tokens, stats = generate(one_session_cluster.coordinator_address, text, 96)
     finally:
         stop.set()
         evictor.join()
-    assert tokens == target.greedy(target.chat_ids(text), 48)
+    assert tokens == target.greedy(target.chat_ids(text), 96)
     print(f"reprefills: {stats.num_reprefills} in {stats.num_rounds} rounds")
     assert stats.num_reprefills >= 2
 
