@@ -351,7 +351,7 @@ class DraftSession:
         if bonus is not None:
             tree = self._draft([*context, bonus], self._max_nodes)
             elapsed = time.perf_counter_ns() - start
-            gated = bool(self._gated) and self._gate_open and any(self._gated & sources for sources in tree.sources)
+            gated = self._gate_open and any(self._gated & sources for sources in tree.sources)
             self._predrafts[(*accepted, bonus)] = _Predraft(tree, elapsed, gated)
             self._predraft_counts.drafted += 1
         return True
