@@ -28,7 +28,7 @@ from draft_service.namespace_state import NamespaceState
 from draft_service.ngram_pool import NgramPool
 from draft_service.proposers import PoolProposer, PromptLookupProposer, Proposer, TokenRecyclingProposer
 from draft_service.session_memory import SESSION, UNBOUNDED, SessionMemory
-from draft_service.source_gate import GateCounts, SourceGate
+from draft_service.source_gate import GateCounts, GateHistory, SourceGate
 from draft_service.tree_builder import (
     EMPTY,
     AcceptanceStats,
@@ -340,7 +340,9 @@ class DraftSession:
         self._pending_outcomes = pending[: self._predraft_outcomes]
 
     def _work_ahead(self, predraft: bool) -> bool:
-        if any(proposer.digest(self.tokens) for proposer in self._proposers):
+        # Costly sources sitting out feed no features ahead: they catch up when they next run (a probe).
+        feeding = [p for p in self._proposers if not (p.name in self._gated and self._gate.sitting_out)]
+        if any(proposer.digest(self.tokens) for proposer in feeding):
             return True
         if not predraft or not self._pending_outcomes:
             return False
@@ -468,6 +470,7 @@ class Drafter:
         self.memory = memory if memory is not None else SessionMemory(max_bytes=UNBOUNDED)
         self.predraft_counts = PredraftCounts()
         self.gate_counts = GateCounts()  # every session's SourceGate decisions, for metrics
+        self.gate_history = GateHistory()  # what every session learnt of the costly sources: new sessions' priors
 
     @property
     def wants_features(self) -> bool:
@@ -529,7 +532,7 @@ class Drafter:
             self.memory,
             self.predraft_counts,
             state,
-            SourceGate(counts=self.gate_counts),
+            SourceGate(counts=self.gate_counts, history=self.gate_history),
         )
         self.memory.opened(session)
         return session

@@ -72,6 +72,12 @@ class _Totals(Collector):
                 "Drafted rounds the draft head sat out because its accepted drafts did not pay for its time",
                 value=self._gate.skipped,
             ),
+            CounterMetricFamily(
+                "specserve_drafter_draft_head_warm_ups_skipped",
+                "Sessions that started with the draft head sitting out, without warming it up, because it had not "
+                "paid for this drafter's earlier sessions (every 8th new session warms it up all the same)",
+                value=self._gate.warm_ups_skipped,
+            ),
         ]
 
 

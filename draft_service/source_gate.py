@@ -17,6 +17,16 @@ Before that is known they run (``WARM_ROUNDS``); while they do not pay, they run
 predictable gets them back. Those runs are exploration, not what the session's rounds wait for: the reply
 says how long they took (``DraftReply.probe_ns``) and the coordinator leaves it out of the wait the draft
 budget counts. Drafts never change output: this only moves time between drafting and verifying.
+
+A session alone needs its warm-up to judge the sources, and the first of those runs feeds the whole prompt's
+features, in the background while the verifier computes (on shared cores, taking its CPU). Where the head has
+not paid for a drafter's earlier sessions that warm-up buys nothing: Spec-Bench `inproc` on a 2-core Zen 5
+EPYC ran at 0.91x plain decoding with the head and 0.99x without it, at the same tau (bench/README, "The draft
+head's record"). So every session's figures also feed the drafter's ``GateHistory``, and a new session of a
+drafter whose record says the sources do not pay starts with its warm-up done, judged on the record's figures
+until its own come in, and feeds them no features until they next run (a probe). Every
+``GateHistory.RECHECK_EVERY``-th new session warms up all the same, so the record follows a change (another
+traffic mix, a quieter verifier).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ class GateCounts:
 
     ran: int = 0  # drafted rounds whose tree the costly sources drafted
     skipped: int = 0  # drafted rounds they sat out because they did not pay
+    warm_ups_skipped: int = 0  # sessions that started judged, on the drafter's record (GateHistory)
 
 
 class Smoothed:
@@ -45,6 +56,48 @@ class Smoothed:
         self.value = x if self.value is None else self._decay * self.value + (1 - self._decay) * x
 
 
+def _pays(gain: float | None, cost_s: float | None, tokens: float | None, round_s: float | None) -> bool | None:
+    """Whether accepted drafts per second of drafting are at least the tokens a round commits per second of it
+    (None: not all four known)."""
+    if gain is None or cost_s is None or tokens is None or not round_s:
+        return None
+    return gain * round_s >= tokens * cost_s  # gain / cost >= tokens / round_s, without dividing by zero
+
+
+class GateHistory:
+    """A drafter's record of its costly sources over all its sessions: each new session's priors (see the module).
+
+    The same four figures as a session's gate, fed by every session's rounds and smoothed more slowly.
+    """
+
+    DECAY = 0.95
+    MIN_TIMED_RUNS = 8  # timed runs (about two sessions' warm-ups) before the record is trusted
+    RECHECK_EVERY = 8  # every this many new sessions one warms up whatever the record says
+
+    def __init__(self) -> None:
+        self.tokens = Smoothed(self.DECAY)
+        self.round_s = Smoothed(self.DECAY)
+        self.gain = Smoothed(self.DECAY)
+        self.cost_s = Smoothed(self.DECAY)
+        self.timed_runs = 0
+        self._sessions = 0
+
+    def timed(self, seconds: float) -> None:
+        self.cost_s.add(seconds)
+        self.timed_runs += 1
+
+    def pays(self) -> bool | None:
+        """The record's verdict; None while it knows too little."""
+        if self.timed_runs < self.MIN_TIMED_RUNS:
+            return None
+        return _pays(self.gain.value, self.cost_s.value, self.tokens.value, self.round_s.value)
+
+    def skips_warm_up(self) -> bool:
+        """For a new session: whether it starts judged, the record saying the sources do not pay here."""
+        self._sessions += 1
+        return self.pays() is False and self._sessions % self.RECHECK_EVERY != 0
+
+
 class SourceGate:
     """One session's decision, round by round, to run its costly draft sources (see the module)."""
 
@@ -53,9 +106,15 @@ class SourceGate:
     PROBE_AFTER = 8  # rounds without them before they run again
     PROBE_AFTER_MAX = 64  # each probe that does not pay doubles the wait for the next, up to this
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, counts: GateCounts | None = None) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        counts: GateCounts | None = None,
+        history: GateHistory | None = None,
+    ) -> None:
         self.clock = clock  # also times the costly sources (DraftSession)
         self.counts = counts if counts is not None else GateCounts()
+        self._history = history if history is not None else GateHistory()  # the drafter's (default: its own)
         self._tokens = Smoothed(self.DECAY)  # tokens committed per round
         self._round_s = Smoothed(self.DECAY)  # seconds per round, reply to reply, drafting included
         self._gain = Smoothed(self.DECAY)  # per round they ran: accepted nodes only they drafted
@@ -66,16 +125,26 @@ class SourceGate:
         self._replied_at: float | None = None
         self._ran_last = False  # they ran for the last round's tree
         self.probing = False  # the last ``opens`` ran them only to judge them (warming up, or a probe)
+        # They sit out until they next run: their work ahead (feeding a prompt's features) waits for that too.
+        self.sitting_out = False
+        if self._history.skips_warm_up():
+            self._runs = self.WARM_ROUNDS
+            self.sitting_out = True
+            self.counts.warm_ups_skipped += 1
 
     def committed(self, tokens: int, gain: int | None) -> None:
         """The verifier's report on the last round: ``tokens`` committed, ``gain`` of them drafted only by the
         costly sources (None: they did not draft that tree). Also closes the round's time."""
         now = self.clock()
+        history = self._history
         if self._replied_at is not None:
             self._round_s.add(now - self._replied_at)
             self._tokens.add(tokens)
+            history.round_s.add(now - self._replied_at)
+            history.tokens.add(tokens)
         if gain is not None:
             self._gain.add(gain)
+            history.gain.add(gain)
 
     def opens(self) -> bool:
         """Whether the costly sources draft this round's tree (call once per drafted round)."""
@@ -86,9 +155,11 @@ class SourceGate:
             self._quiet += 1
             if self._quiet <= self._probe_after:
                 self.counts.skipped += 1
+                self.sitting_out = True
                 return False
             self._quiet, self._probe_after = 0, min(2 * self._probe_after, self.PROBE_AFTER_MAX)
         self.counts.ran += 1
+        self.sitting_out = False
         return True
 
     def ran(self, seconds: float) -> None:
@@ -97,6 +168,7 @@ class SourceGate:
         prompt's at first), which is not what a round of theirs costs; it informs only their gain."""
         if self._ran_last:
             self._cost_s.add(seconds)
+            self._history.timed(seconds)
         self._runs += 1
         self._ran_last = True
 
@@ -117,7 +189,17 @@ class SourceGate:
         self._replied_at = self.clock()
 
     def pays(self) -> bool:
-        gain, cost, tokens, round_s = self._gain.value, self._cost_s.value, self._tokens.value, self._round_s.value
-        if gain is None or cost is None or tokens is None or not round_s:
-            return True  # not known yet: run them
-        return gain * round_s >= tokens * cost  # gain / cost >= tokens / round_s, without dividing by zero
+        """On the session's own figures, the drafter's record's where the session has none yet; True while
+        neither knows (run them, to find out)."""
+        history = self._history
+        own_or_record = [
+            own.value if own.value is not None else recorded.value
+            for own, recorded in (
+                (self._gain, history.gain),
+                (self._cost_s, history.cost_s),
+                (self._tokens, history.tokens),
+                (self._round_s, history.round_s),
+            )
+        ]
+        verdict = _pays(*own_or_record)
+        return True if verdict is None else verdict

@@ -186,12 +186,14 @@ def test_drafter_exports_its_pre_drafting_totals_and_memory() -> None:
     drafter.predraft_counts.dropped += 1
     drafter.gate_counts.ran += 4
     drafter.gate_counts.skipped += 9
+    drafter.gate_counts.warm_ups_skipped += 3
     drafter.open_session("s", [1, 2, 3], "fp")
     assert value("specserve_drafter_predrafts_total") == 5
     assert value("specserve_drafter_predraft_hits_total") == 2
     assert value("specserve_drafter_work_ahead_dropped_total") == 1
     assert value("specserve_drafter_draft_head_rounds_total") == 4
     assert value("specserve_drafter_draft_head_skips_total") == 9
+    assert value("specserve_drafter_draft_head_warm_ups_skipped_total") == 3
     assert value("specserve_drafter_open_sessions") == 1
     assert (value("specserve_drafter_memory_bytes", {"kind": "sessions"}) or 0) > 0
     assert value("specserve_drafter_memory_bytes", {"kind": "namespaces"}) == NAMESPACE_BYTES

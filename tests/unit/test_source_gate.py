@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from draft_service.drafter import DraftSession
 from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.proposers import _Stateless
-from draft_service.source_gate import GateCounts, SourceGate
+from draft_service.source_gate import GateCounts, GateHistory, SourceGate
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost
 from specserve.results import DraftFeedback, DraftReply
 from specserve.token_tree import TokenTree
@@ -32,15 +32,28 @@ class Source(_Stateless):
         self._token, self._seconds, self._clock = token, seconds, clock
         self.calls = 0
 
+        self.backlog = 0  # feeding steps it has put off (a long prompt's features), for ``digest``
+        self.digested = 0
+
     def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree:
         self.calls += 1
         self._clock.now += self._seconds
         return TokenTree.chain([self._token]) if self._token is not None else TokenTree()
 
+    def digest(self, tokens: Sequence[int]) -> bool:
+        if not self.backlog:
+            return False
+        self.backlog -= 1
+        self.digested += 1
+        return True
 
-def session_with(clock: FakeClock, *sources: Source, counts: GateCounts | None = None) -> DraftSession:
+
+def session_with(
+    clock: FakeClock, *sources: Source, counts: GateCounts | None = None, history: GateHistory | None = None
+) -> DraftSession:
     builder = TreeBuilder(AcceptanceStats(), VerifyCost({0: 1.0, 8: 1.0}))  # flat: every node is worth keeping
-    return DraftSession("s", [1, 2, 3], InMemoryNgramPool(), sources, builder, gate=SourceGate(clock, counts))
+    gate = SourceGate(clock, counts, history)
+    return DraftSession("s", [1, 2, 3], InMemoryNgramPool(), sources, builder, gate=gate)
 
 
 def play(session: DraftSession, clock: FakeClock, rounds: int, verify_s: float) -> list[DraftReply]:
@@ -144,3 +157,72 @@ def test_rounds_where_the_costly_source_has_nothing_yet_are_not_judged() -> None
     replies = play(session, clock, SourceGate.PROBE_AFTER + 3, verify_s=0.005)
     assert head.calls == 10 + SourceGate.WARM_ROUNDS + 3, "quiet, then a probe with nothing, retried each round"
     assert [r.probe_ns > 0 for r in replies][-3:] == [True, True, True]
+
+
+def sessions_of_a_head_that_never_pays(clock: FakeClock, history: GateHistory, sessions: int) -> list[Source]:
+    """``sessions`` sessions, one after another, each with a cheap source whose drafts land and a slow head whose
+    drafts never do, played past their warm-up; returns their heads."""
+    heads = []
+    for _ in range(sessions):
+        cheap = Source("cheap", RIGHT, 0.0001, clock, costly=False)
+        head = Source("draft_model", WRONG, 0.010, clock, costly=True)
+        play(session_with(clock, cheap, head, history=history), clock, SourceGate.WARM_ROUNDS + 2, verify_s=0.005)
+        heads.append(head)
+    return heads
+
+
+def test_a_drafter_whose_head_has_not_paid_starts_new_sessions_with_it_sitting_out() -> None:
+    clock = FakeClock()
+    history = GateHistory()
+    # Each warm-up times all its runs but the first (which feeds the prompt's features): 3 sessions give 9.
+    earlier = sessions_of_a_head_that_never_pays(clock, history, 3)
+    assert [head.calls for head in earlier] == [SourceGate.WARM_ROUNDS] * 3, "each warmed up: the record was short"
+    assert history.pays() is False
+    counts = GateCounts()
+    cheap = Source("cheap", RIGHT, 0.0001, clock, costly=False)
+    head = Source("draft_model", WRONG, 0.010, clock, costly=True)
+    head.backlog = 5  # a long prompt's features to feed ahead
+    session = session_with(clock, cheap, head, counts=counts, history=history)
+    assert not session.work_ahead(predraft=False), "sitting out, it feeds nothing ahead"
+    replies = play(session, clock, SourceGate.PROBE_AFTER + 1, verify_s=0.005)
+    assert head.calls == 1, "no warm-up: quiet from the first round, then its first probe"
+    assert [r.probe_ns > 0 for r in replies] == [False] * SourceGate.PROBE_AFTER + [True]
+    assert counts.warm_ups_skipped == 1 and counts.skipped == SourceGate.PROBE_AFTER
+    assert session.work_ahead(predraft=False) and head.digested == 1, "after running, it catches up ahead"
+
+
+def test_every_eighth_new_session_warms_the_head_up_whatever_the_record_says() -> None:
+    clock = FakeClock()
+    history = GateHistory()
+    heads = sessions_of_a_head_that_never_pays(clock, history, GateHistory.RECHECK_EVERY + 1)
+    warmed = [i + 1 for i, head in enumerate(heads) if head.calls == SourceGate.WARM_ROUNDS]
+    assert warmed == [1, 2, 3, GateHistory.RECHECK_EVERY], "until the record knows enough, then the recheck"
+
+
+def test_a_head_that_paid_for_earlier_sessions_warms_up_in_new_ones_as_before() -> None:
+    clock = FakeClock()
+    history = GateHistory()
+    for _ in range(3):
+        head = Source("draft_model", RIGHT, 0.002, clock, costly=True)
+        play(session_with(clock, head, history=history), clock, SourceGate.WARM_ROUNDS + 2, verify_s=0.005)
+    assert history.pays() is True
+    counts = GateCounts()
+    head = Source("draft_model", RIGHT, 0.002, clock, costly=True)
+    replies = play(session_with(clock, head, counts=counts, history=history), clock, 6, verify_s=0.005)
+    assert head.calls == 6 and counts.warm_ups_skipped == 0
+    assert [r.probe_ns > 0 for r in replies] == [True] * SourceGate.WARM_ROUNDS + [False] * 2
+
+
+def test_a_gate_judges_on_the_record_until_its_session_has_figures_of_its_own() -> None:
+    clock = FakeClock()
+    history = GateHistory()
+    # The record: 1 token per 10 ms of drafting against 3 tokens a 10 ms round.
+    history.gain.add(1.0)
+    history.cost_s.add(0.010)
+    history.tokens.add(3.0)
+    history.round_s.add(0.010)
+    gate = SourceGate(clock, history=history)
+    assert not gate.pays(), "on the record's figures"
+    gate.committed(3, gain=9)  # this session's own gain: 9 tokens per 10 ms of the record's cost: it pays
+    assert gate.pays()
+    assert SourceGate(clock).pays(), "nothing known anywhere: run them, to find out"
