@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import statistics
 import subprocess
@@ -51,13 +50,11 @@ from specserve.block_weights import (
     quantize_q8_0,
 )
 from specserve.model_loading import default_cache_root
-from specserve.sampling import SamplingParams
 from target_service.engine_threads import serve_on_this_thread
 
 from . import machine
 from .gemm_kernels import products
-from .verify_cost import DEFAULT_MODEL, SHAPES, build_verifier, draft_tree, model_to_measure
-from .verify_cost import parse_args as verify_cost_args
+from .verify_cost import DEFAULT_MODEL, SHAPES, forms_verifier, verifies_in_turn
 
 SOURCE = "specserve/kernels/block_gemm.cpp"
 PARTS = ("attention", "products", "verify")
@@ -167,44 +164,32 @@ def verify_cases(
     builds: dict[str, ModuleType], model_name: str, sizes: list[int], context: int, reps: int, threads: int
 ) -> list[dict[str, Any]]:
     """Whole verifies with each build, alternating verify by verify: median seconds per build and size."""
-    argv = ["--model", model_name, "--dtypes", "float32", "--context", str(context)]
-    args = verify_cost_args([*argv, "--sizes", ",".join(map(str, sizes)), "--batch-sizes", "", "--reps", str(reps)])
-    # build_verifier's room: two sessions a size (its chain and tree), and a batch of len(sizes) more
-    args.batch_sizes, args.batch_draft_nodes = [len(sizes)], [max(sizes) - 1]
-    args.engine_threads = threads
-    model, label = model_to_measure(args, "float32")
-    verifier = build_verifier(model, label, args, "auto")
-    generator = torch.Generator().manual_seed(context)
-    prompt = torch.randint(0, verifier.vocab_size, (context + 1,), generator=generator).tolist()
-    committed = {}
-    for name in builds:
-        for n in sizes:
-            verifier.prefill(f"{name}{n}", prompt, SamplingParams())
-            committed[(name, n)] = len(prompt)
-    times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in sizes} for name in builds}
-    outputs: dict[str, dict[int, list[int]]] = {name: {n: [] for n in sizes} for name in builds}
+    verifier = forms_verifier(["--model", model_name, "--context", str(context)], sizes, reps + 1, threads)
     current = block_weights.block_kernels
+
+    def using(kernel: ModuleType) -> Callable[[], None]:
+        def use() -> None:
+            block_weights.block_kernels = lambda: kernel  # type: ignore[assignment]
+
+        return use
+
     try:
-        for rep in range(reps + 1):  # the first verifies of each session warm it up
-            for n in sizes:
-                # Both builds' sessions verify the same trees on the same context: their commits must agree.
-                tokens = torch.randint(0, verifier.vocab_size, (n - 1,), generator=generator).tolist()
-                for name in list(builds) if rep % 2 else list(builds)[::-1]:
-                    kernel = builds[name]
-                    block_weights.block_kernels = functools.partial(lambda k: k, kernel)  # type: ignore[assignment]
-                    start = time.perf_counter()
-                    result = verifier.verify(f"{name}{n}", committed[(name, n)], draft_tree("tree", tokens))
-                    elapsed = time.perf_counter() - start
-                    committed[(name, n)] += len(result.committed)
-                    outputs[name][n] += result.committed
-                    if rep:
-                        times[name][n].append(elapsed)
+        # The first verifies of each session warm it up. Both builds' sessions verify the same trees on the same
+        # context: their commits must agree.
+        runs = verifies_in_turn(
+            verifier, {name: using(k) for name, k in builds.items()}, sizes, context, reps, 1, context
+        )
     finally:
         block_weights.block_kernels = current
         verifier.close()
     return [
-        {"part": "verify", "rows": n, "context": context, "identical": outputs["base"][n] == outputs["current"][n]}
-        | ms({name: statistics.median(times[name][n]) for name in builds})
+        {
+            "part": "verify",
+            "rows": n,
+            "context": context,
+            "identical": runs.committed["base"][n] == runs.committed["current"][n],
+        }
+        | ms({name: statistics.median(runs.seconds[name][n]) for name in builds})
         for n in sizes
     ]
 

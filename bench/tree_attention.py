@@ -25,20 +25,15 @@ import datetime
 import json
 import os
 import statistics
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import target_service.ragged_attention as ragged_attention
-from specserve.sampling import SamplingParams
 from target_service.engine_threads import serve_on_this_thread
 
 from . import machine
-from .verify_cost import DEFAULT_MODEL, SHAPES, build_verifier, draft_tree, model_to_measure
-from .verify_cost import parse_args as verify_cost_args
+from .verify_cost import DEFAULT_MODEL, SHAPES, forms_verifier, verifies_in_turn
 
 # Each form: (the most rows a segment may attend in the kernel, whether layers may run as one kernel call).
 FORMS = {"one call": (ragged_attention.KERNEL_MAX_ROWS, True), "layers": (ragged_attention.KERNEL_MAX_ROWS, False)}
@@ -62,41 +57,23 @@ def measure(args: argparse.Namespace) -> tuple[dict[str, dict[int, list[float]]]
     """Seconds of each timed verify per form and size, and the step's description."""
     sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     shape_args = ["--shape", args.shape, "--num-layers", str(args.num_layers)] if args.shape else []
-    reps = str(2 * (args.reps + args.warmup))  # sizes the verifier's sessions for every verify of both forms
-    model_args = ["--model", args.model, *shape_args, "--dtypes", "float32", "--context", str(args.context)]
-    cost_args = verify_cost_args(
-        [*model_args, "--sizes", ",".join(map(str, sizes)), "--batch-sizes", "", "--reps", reps]
-    )
-    # build_verifier makes room for two sessions a size (verify_cost's chain and tree) and its batched ones:
-    # the third form's sessions take the room of a batch of len(sizes) sessions.
-    cost_args.batch_sizes, cost_args.batch_draft_nodes = [len(sizes)], [max(sizes) - 1]
-    cost_args.engine_threads = serve_on_this_thread()
-    model, label = model_to_measure(cost_args, "float32")
-    verifier = build_verifier(model, label, cost_args, "auto")
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, verifier.vocab_size, (args.context + 1,), generator=generator).tolist()
+    model_args = ["--model", args.model, *shape_args, "--context", str(args.context)]
+    verifier = forms_verifier(model_args, sizes, args.warmup + args.reps, serve_on_this_thread())
     runner = verifier.model_runner
-    committed: dict[tuple[str, int], int] = {}
-    for form in FORMS:
-        for n in sizes:
-            verifier.prefill(f"{form}{n}", prompt, SamplingParams())
-            committed[(form, n)] = len(prompt)
-    times: dict[str, dict[int, list[float]]] = {form: {n: [] for n in sizes} for form in FORMS}
+
+    def form(name: str) -> Callable[[], None]:
+        def use() -> None:
+            ragged_attention.KERNEL_MAX_ROWS, runner.one_call_layers = FORMS[name]
+
+        return use
+
     try:
-        for rep in range(args.warmup + args.reps):
-            for n in sizes:
-                for form in list(FORMS) if rep % 2 else list(FORMS)[::-1]:
-                    ragged_attention.KERNEL_MAX_ROWS, runner.one_call_layers = FORMS[form]
-                    tokens = torch.randint(0, verifier.vocab_size, (n - 1,), generator=generator).tolist()
-                    start = time.perf_counter()
-                    result = verifier.verify(f"{form}{n}", committed[(form, n)], draft_tree("tree", tokens))
-                    elapsed = time.perf_counter() - start
-                    committed[(form, n)] += len(result.committed)
-                    if rep >= args.warmup:
-                        times[form][n].append(elapsed)
+        runs = verifies_in_turn(
+            verifier, {name: form(name) for name in FORMS}, sizes, args.context, args.reps, args.warmup
+        )
     finally:
         ragged_attention.KERNEL_MAX_ROWS, runner.one_call_layers = FORMS["one call"]
-    return times, verifier.step_form
+    return runs.seconds, verifier.step_form
 
 
 def report(

@@ -35,7 +35,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,6 +207,67 @@ def draft_tree(shape: str, tokens: list[int]) -> TokenTree:
     if shape == "chain":
         return TokenTree.chain(tokens)
     return TokenTree(tuple(tokens), tuple(-1 if i == 0 else (i - 1) // 2 for i in range(len(tokens))))
+
+
+def forms_verifier(model_args: Sequence[str], sizes: Sequence[int], verifies: int, threads: int) -> Verifier:
+    """A float32 verifier (``--compile auto``) for ``verifies_in_turn``: room for up to three forms' sessions of
+    every size, each verifying ``verifies`` times. ``model_args``: this module's flags naming the model (or
+    shape) and the context."""
+    sizes_flag = ",".join(map(str, sizes))
+    args = parse_args(
+        [*model_args, "--dtypes", "float32", "--sizes", sizes_flag, "--batch-sizes", "", "--reps", str(verifies)]
+    )
+    # build_verifier's room: two sessions a size (this module's chain and tree), and a batch of len(sizes) more.
+    args.batch_sizes, args.batch_draft_nodes = [len(sizes)], [max(sizes) - 1]
+    args.engine_threads = threads
+    model, label = model_to_measure(args, "float32")
+    return build_verifier(model, label, args, "auto")
+
+
+@dataclass
+class FormRuns:
+    seconds: dict[str, dict[int, list[float]]]  # form -> size -> each timed verify's seconds
+    committed: dict[str, dict[int, list[int]]]  # form -> size -> every verify's committed tokens, in order
+
+
+def verifies_in_turn(
+    verifier: Verifier,
+    forms: Mapping[str, Callable[[], None]],
+    sizes: Sequence[int],
+    context: int,
+    reps: int,
+    warmup: int,
+    seed: int = 0,
+) -> FormRuns:
+    """Whole verifies of every size in each form, the forms taking turns verify by verify (their order flipping
+    each repetition), so that the machine's drift hits them alike.
+
+    Each form verifies on sessions of its own over the same random ``context`` tokens, the same random branching
+    trees; ``forms[name]()`` puts the engine in that form before each of its verifies. The first ``warmup``
+    repetitions are not timed. Forms that compute alike commit the same tokens.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, verifier.vocab_size, (context + 1,), generator=generator).tolist()
+    names = list(forms)
+    cached: dict[tuple[str, int], int] = {}
+    for name in names:
+        for n in sizes:
+            verifier.prefill(f"{name}{n}", prompt, SamplingParams())
+            cached[(name, n)] = len(prompt)
+    runs = FormRuns({name: {n: [] for n in sizes} for name in names}, {name: {n: [] for n in sizes} for name in names})
+    for rep in range(warmup + reps):
+        for n in sizes:
+            tree = draft_tree("tree", torch.randint(0, verifier.vocab_size, (n - 1,), generator=generator).tolist())
+            for name in names if rep % 2 else names[::-1]:
+                forms[name]()
+                start = time.perf_counter()
+                result = verifier.verify(f"{name}{n}", cached[(name, n)], tree)
+                elapsed = time.perf_counter() - start
+                cached[(name, n)] += len(result.committed)
+                runs.committed[name][n] += result.committed
+                if rep >= warmup:
+                    runs.seconds[name][n].append(elapsed)
+    return runs
 
 
 def measure(
