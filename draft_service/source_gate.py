@@ -56,18 +56,40 @@ class Smoothed:
         self.value = x if self.value is None else self._decay * self.value + (1 - self._decay) * x
 
 
-def _pays(gain: float | None, cost_s: float | None, tokens: float | None, round_s: float | None) -> bool | None:
-    """Whether accepted drafts per second of drafting are at least the tokens a round commits per second of it
-    (None: not all four known)."""
-    if gain is None or cost_s is None or tokens is None or not round_s:
-        return None
-    return gain * round_s >= tokens * cost_s  # gain / cost >= tokens / round_s, without dividing by zero
+class GateFigures:
+    """What a gate weighs, smoothed: tokens a round commits, a round's seconds (reply to reply, drafting
+    included), the costly sources' accepted nodes that only they drafted per run, and their drafting seconds
+    per timed run."""
+
+    def __init__(self, decay: float) -> None:
+        self.tokens = Smoothed(decay)
+        self.round_s = Smoothed(decay)
+        self.gain = Smoothed(decay)
+        self.cost_s = Smoothed(decay)
+
+    def round(self, seconds: float, tokens: int) -> None:
+        self.round_s.add(seconds)
+        self.tokens.add(tokens)
+
+    def _values(self) -> tuple[float | None, ...]:
+        return self.gain.value, self.cost_s.value, self.tokens.value, self.round_s.value
+
+    def pays(self, fallback: GateFigures | None = None) -> bool | None:
+        """Whether their accepted drafts per second of drafting are at least the tokens a round commits per
+        second of it; ``fallback``'s figure stands in for each this one lacks; None while any is unknown."""
+        values = self._values()
+        if fallback is not None:
+            values = tuple(v if v is not None else f for v, f in zip(values, fallback._values(), strict=True))
+        gain, cost_s, tokens, round_s = values
+        if gain is None or cost_s is None or tokens is None or not round_s:
+            return None
+        return gain * round_s >= tokens * cost_s  # gain / cost >= tokens / round_s, without dividing by zero
 
 
 class GateHistory:
     """A drafter's record of its costly sources over all its sessions: each new session's priors (see the module).
 
-    The same four figures as a session's gate, fed by every session's rounds and smoothed more slowly.
+    The same figures as a session's gate, fed by every session's rounds and smoothed more slowly.
     """
 
     DECAY = 0.95
@@ -75,22 +97,17 @@ class GateHistory:
     RECHECK_EVERY = 8  # every this many new sessions one warms up whatever the record says
 
     def __init__(self) -> None:
-        self.tokens = Smoothed(self.DECAY)
-        self.round_s = Smoothed(self.DECAY)
-        self.gain = Smoothed(self.DECAY)
-        self.cost_s = Smoothed(self.DECAY)
+        self.figures = GateFigures(self.DECAY)
         self.timed_runs = 0
         self._sessions = 0
 
     def timed(self, seconds: float) -> None:
-        self.cost_s.add(seconds)
+        self.figures.cost_s.add(seconds)
         self.timed_runs += 1
 
     def pays(self) -> bool | None:
         """The record's verdict; None while it knows too little."""
-        if self.timed_runs < self.MIN_TIMED_RUNS:
-            return None
-        return _pays(self.gain.value, self.cost_s.value, self.tokens.value, self.round_s.value)
+        return self.figures.pays() if self.timed_runs >= self.MIN_TIMED_RUNS else None
 
     def skips_warm_up(self) -> bool:
         """For a new session: whether it starts judged, the record saying the sources do not pay here."""
@@ -115,10 +132,8 @@ class SourceGate:
         self.clock = clock  # also times the costly sources (DraftSession)
         self.counts = counts if counts is not None else GateCounts()
         self._history = history if history is not None else GateHistory()  # the drafter's (default: its own)
-        self._tokens = Smoothed(self.DECAY)  # tokens committed per round
-        self._round_s = Smoothed(self.DECAY)  # seconds per round, reply to reply, drafting included
-        self._gain = Smoothed(self.DECAY)  # per round they ran: accepted nodes only they drafted
-        self._cost_s = Smoothed(self.DECAY)  # per round they ran the round before too: their drafting seconds
+        # Gain per round they ran; cost per round they ran the round before too (see ``ran``).
+        self._figures = GateFigures(self.DECAY)
         self._runs = 0
         self._quiet = 0  # rounds since they last ran, while they do not pay
         self._probe_after = self.PROBE_AFTER
@@ -136,15 +151,11 @@ class SourceGate:
         """The verifier's report on the last round: ``tokens`` committed, ``gain`` of them drafted only by the
         costly sources (None: they did not draft that tree). Also closes the round's time."""
         now = self.clock()
-        history = self._history
-        if self._replied_at is not None:
-            self._round_s.add(now - self._replied_at)
-            self._tokens.add(tokens)
-            history.round_s.add(now - self._replied_at)
-            history.tokens.add(tokens)
-        if gain is not None:
-            self._gain.add(gain)
-            history.gain.add(gain)
+        for figures in (self._figures, self._history.figures):
+            if self._replied_at is not None:
+                figures.round(now - self._replied_at, tokens)
+            if gain is not None:
+                figures.gain.add(gain)
 
     def opens(self) -> bool:
         """Whether the costly sources draft this round's tree (call once per drafted round)."""
@@ -167,7 +178,7 @@ class SourceGate:
         first, and one after rounds without them, begins by catching up on the features they missed (a whole
         prompt's at first), which is not what a round of theirs costs; it informs only their gain."""
         if self._ran_last:
-            self._cost_s.add(seconds)
+            self._figures.cost_s.add(seconds)
             self._history.timed(seconds)
         self._runs += 1
         self._ran_last = True
@@ -191,15 +202,5 @@ class SourceGate:
     def pays(self) -> bool:
         """On the session's own figures, the drafter's record's where the session has none yet; True while
         neither knows (run them, to find out)."""
-        history = self._history
-        own_or_record = [
-            own.value if own.value is not None else recorded.value
-            for own, recorded in (
-                (self._gain, history.gain),
-                (self._cost_s, history.cost_s),
-                (self._tokens, history.tokens),
-                (self._round_s, history.round_s),
-            )
-        ]
-        verdict = _pays(*own_or_record)
+        verdict = self._figures.pays(self._history.figures)
         return True if verdict is None else verdict

@@ -217,10 +217,9 @@ def test_a_gate_judges_on_the_record_until_its_session_has_figures_of_its_own() 
     clock = FakeClock()
     history = GateHistory()
     # The record: 1 token per 10 ms of drafting against 3 tokens a 10 ms round.
-    history.gain.add(1.0)
-    history.cost_s.add(0.010)
-    history.tokens.add(3.0)
-    history.round_s.add(0.010)
+    history.figures.gain.add(1.0)
+    history.figures.cost_s.add(0.010)
+    history.figures.round(0.010, 3)
     gate = SourceGate(clock, history=history)
     assert not gate.pays(), "on the record's figures"
     gate.committed(3, gain=9)  # this session's own gain: 9 tokens per 10 ms of the record's cost: it pays
