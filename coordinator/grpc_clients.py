@@ -37,8 +37,26 @@ from specserve.wire import (
 )
 
 PEER_STATUS_WAIT_S = 0.5
-"""Longest wait for a drafter's own status to replace the INTERNAL a failed write recorded (``_peer_code``)."""
+"""Longest wait for a peer's own status to replace the INTERNAL a failed write recorded (``peer_code``)."""
 PEER_STATUS_POLL_S = 0.01
+
+
+async def peer_code(call: grpc.aio.Call) -> grpc.StatusCode:
+    """An ended call's status code, the peer's own where a failed write stood in for it.
+
+    A write that meets a call the peer has already ended fails in gRPC core, and grpc.aio then records INTERNAL
+    ("Failed execute_batch"), with no trailers, as the call's status; the peer's status, received on its own,
+    replaces it once its completion is delivered, usually within a few turns of the event loop. So an INTERNAL
+    here is waited on, for at most PEER_STATUS_WAIT_S, before it is believed.
+    """
+    code = await call.code()
+    for _ in range(round(PEER_STATUS_WAIT_S / PEER_STATUS_POLL_S)):
+        if code != grpc.StatusCode.INTERNAL:
+            break
+        await asyncio.sleep(PEER_STATUS_POLL_S)
+        code = await call.code()
+    return code
+
 
 FEATURE_CHUNK_BYTES = 1 << 20
 """Most float16 feature bytes in one Draft stream message.
@@ -219,25 +237,9 @@ class GrpcDraftStream:
         """Whether the call ended because the drafter is shutting down (a refused new Draft stream)."""
         if not self._call.done():
             return False
-        code = await self._peer_code()
+        code = await peer_code(self._call)
         trailing = await self._call.trailing_metadata() or ()
         return code == grpc.StatusCode.UNAVAILABLE and any((k, v) in DRAINING_METADATA for k, v in trailing)
-
-    async def _peer_code(self) -> grpc.StatusCode:
-        """The ended call's status code, the drafter's own where a failed write stood in for it.
-
-        A write that meets a call the drafter has already ended fails in gRPC core, and grpc.aio then records
-        INTERNAL ("Failed execute_batch"), with no trailers, as the call's status; the drafter's status, received
-        on its own, replaces it once its completion is delivered, usually within a few turns of the event loop.
-        So an INTERNAL here is waited on, for at most PEER_STATUS_WAIT_S, before it is believed.
-        """
-        code = await self._call.code()
-        for _ in range(round(PEER_STATUS_WAIT_S / PEER_STATUS_POLL_S)):
-            if code != grpc.StatusCode.INTERNAL:
-                break
-            await asyncio.sleep(PEER_STATUS_POLL_S)
-            code = await self._call.code()
-        return code
 
     def _draining_error(self) -> DrafterDraining:
         return DrafterDraining(
