@@ -14,7 +14,8 @@
 #   make bench-forced-rows    a verifier step under token masks: rows that allow one token skip the LM head
 #   make bench-kernel-ab      the block kernel's attention and products (--parts verify: whole verifies) against BASE's
 #                             (default HEAD) in one process, in turn, bits compared (bench/out/kernel-ab/)
-#   make bench-peers          specserve against llama.cpp on the same prompts (bench/out/peers/); opt-in: it first
+#   make bench-peers          specserve (plain, speculative in one process and in three) against llama.cpp on the
+#                             same prompts (bench/out/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
 # All write to bench/out/ (git-ignored); a run is copied under bench/results/ only where a README cites it. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
 # BENCH_HEAD_ARGS / BENCH_PEERS_ARGS / BENCH_SAMPLING_ARGS / BENCH_STRUCTURED_ARGS / BENCH_FORCED_ROWS_ARGS /

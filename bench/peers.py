@@ -11,7 +11,11 @@ stopping at EOS, interleaved prompt by prompt (the order rotating):
   (``Verifier.verify`` with empty trees), the GGUF de-quantized to fp32;
 - ``plain-<dtype>``: the same in the dtype ``--dtype auto`` picks here (skipped when that is fp32);
 - ``speculative-<dtype>``: specserve's speculative decoding in process
-  (``bench.modes.InProcessMode``), in that dtype.
+  (``bench.modes.InProcessMode``), in that dtype;
+- ``distributed-<dtype>``: specserve as it is deployed, the coordinator, a drafter and a verifier (started
+  with that ``--dtype``, every other flag at its default) as three processes on loopback with the drafters'
+  Redis n-gram pool, through the client SDK (``bench.modes.DistributedMode``); ``--no-distributed`` leaves
+  it out.
 
 Reports decode and total tokens/s, each mode's ratio to llama.cpp, and whether
 llama.cpp's tokens equal specserve's fp32 plain decoding per prompt (reported,
@@ -51,8 +55,9 @@ from target_service.engine_threads import serve_on_this_thread
 from target_service.verifier import Verifier
 
 from . import machine
+from .cluster import DEFAULT_REDIS_URL, PoolBackend, choose_pool, clear_pool, start_cluster
 from .dataset import CATEGORIES, expand_categories
-from .modes import InProcessMode, Prompt
+from .modes import DistributedMode, InProcessMode, Outcome, Prompt
 from .peers_report import LLAMA_CPP, ModeResult, Run, borrow_prompt_times, leaderboard, write_outputs
 from .target import (
     FLOAT32,
@@ -104,7 +109,7 @@ class Engine(Protocol):
     engine: str
     dtype: str
 
-    def run(self, token_ids: list[int], max_new_tokens: int) -> Run: ...
+    def run(self, prompt: Prompt) -> Run: ...
 
     def close(self) -> None: ...
 
@@ -140,8 +145,9 @@ class LlamaCppEngine:
     def n_vocab(self) -> int:
         return int(self._llm.n_vocab())
 
-    def run(self, token_ids: list[int], max_new_tokens: int) -> Run:
-        out = _Output(max_new_tokens, self._eos_ids)
+    def run(self, prompt: Prompt) -> Run:
+        token_ids = prompt.token_ids
+        out = _Output(prompt.max_new_tokens, self._eos_ids)
         start = time.perf_counter_ns()
         self._llm.reset()
         self._llm.eval(token_ids[:-1])
@@ -173,13 +179,13 @@ class PlainEngine:
         self.name = f"plain-{self.dtype}"
         self._eos_ids = eos_ids
 
-    def run(self, token_ids: list[int], max_new_tokens: int) -> Run:
+    def run(self, prompt: Prompt) -> Run:
         session_id = f"peers-{uuid.uuid4().hex}"
-        out = _Output(max_new_tokens, self._eos_ids)
+        out = _Output(prompt.max_new_tokens, self._eos_ids)
         start = time.perf_counter_ns()
-        self._verifier.prefill(session_id, token_ids, GREEDY)
+        self._verifier.prefill(session_id, prompt.token_ids, GREEDY)
         prompt_ns = time.perf_counter_ns() - start
-        committed, forwards = len(token_ids), 0
+        committed, forwards = len(prompt.token_ids), 0
         try:
             while not out.done:
                 new = self._verifier.verify(session_id, committed, TokenTree()).committed
@@ -212,17 +218,48 @@ class SpeculativeEngine:
         self.dtype = dtype
         self.name = f"speculative-{dtype}"
 
-    def run(self, token_ids: list[int], max_new_tokens: int) -> Run:
-        outcome = self._mode.run(Prompt("", token_ids, max_new_tokens, GREEDY))
-        if outcome.note:
-            progress(f"[{self.name}] note: {outcome.note}")
-        return Run(outcome.tokens, outcome.eos, outcome.wall_ns, 0, outcome.rounds)
+    def run(self, prompt: Prompt) -> Run:
+        return mode_run(self.name, self._mode.run(prompt))
 
     def reset(self) -> None:
         self._mode.reset()
 
     def close(self) -> None:
         self._mode.close()
+
+
+class DistributedEngine:
+    """specserve as deployed: coordinator, drafter and verifier processes over gRPC (``bench.modes.DistributedMode``).
+
+    #30 judges speculation through the three processes against llama.cpp, so this is the figure to read
+    for it. A run times the whole request, the prefill inside the verifier included, so like the
+    in-process mode it carries ``prompt_ns`` 0 and is given the plain engine's prefill time on the same
+    prompt (the same engine call on the same tokens; ``borrow_prompt_times``). Its drafters' Redis pool
+    is emptied after the warm-up and learns from one prompt to the next, as the in-process pool does.
+    """
+
+    engine = "specserve coordinator + drafter + verifier processes over gRPC (DistributedMode)"
+
+    def __init__(self, mode: DistributedMode, dtype: str) -> None:
+        self._mode = mode
+        self.dtype = dtype
+        self.name = f"distributed-{dtype}"
+
+    def run(self, prompt: Prompt) -> Run:
+        return mode_run(self.name, self._mode.run(prompt))
+
+    def reset(self) -> None:
+        self._mode.reset()
+
+    def close(self) -> None:
+        self._mode.close()
+
+
+def mode_run(name: str, outcome: Outcome) -> Run:
+    """A ``bench.modes`` outcome as a run that did not time its own prompt (its drafting notes to the terminal)."""
+    if outcome.note:
+        progress(f"[{name}] note: {outcome.note}")
+    return Run(outcome.tokens, outcome.eos, outcome.wall_ns, 0, outcome.rounds)
 
 
 def gguf_quantization(gguf: Path) -> str:
@@ -273,8 +310,8 @@ class LlamaCppProcess:
     def _call(self, method: str, *args: Any) -> Any:
         return self._pool.submit(_llama_cpp_call, method, *args).result()
 
-    def run(self, token_ids: list[int], max_new_tokens: int) -> Run:
-        run: Run = self._call("run", token_ids, max_new_tokens)
+    def run(self, prompt: Prompt) -> Run:
+        run: Run = self._call("run", prompt)
         return run
 
     def close(self) -> None:
@@ -339,7 +376,8 @@ def measure(engines: Sequence[Engine], cases: Sequence[Case], max_new_tokens: in
     try:
         for case in cases:
             k = case.index % len(engines)
-            done = {e.name: e.run(case.token_ids, max_new_tokens) for e in [*engines[k:], *engines[:k]]}
+            prompt = Prompt(case.text, case.token_ids, max_new_tokens, GREEDY)
+            done = {e.name: e.run(prompt) for e in [*engines[k:], *engines[:k]]}
             for name, run in done.items():
                 runs[name].append(run)
             rates = ", ".join(f"{name} {len(r.tokens) / max(r.total_ns, 1) * 1e9:.1f}" for name, r in done.items())
@@ -358,7 +396,7 @@ def results_of(engines: Sequence[Engine], runs: dict[str, list[Run]], fp32_name:
         mode = ModeResult(e.name, e.engine, e.dtype, runs[e.name])
         if e.name == LLAMA_CPP or (e.name.startswith("plain-") and e.name != fp32_name):
             mode.identical_to = fp32_name
-        elif isinstance(e, SpeculativeEngine):
+        elif isinstance(e, SpeculativeEngine | DistributedEngine):
             plain = f"plain-{e.dtype}"
             mode.identical_to = plain
             mode.prompt_time_from = plain
@@ -390,6 +428,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--sources",
         default=",".join(DrafterConfig().sources),
         help=f"speculative draft sources, comma-separated from {', '.join(ALL_SOURCES)} (default: the drafter's)",
+    )
+    parser.add_argument(
+        "--distributed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run specserve's three processes (coordinator, drafter, verifier on loopback)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=DEFAULT_REDIS_URL,
+        help="the three processes' n-gram pool ('' for the drafter's in-memory one); its keys for this "
+        "vocabulary are deleted after the warm-up",
     )
     parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (the packaged GGUF) or a .gguf path")
     parser.add_argument("--out-dir", type=Path, default=Path("bench/out/peers"))
@@ -423,7 +473,8 @@ def select_cases(args: argparse.Namespace, target: TargetText) -> tuple[list[Cas
 def build_engines(
     args: argparse.Namespace, gguf: Path, target: TargetText, dtype: str, stack: ExitStack
 ) -> list[Engine]:
-    """llama.cpp, plain fp32, plain in ``dtype`` (unless fp32) and speculative in ``dtype``; the stack closes them."""
+    """llama.cpp, plain fp32, plain in ``dtype`` (unless fp32), speculative in ``dtype``, in one process and
+    (``--distributed``) in three; the stack closes them."""
     engines: list[Engine] = []
 
     def add(engine: Engine) -> None:
@@ -443,15 +494,34 @@ def build_engines(
             model, target.tokenizer, target.fingerprint, target.eos_ids, args.sources, args.engine_threads
         )
     )
+    if args.distributed:
+        add(distributed_engine(args, target, dtype, stack))
     return engines
+
+
+def distributed_engine(args: argparse.Namespace, target: TargetText, dtype: str, stack: ExitStack) -> DistributedEngine:
+    """The three processes with the verifier in ``dtype`` on ``--threads`` torch threads, the rest as ``make run``."""
+    pool: PoolBackend = choose_pool(args.redis_url)
+    args.pool = pool.description
+    progress(f"starting the coordinator, drafter and verifier ({dtype}); n-gram pool: {pool.description}")
+    log_dir = args.out_dir / "tmp" / "cluster-logs"
+    cluster = start_cluster(target.name, pool, args.threads, log_dir, verifier_args=["--dtype", dtype])
+    stack.callback(cluster.stop)
+    redis_url = pool.redis_url
+    reset = None if redis_url is None else (lambda: progress_cleared(clear_pool(redis_url, target.fingerprint)))
+    return DistributedEngine(DistributedMode(cluster.coordinator_address, dtype, reset), dtype)
+
+
+def progress_cleared(keys: int) -> None:
+    progress(f"emptied the three processes' n-gram pool ({keys} keys)")
 
 
 def warm_up(engines: Sequence[Engine], tokenizer: Any) -> None:
     """One short unrelated generation per engine (one-off start-up costs), then empty the n-gram pools."""
     ids = chat_ids(tokenizer, WARM_UP_TEXT)
     for engine in engines:
-        engine.run(ids, WARM_UP_TOKENS)
-        if isinstance(engine, SpeculativeEngine):
+        engine.run(Prompt(WARM_UP_TEXT, ids, WARM_UP_TOKENS, GREEDY))
+        if isinstance(engine, SpeculativeEngine | DistributedEngine):
             engine.reset()
 
 
@@ -473,6 +543,7 @@ def settings(
         "auto_dtype": choice.dtype,
         "auto_dtype_reason": choice.reason,
         "sources": list(args.sources),
+        "distributed_pool": getattr(args, "pool", None),
         "eos_token_ids": sorted(target.eos_ids),
         "vocab_size_tokenizer": len(target.tokenizer),
         "cases": [

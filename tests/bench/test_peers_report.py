@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -168,3 +169,42 @@ def test_the_gguf_file_name_gives_its_quantization() -> None:
     assert gguf_quantization(Path("SmolLM2-135M-Instruct.Q4_1.gguf")) == "Q4_1"
     assert gguf_quantization(Path("model-f16.gguf")) == "f16"
     assert gguf_quantization(Path("model.gguf")) == "gguf"
+
+
+def test_the_three_processes_are_compared_with_plain_decoding_and_given_its_prompt_times() -> None:
+    from bench.peers import DistributedEngine, results_of
+
+    plain = SimpleNamespace(name="plain-float32", engine="verifier", dtype="float32")
+    distributed = DistributedEngine(cast(Any, None), "float32")
+    runs = {
+        "plain-float32": [run(REFERENCE[0], 4.0, 1.0)],
+        "distributed-float32": [run(REFERENCE[0], 3.0, 0.0, rounds=50)],
+    }
+    found = {r.name: r for r in results_of(cast(Any, [plain, distributed]), runs, "plain-float32")}
+    assert found["distributed-float32"].identical_to == "plain-float32"
+    assert found["distributed-float32"].prompt_time_from == "plain-float32"
+    assert found["distributed-float32"].runs[0].prompt_ns == S  # plain decoding's prefill on the same prompt
+    assert found["plain-float32"].identical_to == ""
+
+
+def test_every_engine_is_given_the_prompts_text_as_well_as_its_token_ids() -> None:
+    """The three processes take the user's text (the coordinator applies the chat template), the others the ids."""
+    from bench.modes import Prompt
+    from bench.peers import measure
+    from bench.target import Case
+
+    seen: list[Prompt] = []
+
+    class Echo:
+        name, engine, dtype = "echo", "echo", "float32"
+
+        def run(self, prompt: Prompt) -> Run:
+            seen.append(prompt)
+            return run(prompt.token_ids, 1.0, 0.0)
+
+        def close(self) -> None:
+            pass
+
+    runs, error = measure([Echo()], [Case(0, "coding", 121, "Write a loop", [5, 6, 7])], 16)
+    assert error == "" and len(runs["echo"]) == 1
+    assert (seen[0].text, seen[0].token_ids, seen[0].max_new_tokens) == ("Write a loop", [5, 6, 7], 16)
