@@ -53,7 +53,7 @@ from target_service.kv_arena import bytes_per_token
 from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 from target_service.verifier import Verifier
 
-from . import machine
+from . import machine, speculation_ceiling
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 DTYPES = ("float32", "bfloat16")
@@ -508,6 +508,7 @@ def markdown(label: str, meta: dict[str, Any], rows: list[dict[str, float]], bat
             f"| {r['tokens']} | {r['tree_nodes']} | {r['median_ms']:.2f} | {r['p10_ms']:.2f} | {r['p90_ms']:.2f} "
             f"| {r['ratio']:.2f} | {r['tree_median_ms']:.2f} | {r['tree_ratio']:.2f} |"
         )
+    lines += ["", *speculation_ceiling.markdown({int(r["tokens"]): r["ratio"] for r in rows})]
     if batched:
         lines += ["", *batched_markdown(settings, batched)]
     return "\n".join(lines) + "\n"
