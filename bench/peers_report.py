@@ -235,14 +235,17 @@ def markdown(meta: dict[str, Any], summaries: Sequence[Summary], compared: dict[
         "tau: committed tokens (EOS included) per target forward.",
         "",
     ]
-    borrowed = [s for s in summaries if s.prompt_time_from]
-    if borrowed:
+    lenders: dict[str, list[str]] = {}
+    for s in summaries:
+        if s.prompt_time_from:
+            lenders.setdefault(s.prompt_time_from, []).append(s.mode)
+    if lenders:
         out += [
             "\\* "
             + "; ".join(
-                f"{s.mode} does not time its own prefill: its prompt time is {s.prompt_time_from}'s on the same "
+                f"{' and '.join(modes)}: no prefill timed apart, so the prompt time is {lender}'s on the same "
                 "prompt (the same engine call on the same tokens)"
-                for s in borrowed
+                for lender, modes in lenders.items()
             )
             + ".",
             "",
