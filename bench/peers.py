@@ -57,7 +57,7 @@ from target_service.verifier import Verifier
 from . import machine
 from .cluster import DEFAULT_REDIS_URL, PoolBackend, choose_pool, clear_pool, start_cluster
 from .dataset import CATEGORIES, expand_categories
-from .modes import DistributedMode, InProcessMode, Outcome, Prompt
+from .modes import DistributedMode, InProcessMode, Prompt
 from .peers_report import LLAMA_CPP, ModeResult, Run, borrow_prompt_times, leaderboard, write_outputs
 from .target import (
     FLOAT32,
@@ -202,64 +202,39 @@ class PlainEngine:
         self._verifier.close()
 
 
-class SpeculativeEngine:
-    """specserve's speculative decoding in process: ``bench.modes.InProcessMode`` (services' defaults).
+class ModeEngine:
+    """specserve's speculative decoding through a ``bench.modes`` mode: in process (``InProcessMode``, the
+    services' defaults; named ``speculative-<dtype>``) or as deployed, the coordinator, drafter and verifier
+    processes over gRPC (``DistributedMode``; ``distributed-<dtype>``, the figure #30 reads against llama.cpp).
 
-    The mode does not time its prefill apart, so its runs carry ``prompt_ns``
-    0; the harness puts in the plain engine's prefill time on the same prompt
-    in the same dtype (``borrow_prompt_times``). Its n-gram pool starts empty
-    after the warm-up and learns from one prompt to the next, as in ``bench.run``.
+    Neither times its prefill apart (a distributed run times the whole request, the verifier's prefill
+    inside it), so runs carry ``prompt_ns`` 0 and the harness puts in the plain engine's prefill time on the
+    same prompt in the same dtype (``borrow_prompt_times``). The n-gram pool (the in-process drafter's, or the
+    drafters' Redis pool) is emptied after the warm-up and learns from one prompt to the next, as in
+    ``bench.run``.
     """
 
-    engine = "specserve in process: drafter + round loop (InProcessMode)"
-
-    def __init__(self, mode: InProcessMode, dtype: str) -> None:
+    def __init__(self, mode: InProcessMode | DistributedMode, dtype: str) -> None:
         self._mode = mode
         self.dtype = dtype
-        self.name = f"speculative-{dtype}"
+        if isinstance(mode, DistributedMode):
+            self.name = f"distributed-{dtype}"
+            self.engine = "specserve coordinator + drafter + verifier processes over gRPC (DistributedMode)"
+        else:
+            self.name = f"speculative-{dtype}"
+            self.engine = "specserve in process: drafter + round loop (InProcessMode)"
 
     def run(self, prompt: Prompt) -> Run:
-        return mode_run(self.name, self._mode.run(prompt))
+        outcome = self._mode.run(prompt)
+        if outcome.note:
+            progress(f"[{self.name}] note: {outcome.note}")
+        return Run(outcome.tokens, outcome.eos, outcome.wall_ns, 0, outcome.rounds)
 
     def reset(self) -> None:
         self._mode.reset()
 
     def close(self) -> None:
         self._mode.close()
-
-
-class DistributedEngine:
-    """specserve as deployed: coordinator, drafter and verifier processes over gRPC (``bench.modes.DistributedMode``).
-
-    #30 judges speculation through the three processes against llama.cpp, so this is the figure to read
-    for it. A run times the whole request, the prefill inside the verifier included, so like the
-    in-process mode it carries ``prompt_ns`` 0 and is given the plain engine's prefill time on the same
-    prompt (the same engine call on the same tokens; ``borrow_prompt_times``). Its drafters' Redis pool
-    is emptied after the warm-up and learns from one prompt to the next, as the in-process pool does.
-    """
-
-    engine = "specserve coordinator + drafter + verifier processes over gRPC (DistributedMode)"
-
-    def __init__(self, mode: DistributedMode, dtype: str) -> None:
-        self._mode = mode
-        self.dtype = dtype
-        self.name = f"distributed-{dtype}"
-
-    def run(self, prompt: Prompt) -> Run:
-        return mode_run(self.name, self._mode.run(prompt))
-
-    def reset(self) -> None:
-        self._mode.reset()
-
-    def close(self) -> None:
-        self._mode.close()
-
-
-def mode_run(name: str, outcome: Outcome) -> Run:
-    """A ``bench.modes`` outcome as a run that did not time its own prompt (its drafting notes to the terminal)."""
-    if outcome.note:
-        progress(f"[{name}] note: {outcome.note}")
-    return Run(outcome.tokens, outcome.eos, outcome.wall_ns, 0, outcome.rounds)
 
 
 def gguf_quantization(gguf: Path) -> str:
@@ -356,7 +331,7 @@ def gguf_path(source: ModelSource) -> Path:
 
 def speculative_engine(
     model: Any, tokenizer: Any, fingerprint: str, eos_ids: frozenset[int], sources: tuple[str, ...], threads: int = 0
-) -> SpeculativeEngine:
+) -> ModeEngine:
     try:
         # The head the drafter's config names by default (not $SPECSERVE_DRAFT_HEAD), in the dtype it would pick.
         path = Path(DrafterConfig().draft_head_path)
@@ -364,7 +339,7 @@ def speculative_engine(
     except DraftHeadError as exc:
         raise SystemExit(f"error: the draft_model source needs its head: {exc} (or pass --sources)") from exc
     mode = InProcessMode(model, tokenizer, fingerprint, eos_ids, sources, head, threads=threads)
-    return SpeculativeEngine(mode, model_dtype(model))
+    return ModeEngine(mode, model_dtype(model))
 
 
 def measure(engines: Sequence[Engine], cases: Sequence[Case], max_new_tokens: int) -> tuple[dict[str, list[Run]], str]:
@@ -396,7 +371,7 @@ def results_of(engines: Sequence[Engine], runs: dict[str, list[Run]], fp32_name:
         mode = ModeResult(e.name, e.engine, e.dtype, runs[e.name])
         if e.name == LLAMA_CPP or (e.name.startswith("plain-") and e.name != fp32_name):
             mode.identical_to = fp32_name
-        elif isinstance(e, SpeculativeEngine | DistributedEngine):
+        elif isinstance(e, ModeEngine):
             plain = f"plain-{e.dtype}"
             mode.identical_to = plain
             mode.prompt_time_from = plain
@@ -499,7 +474,7 @@ def build_engines(
     return engines
 
 
-def distributed_engine(args: argparse.Namespace, target: TargetText, dtype: str, stack: ExitStack) -> DistributedEngine:
+def distributed_engine(args: argparse.Namespace, target: TargetText, dtype: str, stack: ExitStack) -> ModeEngine:
     """The three processes with the verifier in ``dtype`` on ``--threads`` torch threads, the rest as ``make run``."""
     pool: PoolBackend = choose_pool(args.redis_url)
     args.pool = pool.description
@@ -509,7 +484,7 @@ def distributed_engine(args: argparse.Namespace, target: TargetText, dtype: str,
     stack.callback(cluster.stop)
     redis_url = pool.redis_url
     reset = None if redis_url is None else (lambda: progress_cleared(clear_pool(redis_url, target.fingerprint)))
-    return DistributedEngine(DistributedMode(cluster.coordinator_address, dtype, reset), dtype)
+    return ModeEngine(DistributedMode(cluster.coordinator_address, dtype, reset), dtype)
 
 
 def progress_cleared(keys: int) -> None:
@@ -521,7 +496,7 @@ def warm_up(engines: Sequence[Engine], tokenizer: Any) -> None:
     ids = chat_ids(tokenizer, WARM_UP_TEXT)
     for engine in engines:
         engine.run(Prompt(WARM_UP_TEXT, ids, WARM_UP_TOKENS, GREEDY))
-        if isinstance(engine, SpeculativeEngine | DistributedEngine):
+        if isinstance(engine, ModeEngine):
             engine.reset()
 
 

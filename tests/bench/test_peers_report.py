@@ -172,10 +172,11 @@ def test_the_gguf_file_name_gives_its_quantization() -> None:
 
 
 def test_the_three_processes_are_compared_with_plain_decoding_and_given_its_prompt_times() -> None:
-    from bench.peers import DistributedEngine, results_of
+    from bench.modes import DistributedMode
+    from bench.peers import ModeEngine, results_of
 
     plain = SimpleNamespace(name="plain-float32", engine="verifier", dtype="float32")
-    distributed = DistributedEngine(cast(Any, None), "float32")
+    distributed = ModeEngine(DistributedMode.__new__(DistributedMode), "float32")  # a mode never run here
     runs = {
         "plain-float32": [run(REFERENCE[0], 4.0, 1.0)],
         "distributed-float32": [run(REFERENCE[0], 3.0, 0.0, rounds=50)],
