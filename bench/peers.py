@@ -426,6 +426,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     args.sources = tuple(s.strip() for s in args.sources.split(",") if s.strip())
+    args.distributed_pool = None
     if not args.sources or not set(args.sources) <= set(ALL_SOURCES):
         parser.error(f"--sources: choose from {', '.join(ALL_SOURCES)}")
     if min(args.prompts, args.max_new_tokens, args.threads, args.n_ctx) < 1:
@@ -477,7 +478,7 @@ def build_engines(
 def distributed_engine(args: argparse.Namespace, target: TargetText, dtype: str, stack: ExitStack) -> ModeEngine:
     """The three processes with the verifier in ``dtype`` on ``--threads`` torch threads, the rest as ``make run``."""
     pool: PoolBackend = choose_pool(args.redis_url)
-    args.pool = pool.description
+    args.distributed_pool = pool.description  # for the report's settings
     progress(f"starting the coordinator, drafter and verifier ({dtype}); n-gram pool: {pool.description}")
     log_dir = args.out_dir / "tmp" / "cluster-logs"
     cluster = start_cluster(target.name, pool, args.threads, log_dir, verifier_args=["--dtype", dtype])
@@ -518,7 +519,7 @@ def settings(
         "auto_dtype": choice.dtype,
         "auto_dtype_reason": choice.reason,
         "sources": list(args.sources),
-        "distributed_pool": getattr(args, "pool", None),
+        "distributed_pool": args.distributed_pool,  # None where the three processes did not run
         "eos_token_ids": sorted(target.eos_ids),
         "vocab_size_tokenizer": len(target.tokenizer),
         "cases": [
