@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -70,6 +70,19 @@ def clear_pool(redis_url: str, fingerprint: str) -> int:
         return deleted
     finally:
         client.close()
+
+
+def pool_reset(pool: PoolBackend, fingerprint: str, keep: bool = False) -> Callable[[], None] | None:
+    """What empties ``pool``'s n-gram keys of one vocabulary (``clear_pool``) before measuring; None where there is
+    nothing to empty (the drafter's in-memory pool) or the caller keeps what the pool learned."""
+    redis_url = pool.redis_url
+    if redis_url is None or keep:
+        return None
+
+    def reset() -> None:
+        clear_pool(redis_url, fingerprint)
+
+    return reset
 
 
 class ClusterStartError(RuntimeError):

@@ -55,7 +55,7 @@ from target_service.engine_threads import serve_on_this_thread
 from target_service.verifier import Verifier
 
 from . import machine
-from .cluster import DEFAULT_REDIS_URL, PoolBackend, choose_pool, clear_pool, start_cluster
+from .cluster import DEFAULT_REDIS_URL, PoolBackend, choose_pool, pool_reset, start_cluster
 from .dataset import CATEGORIES, expand_categories
 from .modes import DistributedMode, InProcessMode, Prompt
 from .peers_report import LLAMA_CPP, ModeResult, Run, borrow_prompt_times, leaderboard, write_outputs
@@ -483,13 +483,7 @@ def distributed_engine(args: argparse.Namespace, target: TargetText, dtype: str,
     log_dir = args.out_dir / "tmp" / "cluster-logs"
     cluster = start_cluster(target.name, pool, args.threads, log_dir, verifier_args=["--dtype", dtype])
     stack.callback(cluster.stop)
-    redis_url = pool.redis_url
-    reset = None if redis_url is None else (lambda: progress_cleared(clear_pool(redis_url, target.fingerprint)))
-    return ModeEngine(DistributedMode(cluster.coordinator_address, dtype, reset), dtype)
-
-
-def progress_cleared(keys: int) -> None:
-    progress(f"emptied the three processes' n-gram pool ({keys} keys)")
+    return ModeEngine(DistributedMode(cluster.coordinator_address, dtype, pool_reset(pool, target.fingerprint)), dtype)
 
 
 def warm_up(engines: Sequence[Engine], tokenizer: Any) -> None:

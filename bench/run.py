@@ -44,8 +44,8 @@ from .cluster import (
     ClusterStartError,
     PoolBackend,
     choose_pool,
-    clear_pool,
     other_database,
+    pool_reset,
     start_cluster,
 )
 from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
@@ -328,7 +328,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 cpus=cpus,
             )
             stack.callback(cluster.stop)
-            reset = _pool_reset(own_pool, target, args.keep_pool)
+            reset = pool_reset(own_pool, target.fingerprint, args.keep_pool)
             mode = DistributedMode(cluster.coordinator_address, target.dtype, reset, name=name)
         if args.pinning is not None:  # in-process modes on the verifier's CPUs, the client on the others
             in_process = not isinstance(mode, DistributedMode)
@@ -347,17 +347,6 @@ def uses_head(modes: Sequence[str]) -> bool:
         elif name not in (*PLAIN_MODES, "hf-pld"):
             return True
     return False
-
-
-def _pool_reset(pool: PoolBackend, target: Target, keep: bool) -> Callable[[], None] | None:
-    redis_url = pool.redis_url
-    if redis_url is None or keep:
-        return None
-
-    def reset() -> None:
-        clear_pool(redis_url, target.fingerprint)
-
-    return reset
 
 
 def fill_pools(
