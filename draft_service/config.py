@@ -33,7 +33,8 @@ class DrafterConfig:
     # The draft_model source: a draft head trained for this target (`make train-draft`).
     draft_head_path: str = str(DEFAULT_DRAFT_HEAD)
     target_model: str = DEFAULT_MODEL  # whose embedding and LM head the head reads (name or local path)
-    head_dtype: str = "auto"  # the head's compute dtype; auto: bf16 where the CPU runs it natively (AMX, AVX512-BF16)
+    device: str = "cpu"  # where the head, its per-session state and the tree expansion run: cpu, cuda, cuda:N
+    head_dtype: str = "auto"  # the head's compute dtype; auto: bf16 on a GPU, or where the CPU runs it natively
     head_logits_matmul: str = "auto"  # --head-matmul; auto: packed or int8 products, whichever times faster here
     tree_depth: int = 4  # dynamic tree: levels, children per expanded node, nodes expanded per level
     tree_branching: int = 4

@@ -167,9 +167,13 @@ class DraftHead(nn.Module):
         last_logits_only: bool = False,
     ) -> HeadOutput:
         """What ``forward`` computes for one session's rows, on the serving path (``head_layer.HeadStep``:
-        fused, prepacked products and an in-place cache); outputs carry a batch dimension of 1."""
+        fused, prepacked products and an in-place cache); outputs carry a batch dimension of 1. Inputs may come
+        from the host: they are moved to the head's device (a no-op where they are there already)."""
         if self._step is None or not self._step.serves(self):
             self._step = self._new_step()
+        device = self.draft_lm_head.device
+        features, next_tokens, positions = (t.to(device) for t in (features, next_tokens, positions))
+        allowed = None if allowed is None else allowed.to(device)
         predicted, logits = self._step(features, next_tokens, positions, cache, allowed, last_logits_only)
         return HeadOutput(predicted[None], logits[None], cache)
 
@@ -282,15 +286,16 @@ def load_state(head: DraftHead, payload: dict[str, Any], path: Path) -> None:
 
 
 def in_serving_dtype(
-    head: DraftHead, requested: str = "auto", head_matmul: str = "auto"
+    head: DraftHead, requested: str = "auto", head_matmul: str = "auto", device: str | torch.device = "cpu"
 ) -> tuple[DraftHead, DtypeChoice]:
-    """``head`` in the dtype the drafter computes in (``--head-dtype``; auto: bf16 where the CPU runs it natively),
-    its products packed in that dtype as ``head_matmul`` says (``--head-matmul``; auto: the faster kernel here).
+    """``head`` on ``device`` (``--device``) in the dtype the drafter computes in (``--head-dtype``; auto: bf16 on
+    a GPU or where the CPU runs it natively), its products packed in that dtype as ``head_matmul`` says
+    (``--head-matmul``; auto: the faster kernel here; a GPU's products are F.linear).
 
     Loaded heads are fp32 (``load_draft_head``); the benchmarks call this too, so they draft as the service does.
     """
-    choice = choose_dtype(requested, "cpu")
-    head = head.to(getattr(torch, choice.dtype))
+    choice = choose_dtype(requested, str(device))
+    head = head.to(device=device, dtype=getattr(torch, choice.dtype))
     head.pack_products(head_matmul)
     return head, choice
 

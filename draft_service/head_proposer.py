@@ -44,10 +44,9 @@ verifier checks them against its own keyed sample, so output never changes.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -59,7 +58,6 @@ from specserve.probs import target_probs
 from specserve.results import DraftFeedback
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import ROOT, TokenTree
-from specserve.tree_masks import ancestor_matrix
 
 
 class FeatureLog:
@@ -126,6 +124,8 @@ class HeadProposer:
         self._dtype = head.draft_lm_head.dtype  # the target's features arrive in fp32
         self.features = FeatureLog()  # the target's features at the committed positions, as reported
         self._shape = shape
+        self._device = head.draft_lm_head.device  # where its cache and the tree's growth live
+        self._prunes = self._device.type == "cpu"  # see ``_placeable``
         self._cache = HeadCache()
         self._fed = 0  # committed positions fed to the head with the target's own features
         # Head outputs (feature [hidden], draft logits) at the last position fed with a real feature, then at
@@ -214,103 +214,138 @@ class HeadProposer:
             self._speculative.append(token)
 
     def _grow(self, budget: int, first_position: int) -> TokenTree:
-        """The tree after the context; its root's children are at sequence position ``first_position``."""
+        """The tree after the context; its root's children are at sequence position ``first_position``.
+
+        Each level is a few tensor operations on the head's device over the whole frontier at once: every
+        frontier node's top-k children, their cumulative log probabilities, the next frontier as the likeliest
+        of them, and one head step over it with its tree mask. The nodes come to the host once, at the end.
+        """
         # The best ``budget`` nodes are closed under parents (a path's probability only falls), so they lie
         # within ``budget`` levels and among each level's ``budget`` likeliest nodes: a small budget (the
         # verifier's, under load) grows a small tree and runs fewer head forwards, losing nothing.
         depth = min(self._shape.depth, budget)
         beam = min(self._shape.beam, budget)
         context = self._fed + len(self._speculative)  # cache entries every tree node sees
-        nodes: list[_Node] = []
-        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {ROOT: self._outputs[-1]}
-        frontier = [ROOT]
-        tree_entries: list[int] = []  # node index of each tree node's cache entry, in cache order
-        seed = None if self._coupled is None else self._coupled.seed
-        noise = None if seed is None else PositionNoise(seed, first_position)
+        features, logits = (t[None] for t in self._outputs[-1])  # [f, hidden], [f, vocab]: the frontier's outputs
+        frontier = torch.full((1,), ROOT, dtype=torch.long, device=self._device)  # its nodes' indices
+        cumulative = torch.zeros(1, dtype=torch.float64, device=self._device)  # their paths' log probabilities
+        # [f, entries]: the tree's cache entries (frontier nodes of earlier levels) on each frontier node's path.
+        paths = torch.zeros(1, 0, dtype=torch.bool, device=self._device)
+        levels: list[_Level] = []
+        gumbels = self._level_noise(depth, first_position)
         for level in range(1, depth + 1):
-            children: list[int] = []
-            # One noise vector a level: every node at depth `level` sits at the same sequence position.
-            gumbel = None if noise is None else noise.gumbel(level - 1, self._draft_ids)
-            for parent in frontier:
-                children += self._expand(parent, outputs[parent][1], nodes, level, gumbel)
-            if level == depth or not children:
+            children = self._children(logits, frontier, cumulative, None if gumbels is None else gumbels[level - 1])
+            first = sum(len(done.tokens) for done in levels)
+            levels.append(children)
+            if level == depth:
                 break
-            frontier = _can_place(nodes, sorted(children, key=lambda i: -nodes[i].log_prob)[:beam], budget)
-            if not frontier:
-                break  # no child of theirs could be among the best ``budget``: the forward would be wasted
-            self._forward_level(frontier, nodes, outputs, tree_entries, context)
+            chosen = torch.topk(children.cumulative, min(beam, len(children.tokens))).indices
+            if self._prunes:
+                chosen = _placeable(levels, chosen, budget)
+                if not len(chosen):
+                    break  # no child of theirs could be among the best ``budget``: the forward would be wasted
+            rows = torch.div(chosen, self._shape.branching, rounding_mode="floor")  # each chosen node's parent row
+            features, logits = self._forward_level(
+                features[rows], children.tokens[chosen], paths[rows], context + level - 1, context
+            )
+            frontier, cumulative = first + chosen, children.cumulative[chosen]
+            paths = torch.cat([paths[rows], torch.eye(len(chosen), dtype=torch.bool, device=self._device)], dim=1)
         truncate_cache(self._cache, context)
-        return _best_subtree(nodes, budget)
+        return _best_subtree(_on_host(levels), budget)
 
-    def _expand(
+    def _level_noise(self, depth: int, first_position: int) -> torch.Tensor | None:
+        """Coupled drafts: the target's keyed noise at each level's position, [depth, vocab] on the head's device
+        in one copy (None: greedy drafts). One vector a level: every node at one depth sits at one position."""
+        if self._coupled is None or self._coupled.seed is None:
+            return None
+        noise = PositionNoise(self._coupled.seed, first_position)
+        return torch.stack([noise.gumbel(level, self._draft_ids) for level in range(depth)]).to(self._device)
+
+    def _children(
         self,
-        parent: int,
-        logits: torch.Tensor,
-        nodes: list[_Node],
-        depth: int,
-        gumbel: torch.Tensor | None = None,
-    ) -> list[int]:
-        """Add ``parent``'s children: q's top-k, or with ``gumbel`` (coupled) the Gumbel top-k under q."""
+        logits: torch.Tensor,  # [f, vocab]: the frontier nodes' draft logits
+        frontier: torch.Tensor,  # [f]: their node indices (ROOT for the root)
+        cumulative: torch.Tensor,  # [f]: their paths' log probabilities
+        gumbel: torch.Tensor | None = None,  # [vocab]: the level's keyed noise (coupled drafts)
+    ) -> _Level:
+        """Every frontier node's ``branching`` children, parent by parent: q's top-k, or with ``gumbel``
+        (coupled) the Gumbel top-k under q, each carrying the q of its rank."""
         if gumbel is None:
-            log_q = torch.log_softmax(logits.float(), dim=-1)
-            top = torch.topk(log_q, self._shape.branching)
-            chosen, log_probs = top.indices, top.values.tolist()
+            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self._shape.branching, dim=-1)
+            chosen, log_q = top.indices, top.values.double()
         else:
             assert self._coupled is not None
             # q as the target's own p is shaped: the session's temperature, top-k and top-p.
-            log_q = torch.log(target_probs(logits[None], self._coupled)[0])
-            top = torch.topk(log_q.double() + gumbel.to(log_q.device), self._shape.branching)
-            chosen = top.indices[top.values > float("-inf")]  # never a token q has no mass for
-            log_probs = torch.topk(log_q, chosen.numel()).values.tolist()  # rank r: the r-th largest q
-        base = 0.0 if parent == ROOT else nodes[parent].log_prob
-        tokens = self._head.draft_vocab[chosen].tolist()
-        first = len(nodes)
-        for token, log_p in zip(tokens, log_probs, strict=True):
-            nodes.append(_Node(token, parent, max(math.exp(log_p), 1e-12), base + log_p, depth))
-        return list(range(first, len(nodes)))
+            shaped = torch.log(target_probs(logits, self._coupled))
+            top = torch.topk(shaped.double() + gumbel, self._shape.branching, dim=-1)
+            chosen = top.indices
+            log_q = torch.topk(shaped, self._shape.branching, dim=-1).values.double()  # rank r: the r-th largest q
+            log_q = log_q.masked_fill(top.values == float("-inf"), float("-inf"))  # never a token q has no mass for
+        count = chosen.numel()
+        return _Level(
+            tokens=self._head.draft_vocab[chosen].reshape(count),
+            parents=frontier.repeat_interleave(self._shape.branching),
+            log_q=log_q.reshape(count),
+            cumulative=(cumulative[:, None] + log_q).reshape(count),
+        )
 
     def _forward_level(
         self,
-        level: list[int],
-        nodes: list[_Node],
-        outputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
-        tree_entries: list[int],
-        context: int,
-    ) -> None:
-        """Run the head on ``level``'s nodes at once; each sees the ``context`` entries and its own ancestors."""
-        features = torch.stack([outputs[nodes[i].parent][0] for i in level])
-        tokens = torch.tensor([nodes[i].token for i in level])
-        positions = torch.tensor([context + nodes[i].depth - 1 for i in level])
-        cached = context + len(tree_entries)
-        allowed = torch.zeros(len(level), cached + len(level), dtype=torch.bool)
-        allowed[:, :context] = True
-        if tree_entries:  # earlier levels' entries: each row sees its own ancestors among them
-            parents = torch.tensor([node.parent for node in nodes])
-            ancestors = ancestor_matrix(parents, max(node.depth for node in nodes))
-            allowed[:, context:cached] = ancestors[level][:, tree_entries]
-        allowed[:, cached:] = torch.eye(len(level), dtype=torch.bool)
+        features: torch.Tensor,  # [n, hidden]: each node's parent's predicted feature
+        tokens: torch.Tensor,  # [n]: the nodes' tokens
+        paths: torch.Tensor,  # [n, entries]: the tree's cache entries on each node's path (its ancestors')
+        position: int,  # the nodes' sequence position (one depth: one position)
+        context: int,  # cache entries every node sees
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the head on one level's nodes at once; each sees the context, its ancestors and itself. Returns
+        their predicted features [n, hidden] and draft logits [n, vocab]; their entries stay in the cache."""
+        rows, entries = paths.shape
+        allowed = torch.ones(rows, context + entries + rows, dtype=torch.bool, device=self._device)
+        allowed[:, context : context + entries] = paths
+        allowed[:, context + entries :] = torch.eye(rows, dtype=torch.bool, device=self._device)
+        positions = torch.full((rows,), position, dtype=torch.long, device=self._device)
         out = self._head.step(features, tokens, positions, self._cache, allowed)
-        for row, node in enumerate(level):
-            outputs[node] = (out.features[0, row], out.logits[0, row])
-        tree_entries.extend(level)
+        return out.features[0], out.logits[0]
 
 
-def _can_place(nodes: list[_Node], frontier: list[int], budget: int) -> list[int]:
-    """The frontier nodes whose children could still be among the ``budget`` most probable nodes.
+@dataclass(frozen=True)
+class _Level:
+    """One depth's nodes on the head's device, [n] each, in the order their parents were expanded."""
+
+    tokens: torch.Tensor  # target token ids
+    parents: torch.Tensor  # index of each node's parent among all the tree's nodes (ROOT: the root's)
+    log_q: torch.Tensor  # log of the draft probability given the parent (-inf: no draft, q had no mass)
+    cumulative: torch.Tensor  # log of the path's draft probability
+
+
+def _on_host(levels: list[_Level]) -> list[_Node]:
+    """The levels' nodes as host values: the round's one transfer from the head's device."""
+    columns = [torch.cat([getattr(level, column.name).double() for level in levels]) for column in fields(_Level)]
+    tokens, parents, log_q, cumulative = torch.stack(columns).cpu().tolist()
+    depths = [depth for depth, level in enumerate(levels, start=1) for _ in range(len(level.tokens))]
+    return [
+        _Node(int(token), int(parent), max(math.exp(lq), 1e-12), cum, depth)
+        for token, parent, lq, cum, depth in zip(tokens, parents, log_q, cumulative, depths, strict=True)
+    ]
+
+
+def _placeable(levels: list[_Level], chosen: torch.Tensor, budget: int) -> torch.Tensor:
+    """The chosen nodes of the last level whose children could still be among the ``budget`` most probable.
 
     A child's path is no more probable than its parent's, and at equal probability the deeper node ranks
     after (``_best_subtree``): a parent no more probable than the ``budget``-th best node has no child that
-    makes the cut, so expanding it (a head forward, when it is the whole frontier) changes no tree.
+    makes the cut, so expanding it (a head forward, when it is the whole frontier) changes no tree. It reads a
+    value on the host, so only a CPU head, where that costs nothing, prunes; a GPU's rows are nearly free.
     """
-    if len(nodes) < budget:
-        return frontier
-    kth = heapq.nlargest(budget, (node.log_prob for node in nodes))[-1]
-    return [i for i in frontier if nodes[i].log_prob > kth]
+    every = torch.cat([level.cumulative for level in levels])
+    kth = torch.topk(every, budget).values[-1] if len(every) >= budget else float("-inf")
+    return chosen[levels[-1].cumulative[chosen] > kth]
 
 
 def _best_subtree(nodes: list[_Node], budget: int) -> TokenTree:
     """The ``budget`` most probable nodes, parents before children, with their probabilities."""
-    ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].log_prob, nodes[i].depth, i))[:budget]
+    drafts = (i for i in range(len(nodes)) if nodes[i].log_prob > float("-inf"))
+    ranked = sorted(drafts, key=lambda i: (-nodes[i].log_prob, nodes[i].depth, i))[:budget]
     order: list[int] = []
     position: dict[int, int] = {}
     # Shallow first; a node whose parent did not make the cut (float ties only) is left out.

@@ -76,6 +76,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
         help="the target the head was trained for (its embedding and LM head are loaded)",
     )
     parser.add_argument(
+        "--device",
+        default=env("SPECSERVE_DRAFTER_DEVICE", defaults.device),
+        help="where the draft head, its per-session state and its tree expansion run: cpu, cuda or cuda:N "
+        "(the n-gram sources run on the host either way)",
+    )
+    parser.add_argument(
         "--head-dtype",
         default=env("SPECSERVE_HEAD_DTYPE", defaults.head_dtype),
         choices=["auto", "float32", "bfloat16"],
@@ -153,9 +159,33 @@ def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
     unknown = set(values["sources"]) - set(ALL_SOURCES)
     if unknown:
         parser.error(f"unknown draft sources {sorted(unknown)}; choose from {', '.join(ALL_SOURCES)}")
+    try:
+        values["device"] = str(drafter_device(values["device"]))
+    except ValueError as exc:
+        parser.error(str(exc))
     if values["max_namespaces"] < 1:
         parser.error("--max-namespaces must be at least 1")
     return DrafterConfig(**values), args.log_level
+
+
+def drafter_device(name: str) -> torch.device:
+    """``--device`` as a torch device this process can use; ValueError saying what to pass instead."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {name!r} is not a device: pass cpu, cuda or cuda:N") from exc
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {name!r}: the drafter runs on cpu or cuda devices only")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this process sees no CUDA device; pass --device cpu")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {name}: this process sees {torch.cuda.device_count()} CUDA device(s), "
+            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )
+    return device
 
 
 def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple[Drafter, PoolRegistry]:
@@ -201,10 +231,11 @@ def load_head(config: DrafterConfig) -> DraftHead:
     head, _ = load_draft_head(
         Path(config.draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
     )
-    head, dtype = in_serving_dtype(head, config.head_dtype, config.head_logits_matmul)
+    head, dtype = in_serving_dtype(head, config.head_dtype, config.head_logits_matmul, config.device)
     log.info(
-        "draft head %s runs in %s (%s); its products: %s",
+        "draft head %s runs on %s in %s (%s); its products: %s",
         config.draft_head_path,
+        config.device,
         dtype.dtype,
         dtype.reason,
         head.products,

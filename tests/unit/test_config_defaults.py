@@ -142,3 +142,22 @@ def test_one_tenant_gets_half_the_slots_by_default_when_callers_authenticate() -
     )
     # Without keys every caller is the one anonymous tenant: a share would only halve the coordinator.
     assert admission_limits(coordinator_main.parse_config(["--max-concurrent-streams", "4"])[0]).tenant_max_running == 0
+
+
+def test_the_drafter_takes_its_device_from_the_flag_or_the_environment_and_refuses_what_it_cannot_use(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert drafter_main.parse_config(["--device", "cpu"])[0].device == "cpu"
+    monkeypatch.setenv("SPECSERVE_DRAFTER_DEVICE", "cpu")
+    assert drafter_main.parse_config([])[0].device == "cpu"
+    monkeypatch.setattr(drafter_main.torch.cuda, "is_available", lambda: False)
+    for device, says in (("cuda", "sees no CUDA device; pass --device cpu"), ("gpu0", "pass cpu, cuda or cuda:N")):
+        with pytest.raises(SystemExit):
+            drafter_main.parse_config(["--device", device])
+        assert says in capsys.readouterr().err
+    monkeypatch.setattr(drafter_main.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(drafter_main.torch.cuda, "device_count", lambda: 2)
+    assert drafter_main.parse_config(["--device", "cuda:1"])[0].device == "cuda:1"
+    with pytest.raises(SystemExit):
+        drafter_main.parse_config(["--device", "cuda:2"])
+    assert "cuda:0 to cuda:1" in capsys.readouterr().err

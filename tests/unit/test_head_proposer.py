@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,7 +13,6 @@ from transformers import DynamicCache
 
 from bench.inproc import InProcessDrafter, InProcessVerifier
 from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
-from draft_service import head_proposer
 from draft_service.draft_head import DraftHead, in_serving_dtype
 from draft_service.drafter import Drafter, PredraftCounts
 from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
@@ -108,26 +108,27 @@ def test_levels_that_cannot_place_a_node_are_not_run_and_the_trees_stay_the_same
     head: DraftHead, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A level is expanded only by frontier nodes more probable than the ``budget``-th best node so far: any
-    child of the others ranks after it, so the trees are the ones a full expansion gives, with fewer forwards."""
+    child of the others ranks after it, so the trees are the ones a full expansion gives (a GPU head's, which
+    does not prune), with fewer forwards."""
     generator = torch.Generator().manual_seed(5)
     contexts = [torch.randint(1, VOCAB, (8,), generator=generator).tolist() for _ in range(6)]
     full_level = HeadProposer._forward_level
+    count = [0]
+
+    def counting(self: HeadProposer, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        count[0] += 1
+        return full_level(self, *args)
+
+    monkeypatch.setattr(HeadProposer, "_forward_level", counting)
     trees: dict[bool, list[TokenTree]] = {}
     forwards: dict[bool, int] = {}
     for prune in (True, False):
-        count = [0]
-
-        def counting(self: HeadProposer, *args: object, counter: list[int] = count) -> None:
-            counter[0] += 1
-            full_level(self, *args)  # type: ignore[arg-type]
-
-        monkeypatch.setattr(HeadProposer, "_forward_level", counting)
-        if not prune:
-            monkeypatch.setattr(head_proposer, "_can_place", lambda nodes, frontier, budget: frontier)
+        count[0] = 0
         trees[prune] = []
         for tokens in contexts:
             for budget in (2, 4, 8, 24):
                 proposer = HeadProposer(head, TreeShape(depth=4, branching=4, beam=4, max_nodes=24))
+                proposer._prunes = prune
                 feed(proposer, tokens)
                 trees[prune].append(proposer.propose(tokens, budget))
         forwards[prune] = count[0]
