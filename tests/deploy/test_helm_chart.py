@@ -1,14 +1,14 @@
 """Offline checks of the Helm chart in deploy/helm/specserve.
 
 No cluster is needed: the chart is linted (`helm lint --strict`), rendered
-(`helm template`) for the default values, the production example and a set of
-variants, every rendered object is validated against the Kubernetes OpenAPI
-schemas in strict mode (kubernetes-validate), and the objects are checked for
-the mistakes a schema cannot see: autoscalers aimed at missing Deployments,
-selectors that match no pod, ports that are not declared, CPU autoscaling
-without CPU requests, tiers no NetworkPolicy covers, root containers, and the
-trust boundaries of issue #12 (API keys, internal token, TLS and mTLS flags,
-drain deadlines inside the termination grace period).
+(`helm template`) for the default values, the production and accelerator
+examples and a set of variants, every rendered object is validated against the
+Kubernetes OpenAPI schemas in strict mode (kubernetes-validate), and the objects
+are checked for the mistakes a schema cannot see: autoscalers aimed at missing
+Deployments, selectors that match no pod, ports that are not declared, CPU
+autoscaling without CPU requests, tiers no NetworkPolicy covers, root
+containers, and the trust boundaries of issue #12 (API keys, internal token,
+TLS and mTLS flags, drain deadlines inside the termination grace period).
 
 Each check is a function from rendered objects to a list of problems, and the
 last tests break a copy of the chart on purpose to prove the checks fail.
@@ -51,6 +51,7 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 VALUE_SETS: dict[str, list[Path]] = {
     "default": [],
     "production": [CHART / "examples" / "values-production.yaml"],
+    "gpu": [CHART / "examples" / "values-gpu.yaml"],
     "variants": [FIXTURES / "values-variants.yaml"],
 }
 # Objects the values refer to but the chart does not create (made by the platform team).
@@ -64,6 +65,7 @@ EXTERNAL_NAMES: dict[str, set[str]] = {
         "prod-specserve-internal-token",
         "prod-specserve-metrics-token",
     },
+    "gpu": set(),
     "variants": {"specserve-runtime", "draft-models", "hf-token", "specserve-redis-url", "llm-tls"},
 }
 

@@ -98,6 +98,12 @@ All defines take (dict "root" $ "tier" "<tier>" ...); `values` below is
 {{- end }}
 {{- end }}
 
+{{/* The tier's --device: its `device` value, else cuda with gpu.enabled and cpu without (validate.yaml checks the pair). */}}
+{{- define "specserve.device" -}}
+{{- $values := index .root.Values .tier }}
+{{- default (ternary "cuda" "cpu" $values.gpu.enabled) $values.device }}
+{{- end }}
+
 {{/* Container resources, plus the GPU extended resource (requests = limits) when the tier has gpu.enabled. */}}
 {{- define "specserve.resources" -}}
 {{- $values := index .root.Values .tier }}
