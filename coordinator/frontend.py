@@ -3,7 +3,9 @@
 Both edges turn their request into an ``EdgeRequest`` and stream what ``GenerationFrontend.generate`` yields:
 the checks, the admission slot, the client's deadline, the latency metrics and the request's one log line
 happen here once, whatever the transport. Failures are ``specserve.errors`` exceptions; each edge maps them to
-its own status codes.
+its own status codes. The checks here word their refusals in the gRPC API's field names; an edge with names of
+its own checks its parameters first (``limits``) and gives the frontend its names (``ParamNames``) for what
+only tokenizing or compiling finds.
 
 Admission comes before work: the cheap limits are checked first, then a slot is taken, and only then is the
 prompt tokenized (off the event loop, in a bounded queue). A request the coordinator has no room for is refused
@@ -56,6 +58,20 @@ def request_id(client_value: str | None) -> str:
 
 
 @dataclass(frozen=True)
+class ParamNames:
+    """What an edge calls the parts of a request that the refusals after tokenizing are about.
+
+    A prompt past the context, a constraint that does not compile or cannot complete within the tokens allowed:
+    only the frontend finds these, so it words them with the caller's names and sets the error's ``param``. An
+    edge without them (gRPC) gets the domain's words, which are its own field names.
+    """
+
+    max_new_tokens: str  # the token limit ("max_tokens" or "max_completion_tokens" over HTTP)
+    text: str  # the prompt or the chat ("prompt", "messages")
+    constraint: str  # the constraint's text ("response_format.json_schema.schema", "structured_outputs.regex")
+
+
+@dataclass(frozen=True)
 class EdgeRequest:
     """A generation request as either API states it, before tokenization."""
 
@@ -66,6 +82,7 @@ class EdgeRequest:
     stop: tuple[str, ...] = ()
     speculation: Speculation = Speculation()
     constraint: Constraint | None = None  # structured output
+    names: ParamNames | None = None  # None: refusals name the gRPC API's fields
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,11 @@ class GenerationFrontend:
     @property
     def ready(self) -> bool:
         return self._backend is not None
+
+    @property
+    def limits(self) -> PromptLimits | None:
+        """The limits requests are checked against (None until ``attach``): an edge states them in its own names."""
+        return None if self._backend is None else self._backend.limits
 
     def _ready(self) -> GenerationBackend:
         if self._backend is None:
@@ -238,15 +260,73 @@ class GenerationFrontend:
         try:
             prompt_ids = await backend.encoder.encode(request.prompt, request.chat, limits.max_session_tokens - asked)
         except PromptTooLong as exc:
-            raise context_error(exc.num_tokens, asked, limits, exc.at_least) from exc
+            raise _too_long(request, exc, asked, limits) from exc
         max_new_tokens = request.max_new_tokens
         if max_new_tokens is None:
             max_new_tokens = min(limits.max_new_tokens, limits.max_session_tokens - len(prompt_ids))
         built = build_request(prompt_ids, max_new_tokens, request.sampling, request.stop, limits, request.speculation)
         if request.constraint is None:
             return built
+        names = request.names
         if backend.constraints is None:
-            raise InvalidArgument("this coordinator does not serve structured output")
-        grammar = await backend.constraints.compile(request.constraint)
-        backend.constraints.check_room(grammar, built.max_new_tokens)
+            raise InvalidArgument(
+                "this coordinator does not serve structured output", param=names.constraint if names else None
+            )
+        try:
+            grammar = await backend.constraints.compile(request.constraint)
+        except InvalidArgument as exc:
+            if names is None:
+                raise
+            raise _renamed(exc, request.constraint, names) from exc
+        try:
+            backend.constraints.check_room(grammar, built.max_new_tokens)
+        except InvalidArgument as exc:
+            if names is None:
+                raise
+            raise _too_few_tokens(request, names, built, grammar.min_tokens, limits) from exc
         return replace(built, constraint=grammar)
+
+
+def _too_long(request: EdgeRequest, exc: PromptTooLong, asked: int, limits: PromptLimits) -> InvalidArgument:
+    """A prompt that leaves no room in the context for the tokens asked for, in the edge's names."""
+    names = request.names
+    if names is None:
+        return context_error(exc.num_tokens, asked, limits, exc.at_least)
+    tokens = f"{'at least ' if exc.at_least else ''}{exc.num_tokens} tokens"
+    context = f"the model's context of {limits.max_session_tokens} tokens"
+    if request.max_new_tokens is None:  # the caller asked for as many as fit: not even one does
+        message = f"{names.text} has {tokens}, which leaves no room for output in {context}: send less text"
+    else:
+        message = (
+            f"{names.text} has {tokens}; with {names.max_new_tokens}={asked} that exceeds {context}: "
+            f"send less text or a smaller {names.max_new_tokens}"
+        )
+    return InvalidArgument(message, param=names.text)
+
+
+def _renamed(exc: InvalidArgument, constraint: Constraint, names: ParamNames) -> InvalidArgument:
+    """A constraint's refusal with the edge's name for it: the refusals start with the kind's own name."""
+    message = str(exc)
+    kind = constraint.kind.value
+    if message.startswith(f"{kind} "):
+        message = names.constraint + message[len(kind) :]
+    return InvalidArgument(message, detail=exc.detail, param=names.constraint)
+
+
+def _too_few_tokens(
+    request: EdgeRequest, names: ParamNames, built: GenerationRequest, needed: int, limits: PromptLimits
+) -> InvalidArgument:
+    """``check_room``'s refusal in the edge's names: the token limit is below the constraint's shortest output."""
+    room = built.max_new_tokens
+    completes = f"any output that completes this {names.constraint} takes at least {needed} tokens"
+    if request.max_new_tokens is not None:
+        return InvalidArgument(
+            f"{names.max_new_tokens} is {room}, but {completes}; raise {names.max_new_tokens}",
+            param=names.max_new_tokens,
+        )
+    left = limits.max_session_tokens - len(built.prompt_ids)
+    return InvalidArgument(
+        f"at most {room} tokens of output fit (this server's limit is {limits.max_new_tokens}; the prompt leaves "
+        f"{left} of the model's context), but {completes}",
+        param=names.constraint,
+    )

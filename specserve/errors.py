@@ -13,15 +13,23 @@ class SpecserveError(Exception):
     The message (``str(exc)``) is what a client sees: a short cause it can act on, never an internal address,
     a peer's own error text or a library's message. Those go in ``detail``, which only the service's log gets
     (under the request id). ``metadata`` goes to the client as trailing metadata with the status
-    (``retry-after-ms`` on an overload).
+    (``retry-after-ms`` on an overload). ``param`` names the request field the error is about, as the caller's
+    API spells it (the HTTP API's ``param``); None when it is about no one field or the edge names none.
     """
 
     status = "INTERNAL"
 
-    def __init__(self, message: str = "", metadata: tuple[tuple[str, str], ...] = (), detail: str = "") -> None:
+    def __init__(
+        self,
+        message: str = "",
+        metadata: tuple[tuple[str, str], ...] = (),
+        detail: str = "",
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.metadata = metadata
         self.detail = detail
+        self.param = param
 
 
 class InvalidArgument(SpecserveError):

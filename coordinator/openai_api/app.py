@@ -41,6 +41,7 @@ from coordinator.openai_api.responses import (
 )
 from coordinator.openai_api.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from coordinator.openai_api.translate import chat_request, completion_request, include_usage
+from coordinator.prompts import PromptLimits
 from specserve.auth.keys import ApiKeys
 from specserve.call_limit import CallLimit
 from specserve.drain import Drain
@@ -62,6 +63,9 @@ class Frontend(Protocol):
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def limits(self) -> PromptLimits | None: ...
 
     async def admit(self, call: CallInfo) -> Slot: ...
 
@@ -242,11 +246,11 @@ def create_app(
             check_model(body.model)
             renderer: Renderer
             if isinstance(body, ChatCompletionRequest):
-                edge = chat_request(body)
+                edge = chat_request(body, frontend.limits)
                 renderer = ChatRenderer(f"chatcmpl-{rid}", frontend.served_model, int(clock()), include_usage(body))
             else:
                 assert isinstance(body, CompletionRequest)
-                edge = completion_request(body)
+                edge = completion_request(body, frontend.limits)
                 renderer = CompletionRenderer(f"cmpl-{rid}", frontend.served_model, int(clock()), include_usage(body))
             events = frontend.generate(edge, call, slot)
         except BaseException:

@@ -107,10 +107,11 @@ def retry_headers(error: SpecserveError) -> dict[str, str]:
 
 
 def from_domain(error: SpecserveError, param: str | None = None) -> ApiError:
-    """The OpenAI-shaped error of a domain error (``specserve.errors``)."""
+    """The OpenAI-shaped error of a domain error (``specserve.errors``); ``param`` defaults to the error's own."""
     kind = _KINDS.get(error.status, _KINDS["INTERNAL"])
     if kind.status == 500:  # a SpecserveError that says INTERNAL is a bug that was named: still no details out
         return internal(error)
+    param = error.param if param is None else param
     return ApiError(kind.status, str(error), kind.type, param, kind.code, retry_headers(error))
 
 

@@ -1,19 +1,26 @@
 """OpenAI requests -> ``EdgeRequest``; ``GenerationStats`` -> ``usage`` and the speculation stats.
 
 Defaults follow OpenAI's API, not specserve's gRPC API: ``temperature`` 1 (the gRPC default is greedy), and
-``/v1/completions`` generates 16 tokens unless told (chat: as many as fit). A parameter specserve does not
-implement is refused with a 400 that names it, unless given its no-op value (``n: 1``, ``logprobs: false``,
-``presence_penalty: 0``, ...). Structured output: ``response_format`` (``json_object``, ``json_schema``) on both
-endpoints, and vLLM's ``structured_outputs`` extension (``regex``, ``choice``, ``grammar``, ``json``).
+``/v1/completions`` generates 16 tokens unless told (chat: as many as fit; both within the server's limit). A
+parameter specserve does not implement is refused with a 400 that names it, unless given its no-op value
+(``n: 1``, ``logprobs: false``, ``presence_penalty: 0``, ...). Structured output: ``response_format``
+(``json_object``, ``json_schema``) on both endpoints, and vLLM's ``structured_outputs`` extension (``regex``,
+``choice``, ``grammar``, ``json``).
+
+Every refusal names the parameter the caller sent, in its message and in ``param``: the frontend's own checks
+word theirs in the gRPC API's fields (``max_new_tokens``), so each parameter is checked here first against the
+server's limits (``GenerationFrontend.limits``), and the request carries its ``ParamNames`` for what only
+tokenizing or compiling finds (a prompt past the context, a constraint that does not compile or fit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from coordinator.constraints.spec import Constraint, ConstraintKind
-from coordinator.frontend import EdgeRequest
+from coordinator.frontend import EdgeRequest, ParamNames
 from coordinator.openai_api.errors import ApiError
 from coordinator.openai_api.schemas import (
     ChatCompletionRequest,
@@ -23,11 +30,11 @@ from coordinator.openai_api.schemas import (
     SpeculationStats,
     Usage,
 )
-from coordinator.prompts import ChatTurn
+from coordinator.prompts import ChatTurn, PromptLimits
 from coordinator.rounds import FinishReason, GenerationStats
 from coordinator.speculation import Speculation
 from specserve.errors import InvalidArgument
-from specserve.sampling import SamplingParams
+from specserve.sampling import GREEDY, SamplingParams
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -77,6 +84,10 @@ _COMPLETION_RULES: list[Rule] = [
 
 
 def _refuse_unsupported(request: GenerationFields, rules: list[Rule]) -> None:
+    for name in ("n", "best_of"):  # below 1 is no request at all, not an unsupported one
+        count = getattr(request, name, None)
+        if count is not None and count < 1:
+            raise ApiError.invalid(f"{name} must be at least 1, got {count}", param=name)
     for name, harmless, why in rules:
         value = getattr(request, name)
         if value is not None and not harmless(value):
@@ -93,19 +104,66 @@ def _speculation(request: GenerationFields) -> Speculation:
         raise ApiError.invalid(str(exc), param="speculation") from exc
 
 
+# SamplingParams' fields are named as OpenAI's parameters, and its ValueErrors begin with the field's name.
+_SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "seed")
+
+
 def _sampling(request: GenerationFields) -> SamplingParams:
-    return SamplingParams(
+    sampling = SamplingParams(
         temperature=OPENAI_DEFAULT_TEMPERATURE if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=request.top_k or 0,
         seed=request.seed,
     )
+    for name in _SAMPLING_PARAMS:  # one at a time, so that the error names the parameter at fault
+        try:
+            replace(GREEDY, **{name: getattr(sampling, name)}).validate()
+        except ValueError as exc:
+            raise ApiError.invalid(str(exc), param=name) from None
+    return sampling
 
 
-def _stop(request: GenerationFields) -> tuple[str, ...]:
+def _stop(request: GenerationFields, limits: PromptLimits | None) -> tuple[str, ...]:
     if request.stop is None:
         return ()
-    return (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+    stops = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop)
+    if limits is not None and len(stops) > limits.max_stop_strings:
+        raise ApiError.invalid(
+            f"stop has {len(stops)} strings; at most {limits.max_stop_strings} are allowed", param="stop"
+        )
+    for i, text in enumerate(stops):
+        where = "stop" if isinstance(request.stop, str) else f"stop[{i}]"
+        if not text:
+            raise ApiError.invalid(f"{where} is empty: every stop string needs at least one character", param=where)
+        if limits is not None and (size := len(text.encode())) > limits.max_stop_string_bytes:
+            raise ApiError.invalid(
+                f"{where} is {size} bytes long (UTF-8); at most {limits.max_stop_string_bytes} bytes are allowed",
+                param=where,
+            )
+    return stops
+
+
+def _max_tokens(name: str, value: int | None, limits: PromptLimits | None) -> int | None:
+    """The token limit the caller sent as ``name``, within 1 and the server's limit."""
+    if value is None:
+        return None
+    if limits is None:  # the frontend is not attached: it refuses the request itself
+        if value < 1:
+            raise ApiError.invalid(f"{name} must be at least 1, got {value}", param=name)
+    elif not 1 <= value <= limits.max_new_tokens:
+        raise ApiError.invalid(
+            f"{name} must be between 1 and {limits.max_new_tokens} (this server's limit), got {value}", param=name
+        )
+    return value
+
+
+def _check_text_size(param: str, size: int, limits: PromptLimits | None) -> None:
+    if limits is not None and size > limits.max_prompt_bytes:
+        raise ApiError.invalid(
+            f"the text of {param} is {size} bytes (UTF-8); at most {limits.max_prompt_bytes} bytes are allowed: "
+            "send less text",
+            param=param,
+        )
 
 
 def _check_stream_options(request: GenerationFields) -> None:
@@ -160,43 +218,62 @@ def _turn(message: ChatMessage, i: int) -> ChatTurn:
     return ChatTurn(role, _text_content(message, i))
 
 
-def chat_request(request: ChatCompletionRequest) -> EdgeRequest:
+def _chat_max_tokens(request: ChatCompletionRequest) -> tuple[str, int | None]:
+    """The token limit and the name the caller sent it under (both given: they must agree)."""
+    if request.max_tokens is None:
+        if request.max_completion_tokens is not None:
+            return "max_completion_tokens", request.max_completion_tokens
+        return "max_tokens", None
+    if request.max_completion_tokens not in (None, request.max_tokens):
+        raise ApiError.invalid(
+            "max_tokens and max_completion_tokens disagree: send one of them", param="max_completion_tokens"
+        )
+    return "max_tokens", request.max_tokens
+
+
+def chat_request(request: ChatCompletionRequest, limits: PromptLimits | None = None) -> EdgeRequest:
+    """The request as the frontend takes it, checked against ``limits`` (None: the frontend's checks alone)."""
     _refuse_unsupported(request, _CHAT_RULES)
     _check_stream_options(request)
     if not request.messages:
         raise ApiError.invalid("messages is empty: send at least one message", param="messages")
-    max_tokens = request.max_completion_tokens
-    if request.max_tokens is not None:
-        if max_tokens is not None and max_tokens != request.max_tokens:
-            raise ApiError.invalid(
-                "max_tokens and max_completion_tokens disagree: send one of them", param="max_completion_tokens"
-            )
-        max_tokens = request.max_tokens
+    if limits is not None and len(request.messages) > limits.max_chat_messages:
+        raise ApiError.invalid(
+            f"messages has {len(request.messages)} messages; at most {limits.max_chat_messages} are allowed: "
+            "drop or summarise earlier turns",
+            param="messages",
+        )
+    name, max_tokens = _chat_max_tokens(request)
+    chat = tuple(_turn(m, i) for i, m in enumerate(request.messages))
+    _check_text_size("messages", sum(len(turn.content.encode()) for turn in chat), limits)
+    constraint, constraint_name = _constraint(request)
     return EdgeRequest(
-        chat=tuple(_turn(m, i) for i, m in enumerate(request.messages)),
-        max_new_tokens=max_tokens,
+        chat=chat,
+        max_new_tokens=_max_tokens(name, max_tokens, limits),
         sampling=_sampling(request),
-        stop=_stop(request),
+        stop=_stop(request, limits),
         speculation=_speculation(request),
-        constraint=_constraint(request),
+        constraint=constraint,
+        names=ParamNames(max_new_tokens=name, text="messages", constraint=constraint_name),
     )
 
 
-def _constraint(request: GenerationFields) -> Constraint | None:
-    """``response_format`` or ``structured_outputs`` as a constraint (None: free text); both at once is refused."""
+def _constraint(request: GenerationFields) -> tuple[Constraint | None, str]:
+    """``response_format`` or ``structured_outputs`` as a constraint (None: free text) and the parameter that holds
+    its text; both at once is refused."""
     from_format = _response_format(request.response_format)
     from_extension = _structured_outputs(request.structured_outputs)
-    if from_format is not None and from_extension is not None:
+    if from_format[0] is not None and from_extension[0] is not None:
         raise ApiError.invalid("send response_format or structured_outputs, not both", param="structured_outputs")
-    return from_format or from_extension
+    return from_format if from_format[0] is not None else from_extension
 
 
-def _response_format(value: dict[str, Any] | None) -> Constraint | None:
+def _response_format(value: dict[str, Any] | None) -> tuple[Constraint | None, str]:
     kind = (value or {}).get("type", "text")
     if value is None or kind == "text":
-        return None
+        return None, "response_format"
     if kind == "json_object":
-        return Constraint.json_schema({"type": "object"})
+        return Constraint.json_schema({"type": "object"}), "response_format"
     if kind != "json_schema":
         raise ApiError.invalid(
             f"response_format.type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'",
@@ -204,11 +281,15 @@ def _response_format(value: dict[str, Any] | None) -> Constraint | None:
             code="unsupported_parameter",
         )
     spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+    if not isinstance(spec, dict):
         raise ApiError.invalid(
-            "response_format json_schema needs json_schema.schema, a JSON Schema object", param="response_format"
+            "response_format.json_schema must be an object: {'name': ..., 'schema': {...}}",
+            param="response_format.json_schema",
         )
-    return Constraint.json_schema(spec["schema"])
+    where = "response_format.json_schema.schema"
+    if not isinstance(spec.get("schema"), dict):
+        raise ApiError.invalid(f"{where} must be a JSON Schema object", param=where)
+    return Constraint.json_schema(spec["schema"]), where
 
 
 _STRUCTURED_KINDS = {
@@ -218,10 +299,10 @@ _STRUCTURED_KINDS = {
 }
 
 
-def _structured_outputs(value: dict[str, Any] | None) -> Constraint | None:
+def _structured_outputs(value: dict[str, Any] | None) -> tuple[Constraint | None, str]:
     """vLLM's extension: exactly one of ``json`` (a schema), ``regex``, ``choice`` (strings), ``grammar`` (Lark)."""
     if not value:
-        return None
+        return None, "structured_outputs"
     given = [k for k in ("json", "regex", "choice", "grammar") if value.get(k) is not None]
     unknown = sorted(set(value) - {"json", "regex", "choice", "grammar"})
     if unknown or len(given) != 1:
@@ -231,18 +312,19 @@ def _structured_outputs(value: dict[str, Any] | None) -> Constraint | None:
             param="structured_outputs",
         )
     kind, body = given[0], value[given[0]]
+    where = f"structured_outputs.{kind}"
     if kind == "choice":
         if not isinstance(body, list) or not all(isinstance(c, str) for c in body):
-            raise ApiError.invalid("structured_outputs.choice must be a list of strings", param="structured_outputs")
-        return Constraint(ConstraintKind.CHOICE, choices=tuple(body))
+            raise ApiError.invalid(f"{where} must be a list of strings", param=where)
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(body)), where
     if kind == "json":
         if isinstance(body, dict):
-            return Constraint.json_schema(body)
+            return Constraint.json_schema(body), where
         if not isinstance(body, str):
-            raise ApiError.invalid("structured_outputs.json must be a schema object", param="structured_outputs")
+            raise ApiError.invalid(f"{where} must be a schema object", param=where)
     if not isinstance(body, str):
-        raise ApiError.invalid(f"structured_outputs.{kind} must be a string", param="structured_outputs")
-    return Constraint(_STRUCTURED_KINDS[kind], body)
+        raise ApiError.invalid(f"{where} must be a string", param=where)
+    return Constraint(_STRUCTURED_KINDS[kind], body), where
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -259,16 +341,28 @@ def _prompt_text(prompt: Any) -> str:
     raise ApiError.invalid("prompt must be a string (or a list of one string)", param="prompt")
 
 
-def completion_request(request: CompletionRequest) -> EdgeRequest:
+def completion_request(request: CompletionRequest, limits: PromptLimits | None = None) -> EdgeRequest:
+    """The request as the frontend takes it, checked against ``limits`` (None: the frontend's checks alone)."""
     _refuse_unsupported(request, _COMPLETION_RULES)
     _check_stream_options(request)
+    prompt = _prompt_text(request.prompt)
+    if not prompt:
+        raise ApiError.invalid("prompt is empty: send the text to complete", param="prompt")
+    _check_text_size("prompt", len(prompt.encode()), limits)
+    max_tokens = _max_tokens("max_tokens", request.max_tokens, limits)
+    if max_tokens is None:  # OpenAI's default, within a server whose limit is lower still
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+        if limits is not None:
+            max_tokens = min(max_tokens, limits.max_new_tokens)
+    constraint, constraint_name = _constraint(request)
     return EdgeRequest(
-        prompt=_prompt_text(request.prompt),
-        max_new_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens,
+        prompt=prompt,
+        max_new_tokens=max_tokens,
         sampling=_sampling(request),
-        stop=_stop(request),
+        stop=_stop(request, limits),
         speculation=_speculation(request),
-        constraint=_constraint(request),
+        constraint=constraint,
+        names=ParamNames(max_new_tokens="max_tokens", text="prompt", constraint=constraint_name),
     )
 
 

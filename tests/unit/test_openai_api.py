@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from coordinator.admission import Slot
 from coordinator.frontend import CallInfo, EdgeRequest
 from coordinator.openai_api.app import create_app, max_body_bytes
-from coordinator.prompts import ChatTurn
+from coordinator.prompts import ChatTurn, PromptLimits
 from coordinator.rounds import FinishReason, GenerationStats, TextChunk
 from coordinator.speculation import Speculation, SpeculationMode
 from specserve.auth.interceptors import KEYS_REVOKED
@@ -33,6 +33,14 @@ from specserve.tenancy import ANONYMOUS
 MODEL = "smollm2"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"model": MODEL, "prompt": "Once upon a time"}
+LIMITS = PromptLimits(
+    max_new_tokens=256,
+    max_session_tokens=1024,
+    max_prompt_bytes=4096,
+    max_chat_messages=8,
+    max_stop_strings=4,
+    max_stop_string_bytes=16,
+)
 
 
 def stats(**overrides: Any) -> GenerationStats:
@@ -64,8 +72,10 @@ class FakeFrontend:
         before: Exception | None = None,
         after: Exception | None = None,
         hold: asyncio.Event | None = None,
+        limits: PromptLimits | None = LIMITS,
     ) -> None:
         self.ready = True
+        self.limits = limits  # what the HTTP API checks a request against before it reaches the frontend
         self.texts = texts
         self.final = final or stats()
         self.before = before
