@@ -81,6 +81,8 @@ class _InProcessDraftStream:
         self._predraft = predraft
         self.wants_features = session.wants_features
         self.takes_verified_trees = predraft and session.predrafts
+        # It says each round whether it wants the round's features, as a drafter's server does.
+        self.sparse_features = session.wants_features
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         reply = self._session.propose(feedback, max_nodes)

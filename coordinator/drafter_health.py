@@ -329,6 +329,10 @@ class _HealthCheckedStream:
     def takes_verified_trees(self) -> bool:
         return self._inner.takes_verified_trees  # the session may have opened again on another drafter
 
+    @property
+    def sparse_features(self) -> bool:
+        return self._inner.sparse_features  # so may this
+
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         if self._owner.circuit_open:
             # Another session found the drafter failing: this one stops using it too.

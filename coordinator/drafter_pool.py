@@ -160,6 +160,10 @@ class _PooledStream:
     def takes_verified_trees(self) -> bool:
         return self._inner.takes_verified_trees
 
+    @property
+    def sparse_features(self) -> bool:
+        return self._inner.sparse_features
+
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         try:
             reply: DraftReply = await self._inner.propose(feedback, max_nodes)

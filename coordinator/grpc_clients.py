@@ -211,13 +211,20 @@ class GrpcDraftStream:
     """One session's bidirectional Draft stream: write a request, read its answer."""
 
     def __init__(
-        self, call: grpc.aio.StreamStreamCall, target: str, wants_features: bool, takes_verified_trees: bool = False
+        self,
+        call: grpc.aio.StreamStreamCall,
+        target: str,
+        wants_features: bool,
+        takes_verified_trees: bool = False,
+        sparse_features: bool = False,
     ) -> None:
         self._call = call
         self._target = target
         self.wants_features = wants_features
         # The drafter pre-drafts from the tree verified; one that does not would refuse the message or ignore it.
         self.takes_verified_trees = takes_verified_trees
+        # It says each round whether it wants the round's features (a drafter that drafts from none has nothing to say).
+        self.sparse_features = sparse_features and wants_features
 
     async def _write(self, request: drafter_pb2.DraftRequest) -> None:
         try:
@@ -269,6 +276,10 @@ class GrpcDraftStream:
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         propose = feedback_to_proto(feedback, max_nodes, await self._send_features_ahead(feedback.features))
         await self._write(drafter_pb2.DraftRequest(propose=propose))
+        return draft_reply_from_proto(await self._read())
+
+    async def _read(self) -> drafter_pb2.DraftResponse:
+        """The drafter's next answer; DrafterFailed (DrafterDraining) when the call ended instead."""
         try:
             response = await self._call.read()
         except grpc.aio.AioRpcError as exc:
@@ -279,7 +290,7 @@ class GrpcDraftStream:
             ) from exc
         if response is grpc.aio.EOF:
             raise DrafterFailed("closed the session stream", detail=f"drafter at {self._target} closed the stream")
-        return draft_reply_from_proto(response)
+        return response
 
     async def _send_features_ahead(self, features: np.ndarray | None) -> np.ndarray | None:
         """Write all but the last slice of ``features`` as FeatureChunk requests; the last is the propose's.
@@ -343,6 +354,7 @@ class GrpcDrafter:
             self._target,
             self._info.wants_features,
             self._info.takes_verified_trees,
+            self._info.sparse_features,
         )
         await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost, sampling)
         return stream

@@ -236,6 +236,12 @@ class CoordinatorMetrics:
             "Drafting time of pre-drafted trees, hidden behind verification",
             registry=r,
         )
+        self.feature_rounds = Counter(
+            "specserve_feature_rounds",
+            "Rounds whose Verify asked for the target's features, for a drafter's draft head (none where the "
+            "round has no draft budget)",
+            registry=r,
+        )
         self.drafter_drops = Counter(
             "specserve_drafter_drops", "Requests that lost their drafter and finished without it", registry=r
         )
@@ -334,6 +340,7 @@ class CoordinatorMetrics:
         self.drafter_trees.inc(stats.num_drafter_trees)
         self.predraft_hits.inc(stats.num_predraft_hits)
         self.predraft_hidden_seconds.inc(stats.predraft_hidden_ns / 1e9)
+        self.feature_rounds.inc(stats.num_feature_rounds)
         if stats.drafter_error.startswith("drafter dropped"):
             self.drafter_drops.inc()
         elif stats.drafter_error.startswith("drafter skipped"):

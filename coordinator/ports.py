@@ -70,6 +70,14 @@ class DraftStream(Protocol):
     wants_features: bool
 
     @property
+    def sparse_features(self) -> bool:
+        """Whether it takes features sparsely: the round loop asks the verifier for a round's only where the reply
+        with the round's tree wants them (``DraftReply.wants_features``; a round that asks for no tree, with no
+        draft budget, has none), and forwards each report's as the last rows before its newest token. False:
+        every position's (older drafters)."""
+        ...
+
+    @property
     def takes_verified_trees(self) -> bool:
         """Whether it pre-drafts from the tree verified (``verifying``): a constrained round tells it, else not."""
         ...

@@ -102,6 +102,7 @@ class GenerationStats:
     num_reprefills: int = 0
     num_rounds_budget_off: int = 0  # rounds where the verifier's load budget left no room for drafts
     num_drafter_trees: int = 0  # rounds whose tree the drafter was asked for and gave
+    num_feature_rounds: int = 0  # rounds whose Verify asked for the target's features (for the drafter's head)
     num_predraft_hits: int = 0  # of those, trees the drafter had ready (drafted while the verifier worked)
     predraft_hidden_ns: int = 0  # drafting time of those trees: hidden behind verification
     total_ns: int = 0
@@ -174,6 +175,7 @@ class Generation:
         self._unreported: list[int] = []  # committed tokens the drafter has not been told about
         self._successors: list[tuple[int, tuple[int, ...]]] = []  # last round's target top tokens
         self._unreported_features: list[np.ndarray] = []  # target features the drafter has not had
+        self._features_wanted = False  # this round's tree came with the drafter's wish for the round's features
         self._draft_wait_ns = 0  # this round's wait for the drafter's tree (0: none asked)
         self._draft_budget: int | None = None  # the verifier's last word on how many nodes pay at its load
         self._accepted_nodes: tuple[int, ...] = ()  # the verifier's accepted node indices in the drafter's tree
@@ -253,6 +255,7 @@ class Generation:
         if prefix:  # the drafter drafts after what the constraint forces next; its tree starts with it
             max_nodes = min(len(prefix) + max_nodes, self._tree_caps(remaining, room)[0])
         self._draft_wait_ns = 0
+        self._features_wanted = False  # a round that asks the drafter for no tree wants no features
         tree, drafted = await self._propose(max_nodes, prefix)
         fitted = self._fit(tree, remaining, room)
         pending = self._committed[-1]
@@ -285,7 +288,7 @@ class Generation:
         before = len(self._committed)
         chunk = self._commit(result.committed)
         # Row i is the feature at the position before new token i: one row per committed token.
-        self._keep_features(result.features, len(self._committed) - before)
+        self._keep_features(result.features, len(self._committed) - before, self._asks_features())
         return chunk
 
     def _tree_caps(self, remaining: int, room: int) -> tuple[int, int]:
@@ -395,6 +398,7 @@ class Generation:
             async with asyncio.timeout(timeout_s):
                 reply = await self._draft.propose(self._feedback(prefix), max_nodes)
             self._count_predraft(reply)
+            self._features_wanted = reply.wants_features
         except (DrafterFailed, TimeoutError) as exc:
             deadlines.check()  # the request's deadline passed, not the drafter's
             self._drop_drafter(exc)
@@ -426,9 +430,31 @@ class Generation:
     def _wants_features(self) -> bool:
         return self._draft is not None and self._draft.wants_features
 
-    def _keep_features(self, features: np.ndarray | None, rows: int) -> None:
-        """Queue the target's features for the drafter; it must get exactly ``rows`` of them."""
+    def _asks_features(self, prompt: bool = False) -> bool:
+        """Whether a Verify (``prompt``: the Prefill) asks the verifier for the target's features.
+
+        A drafter that takes them sparsely gets a round's only where the reply with the round's tree wants them:
+        a round that asked for no tree (no draft budget) has none, so a session the verifier's budget keeps
+        plain costs what plain decoding costs, and the head restarts from the features of the round after. The
+        prompt's always come (a head that drafts at all needs its context). An older drafter gets every
+        position's.
+        """
+        draft = self._draft
+        if draft is None or not draft.wants_features:
+            return False
+        return prompt or not draft.sparse_features or self._features_wanted
+
+    def _keep_features(self, features: np.ndarray | None, rows: int, asked: bool) -> None:
+        """Queue the target's features for the drafter: exactly ``rows`` of them where they were ``asked`` for.
+
+        A call that asked for none leaves a gap, and the rows queued before it go: a report's rows are one run,
+        the last positions before its newest token, and cannot say where an earlier run stopped.
+        """
         if not self._wants_features:
+            return
+        if not asked:
+            if rows:
+                self._unreported_features = []
             return
         if features is None or features.shape[0] < rows:
             # The drafter's model cannot follow without them; the request goes on without the drafter.
@@ -454,16 +480,15 @@ class Generation:
     async def _prefill(self) -> None:
         """Create the verifier session; when its replica fails, on another one (the router moved it)."""
         for _ in range(self.policy.max_reprefills_per_round):
+            asked = self._asks_features(prompt=True)
             try:
-                prefill = await self.verifier.prefill(
-                    self.session_id, self._committed, self._sampling, self._wants_features
-                )
+                prefill = await self.verifier.prefill(self.session_id, self._committed, self._sampling, asked)
             except SessionMoved:
                 self.stats.num_reprefills += 1
                 continue
             self.stats.verify_ns += prefill.prefill_ns
             self.stats.prefill_ns += prefill.prefill_ns
-            self._keep_features(prefill.features, len(self._committed) - 1)
+            self._keep_features(prefill.features, len(self._committed) - 1, asked)
             return
         raise self._lost_too_often()
 
@@ -487,10 +512,12 @@ class Generation:
                 extra: dict[str, Any] = {"token_masks": masks} if masks is not None else {}
                 if tree.token_ids and self._draft_wait_ns:  # the draft budget counts the wait for the tree
                     extra["draft_ns"] = self._draft_wait_ns
+                asked = self._asks_features()
                 result = await self.verifier.verify(
-                    self.session_id, len(self._committed), tree, num_successors, self._wants_features, **extra
+                    self.session_id, len(self._committed), tree, num_successors, asked, **extra
                 )
                 self.stats.verify_ns += result.verify_ns
+                self.stats.num_feature_rounds += asked
                 return result, tree
             except InvalidArgument as exc:
                 if not tree.token_ids:

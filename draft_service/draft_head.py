@@ -177,6 +177,22 @@ class DraftHead(nn.Module):
         predicted, logits = self._step(features, next_tokens, positions, cache, allowed, last_logits_only)
         return HeadOutput(predicted[None], logits[None], cache)
 
+    def step_in_slots(
+        self,
+        features: torch.Tensor,  # [n, hidden]: f_t
+        next_tokens: torch.Tensor,  # [n]: x_{t+1}
+        positions: torch.Tensor,  # [n]
+        keys: torch.Tensor,  # [kv_heads, slots, head_dim]
+        values: torch.Tensor,  # [kv_heads, slots, head_dim]
+        first_slot: int,  # where the rows' keys and values go
+        allowed: torch.Tensor,  # [n, slots] bool: the slots each row attends to
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` over fixed key and value buffers (``head_layer.HeadStep.in_slots``), on the head's device:
+        (f^_{t+1} [n, hidden], draft logits [n, vocab])."""
+        if self._step is None or not self._step.serves(self):
+            self._step = self._new_step()
+        return self._step.in_slots(features, next_tokens, positions, keys, values, first_slot, allowed)
+
     @property
     def logits_pack(self) -> WeightPack | None:
         """The draft logits' packed weight (``pack_products``); None: F.linear."""

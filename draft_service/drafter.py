@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from draft_service.capped_registry import CappedRegistry
 from draft_service.draft_head import DraftHead
+from draft_service.head_graphs import TreeGraphs
 from draft_service.head_proposer import HeadProposer, TreeShape
 from draft_service.namespace_state import NamespaceState
 from draft_service.ngram_pool import NgramPool
@@ -179,6 +180,7 @@ class DraftSession:
         self._gated_s = 0.0  # their drafting time since this round's drafting began
         self._gated_nodes = 0  # and the nodes they offered
         self._drafted_gated = False  # they drafted the last tree
+        self._forgotten = False  # the sources' state was freed (``forget``): the head drafts no more
         self._namespace = namespace  # its pool namespace's shared state: accounted after each step, like the session
         self._predraft_counts = predraft_counts if predraft_counts is not None else PredraftCounts()
         self._memory = memory  # where this session's bytes are counted (and its sources' state may be freed)
@@ -212,6 +214,15 @@ class DraftSession:
         return any(proposer.wants_features for proposer in self._proposers)
 
     @property
+    def wants_features_next(self) -> bool:
+        """Whether its feature-level sources want the target's features of the round about to be verified: while
+        their state is kept. Rounds they sit out (``SourceGate``) still bring them, fed only when they next run:
+        a probe that started from one round's features after a gap drafted from too little context to be
+        judged fairly. Features they will never read would be computed, sent and kept for nothing: the
+        coordinator asks for them only when this says so (``DraftReply.wants_features``)."""
+        return bool(self._gated) and not self._forgotten
+
+    @property
     def predrafts(self) -> bool:
         """Whether it drafts ahead for the outcomes of the tree being verified (``work_ahead``)."""
         return self._predraft_outcomes > 0
@@ -224,6 +235,7 @@ class DraftSession:
     def forget(self) -> int:
         """Free the sources' state and the pre-drafted trees (drafting degrades, nothing fails); bytes freed."""
         before = self.nbytes
+        self._forgotten = True
         for proposer in self._proposers:
             proposer.forget()
         self._predrafts.clear()
@@ -235,8 +247,9 @@ class DraftSession:
             self._memory.closed(self)
 
     def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
-        """Learn from the last round, then propose a tree of at most ``max_nodes``."""
-        reply = self._propose(feedback, max_nodes)
+        """Learn from the last round, then propose a tree of at most ``max_nodes``; the reply says whether the
+        round it is verified in should bring the target's features (``wants_features_next``)."""
+        reply = replace(self._propose(feedback, max_nodes), wants_features=self.wants_features_next)
         self._account()
         return reply
 
@@ -421,6 +434,9 @@ class DraftSession:
             self.tokens.extend(feedback.new_tokens)
             # Only generated output teaches the shared pool; a window's key may reach into the prompt.
             self._pool.record(self.tokens, start=max(previous, self._num_prompt_tokens))
+        if feedback.features is not None:
+            # The rows are the features of the last positions before the newest token: the sources learn where.
+            feedback = replace(feedback, features_start=len(self.tokens) - 1 - feedback.features.shape[0])
         for proposer in self._proposers:
             proposer.observe(feedback)
 
@@ -448,6 +464,9 @@ class Drafter:
             raise ValueError(f"the {HeadProposer.name} source needs a draft head (weights)")
         self._head = draft_head if HeadProposer.name in sources else None
         self._tree_shape = tree_shape or TreeShape()
+        # A GPU head grows greedy trees in captured graphs, shared by its sessions.
+        on_gpu = self._head is not None and self._head.draft_lm_head.device.type == "cuda"
+        self._tree_graphs = TreeGraphs(self._head) if self._head is not None and on_gpu else None
         self._pool_for = pool_for
         self._prompt_lookup = prompt_lookup or PromptLookupProposer()
         self.sources = tuple(sources)
@@ -517,7 +536,7 @@ class Drafter:
         }
         if self._head is not None:
             coupled = sampling if self.coupled_sampling else GREEDY
-            available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape, coupled)
+            available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape, coupled, self._tree_graphs)
         shared = state.stats(sampling.greedy)
         builder = TreeBuilder(AcceptanceStats(parent=shared), verify_cost or self._cost)
         proposers = [available[name] for name in self.sources]

@@ -143,6 +143,50 @@ class HeadStep:
         allowed: torch.Tensor | None,
         last_logits_only: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, q, k, v = self._project(features, next_tokens, positions)
+        rows = x.shape[0]
+        cached = cache.get_seq_length()
+        keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
+        if self.fused and (allowed is None or bool(allowed[:, :cached].all())):
+            # One segment of the new rows over every cached position (the kernel writes their keys and values
+            # where ``append`` just did) with their mask among themselves: causal unless ``allowed`` says.
+            among = torch.ones(rows, rows, dtype=torch.bool).tril() if allowed is None else allowed[:, cached:].cpu()
+            table = torch.tensor([[0, rows, 0, cached]], dtype=torch.int64)
+            attended = q.new_zeros(q.shape)
+            buffers = cache.buffers()
+            attend_rows(q, k, v, buffers[0], buffers[1], table, among.reshape(-1), self.scaling, attended)
+            attended = attended[None].transpose(1, 2)
+        else:
+            if allowed is None and rows > 1:
+                allowed = torch.ones(rows, keys.shape[1], dtype=torch.bool, device=keys.device)
+                allowed[:, -rows:] = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).tril()
+            attended = self._attend(q, keys, values, allowed)
+        return self._finish(x, attended, last_logits_only)
+
+    def in_slots(
+        self,
+        features: torch.Tensor,  # [n, hidden]: f_t
+        next_tokens: torch.Tensor,  # [n]: x_{t+1}
+        positions: torch.Tensor,  # [n]
+        keys: torch.Tensor,  # [kv_heads, slots, head_dim]: a fixed buffer
+        values: torch.Tensor,  # [kv_heads, slots, head_dim]
+        first_slot: int,  # the rows' keys and values go to slots [first_slot, first_slot + n)
+        allowed: torch.Tensor,  # [n, slots] bool: which slots each row attends to (its own included)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step over fixed buffers: every shape and address is the same from call to call, so a GPU can
+        capture it in a CUDA graph (``head_graphs``). Slots that ``allowed`` masks may hold anything."""
+        with serial_kernels() if self._head.packing == "blocks" else contextlib.nullcontext():
+            x, q, k, v = self._project(features, next_tokens, positions)
+            rows = x.shape[0]
+            keys[:, first_slot : first_slot + rows] = k.transpose(0, 1)
+            values[:, first_slot : first_slot + rows] = v.transpose(0, 1)
+            return self._finish(x, self._attend(q, keys, values, allowed), False)
+
+    def _project(
+        self, features: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fc over (f_t, embed(x_{t+1})), and the rows' queries, keys and values [n, heads, head_dim],
+        rotated to their positions."""
         head = self._head
         rows = features.shape[0]
         embedded = head.embedding[next_tokens].to(features.dtype)
@@ -160,36 +204,29 @@ class HeadStep:
             split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
             q, k, v = qkv.view(rows, heads, self.head_dim).split(split, 1)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cached = cache.get_seq_length()
-        keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
-        if self.fused and (allowed is None or bool(allowed[:, :cached].all())):
-            # One segment of the new rows over every cached position (the kernel writes their keys and values
-            # where ``append`` just did) with their mask among themselves: causal unless ``allowed`` says.
-            among = torch.ones(rows, rows, dtype=torch.bool).tril() if allowed is None else allowed[:, cached:].cpu()
-            table = torch.tensor([[0, rows, 0, cached]], dtype=torch.int64)
-            attended = q.new_zeros(q.shape)
-            buffers = cache.buffers()
-            attend_rows(q, k, v, buffers[0], buffers[1], table, among.reshape(-1), self.scaling, attended)
-            attended = attended[None].transpose(1, 2)
-        else:
-            if allowed is None and rows > 1:
-                allowed = torch.ones(rows, keys.shape[1], dtype=torch.bool, device=keys.device)
-                allowed[:, -rows:] = torch.ones(rows, rows, dtype=torch.bool, device=keys.device).tril()
-            attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                keys[None],
-                values[None],
-                attn_mask=allowed,
-                scale=self.scaling,
-                enable_gqa=True,
-            )
+        return x, q, k, v
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """SDPA of the rows' queries [n, heads, head_dim] over ``keys``/``values`` [kv_heads, m, head_dim]:
+        [1, heads, n, head_dim]."""
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=allowed, scale=self.scaling, enable_gqa=True
+        )
+
+    def _finish(
+        self, x: torch.Tensor, attended: torch.Tensor, last_logits_only: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection, MLP, final norm and draft logits after the attention."""
+        rows = x.shape[0]
         x = x + self._o(attended[0].transpose(0, 1).reshape(rows, -1))
         normed = self._rms_norm(x, self._mlp_norm, self.eps)
         gate, up = product(normed, self.gate_up, None, self._gate_up_pack).split(self.intermediate, dim=-1)
         x = x + self._down(F.silu(gate) * up)
         predicted = self._rms_norm(x, self._norm, self.eps)
         scored = predicted[-1:] if last_logits_only else predicted
-        return predicted, product(scored, head.draft_lm_head, None, head.logits_pack)
+        return predicted, product(scored, self._head.draft_lm_head, None, self._head.logits_pack)
 
 
 def _sources(head: DraftHead) -> tuple[Any, ...]:

@@ -2,17 +2,19 @@
 
 Per session the proposer keeps the head's KV cache over the committed
 positions whose target feature it has (the coordinator forwards them after
-every Verify; the newest committed token's feature is not known yet, which is
-what the head predicts). Each proposal
+each Verify the drafter wanted them for; the newest committed token's feature
+is not known yet, which is what the head predicts). Each proposal
 
 1. feeds the new (f_t, x_{t+1}) pairs, whose last output predicts the next
    token: the root's children;
 1b. when the context runs past the known features (pre-drafting for a
    hypothetical outcome of the round being verified, or a report that came
    without features), feeds the remaining tokens on the head's own predicted
-   features, one position at a time, as it does inside a tree. These
-   speculative entries stay in the cache while later proposals share their
-   prefix, and go as soon as the target's real features arrive;
+   features, one position at a time, as it does inside a tree (a few only:
+   ``UNFED_PAST_DEPTH``). These speculative entries stay in the cache while
+   later proposals share their prefix, and go as soon as the target's real
+   features arrive; features that do not continue the ones before (rounds
+   that asked for none) restart the head at their first position;
 2. grows the tree level by level (EAGLE-2's dynamic trees): the ``beam`` nodes
    of the deepest level with the highest cumulative draft probability are
    expanded together, in one forward with a tree attention mask, into their
@@ -44,15 +46,26 @@ verifier checks them against its own keyed sample, so output never changes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from draft_service.draft_head import DraftHead, truncate_cache
+from draft_service.head_graphs import TreeGraphs
 from draft_service.head_layer import HeadCache
+from draft_service.tree_growth import (
+    Children,
+    Level,
+    Node,
+    StepOut,
+    greedy_children,
+    grow_levels,
+    level_of,
+    on_host,
+    placeable,
+)
 from specserve.keyed_noise import PositionNoise
 from specserve.probs import target_probs
 from specserve.results import DraftFeedback
@@ -61,27 +74,44 @@ from specserve.token_tree import ROOT, TokenTree
 
 
 class FeatureLog:
-    """The target's features at a session's committed positions, in order, as they arrive."""
+    """The target's features at a run of a session's committed positions, [start, end), as they arrive.
+
+    The coordinator asks for features only for the rounds the drafter wants them for (sparse features), so
+    reports may skip positions: rows that do not continue the run start a new one, and the old run's rows go.
+    """
 
     def __init__(self) -> None:
         self._chunks: list[np.ndarray] = []
-        self.count = 0
+        self.start = 0  # the position of the run's first row
+        self.end = 0  # the position after its last row
+
+    @property
+    def count(self) -> int:
+        """Rows in the run (those ``since`` dropped included)."""
+        return self.end - self.start
 
     @property
     def nbytes(self) -> int:
         """Bytes held, counting whole arrays that kept rows are views of."""
         return sum((chunk.base if isinstance(chunk.base, np.ndarray) else chunk).nbytes for chunk in self._chunks)
 
-    def extend(self, features: np.ndarray) -> None:
-        if features.shape[0]:
-            self._chunks.append(features)
-            self.count += features.shape[0]
+    def extend(self, features: np.ndarray, start: int | None = None) -> bool:
+        """Add the rows of positions [start, start + len(features)) (``start`` None: right after the run's);
+        returns whether they begin a new run, which they do wherever they do not continue this one."""
+        if not features.shape[0]:
+            return False
+        restarted = False
+        if start is not None and start != self.end:
+            self._chunks, self.start, self.end, restarted = [], start, start, True
+        self._chunks.append(features)
+        self.end += features.shape[0]
+        return restarted
 
     def since(self, start: int) -> np.ndarray:
-        """Rows from ``start`` on (chunks before it are dropped: they are never read again)."""
+        """Rows from position ``start`` on (chunks before it are dropped: they are never read again)."""
         rows = np.concatenate(self._chunks) if len(self._chunks) > 1 else self._chunks[0]
-        first = self.count - rows.shape[0]
-        self._chunks = [rows[start - first :]] if start < self.count else []
+        first = self.end - rows.shape[0]
+        self._chunks = [rows[start - first :]] if start < self.end else []
         return rows[start - first :]
 
 
@@ -92,6 +122,16 @@ Feeding 6,000 prompt positions at once takes the head over a second on 2 CPU cor
 that long for its first tree, or lose the drafter to the draft timeout."""
 DIGEST_ROWS = 512
 
+UNFED_PAST_DEPTH = 4
+"""A proposal steps the head through at most its tree's depth plus this many tokens past the known features, on
+its own predicted features (one head step a token); past that it offers no tree and waits for the target's.
+
+Pre-drafting asks about an outcome of the tree being verified: its accepted path (as deep as the head's tree
+where the head's chain is taken) and the bonus token; a constraint's forced tokens, or a round whose features
+were not asked for, add a few. A longer run means whole rounds came without features (the head sat them out,
+or they had no draft budget): stepping through it would cost more head steps than the tree, on features guessed
+further and further from the target's."""
+
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -101,22 +141,19 @@ class TreeShape:
     max_nodes: int = 24  # nodes offered to the tree builder at most
 
 
-@dataclass
-class _Node:
-    token: int
-    parent: int
-    q: float  # draft probability given the parent
-    log_prob: float  # cumulative: log of the path's draft probability
-    depth: int
-
-
 class HeadProposer:
     """The draft head as a draft source for one session (one Proposer per session: it holds a cache)."""
 
     name = "draft_model"
     wants_features = True
 
-    def __init__(self, head: DraftHead, shape: TreeShape = TreeShape(), sampling: SamplingParams = GREEDY) -> None:
+    def __init__(
+        self,
+        head: DraftHead,
+        shape: TreeShape = TreeShape(),
+        sampling: SamplingParams = GREEDY,
+        graphs: TreeGraphs | None = None,
+    ) -> None:
         self._head = head
         # Sampled with a seed: children ranked under the target's keyed noise (coupled drafts); else by q.
         self._coupled = None if sampling.greedy or sampling.seed is None else sampling
@@ -125,7 +162,9 @@ class HeadProposer:
         self.features = FeatureLog()  # the target's features at the committed positions, as reported
         self._shape = shape
         self._device = head.draft_lm_head.device  # where its cache and the tree's growth live
-        self._prunes = self._device.type == "cpu"  # see ``_placeable``
+        self._prunes = self._device.type == "cpu"  # see ``tree_growth.placeable``
+        self._greedy = greedy_children(head.draft_vocab, shape.branching)
+        self._graphs = graphs  # a GPU head's captured tree growth (None: grown over the session's cache)
         self._cache = HeadCache()
         self._fed = 0  # committed positions fed to the head with the target's own features
         # Head outputs (feature [hidden], draft logits) at the last position fed with a real feature, then at
@@ -155,20 +194,30 @@ class HeadProposer:
         self._speculative = []
 
     def observe(self, feedback: DraftFeedback) -> None:
-        if feedback.features is not None and not self.forgotten:
-            self.features.extend(feedback.features)
+        """Keep the report's features; rows that do not continue the log (the positions between have no feature:
+        rounds the drafter wanted none for) restart the head there: nothing cached may read across the gap.
+        Positions stay the session's own, which the head's rotary embedding reads."""
+        features, start = feedback.features, feedback.features_start
+        if features is None or self.forgotten or (start is not None and start < 0):
+            return  # nothing, or more rows than positions (a confused report)
+        if self.features.extend(features, start):
+            truncate_cache(self._cache, 0)
+            self._fed = 0
+            self._outputs, self._speculative = [], []
 
     @torch.inference_mode()
     def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree:
-        known = self.features.count
+        known = self.features.end
         if (
             self.forgotten
             or max_nodes <= 0
-            or known == 0
+            or not self.features.count
             or known > len(tokens) - 1
-            or known - self._fed > SYNC_FEED_ROWS
+            or known - self._fed_end > SYNC_FEED_ROWS
+            or len(tokens) - 1 - known > self._shape.depth + UNFED_PAST_DEPTH
         ):
-            # No features yet, more than tokens (a confused report), or a backlog that ``digest`` feeds.
+            # No features yet, more than tokens (a confused report), a backlog that ``digest`` feeds, or a context
+            # that ran too far past them.
             return TokenTree()
         self._feed(tokens, known)
         self._feed_speculative(tokens[known + 1 :])
@@ -177,23 +226,30 @@ class HeadProposer:
     @torch.inference_mode()
     def digest(self, tokens: Sequence[int]) -> bool:
         """Feed the next ``DIGEST_ROWS`` of a long backlog of features; False when the backlog is short."""
-        known = self.features.count
-        if self.forgotten or known - self._fed <= SYNC_FEED_ROWS or known > len(tokens) - 1:
+        known = self.features.end
+        if self.forgotten or known - self._fed_end <= SYNC_FEED_ROWS or known > len(tokens) - 1:
             return False
-        self._feed(tokens, min(known, self._fed + DIGEST_ROWS))
+        self._feed(tokens, min(known, self._fed_end + DIGEST_ROWS))
         return True
 
+    @property
+    def _fed_end(self) -> int:
+        """The position after the last one fed with the target's feature (the cache's entries start at the log's
+        run: ``_fed`` counts them)."""
+        return self.features.start + self._fed
+
     def _feed(self, tokens: Sequence[int], upto: int) -> None:
-        """Feed the target's features of positions [_fed, upto) with the tokens that follow them."""
-        if upto == self._fed:
+        """Feed the target's features of positions [_fed_end, upto) with the tokens that follow them."""
+        first = self._fed_end
+        if upto == first:
             return
         truncate_cache(self._cache, self._fed)  # speculative entries go: real features follow the committed ones
-        rows = self.features.since(self._fed)[: upto - self._fed]
+        rows = self.features.since(first)[: upto - first]
         features = torch.from_numpy(rows.astype(np.float32)).to(self._dtype)
-        next_tokens = torch.tensor(list(tokens[self._fed + 1 : upto + 1]))
-        positions = torch.arange(self._fed, upto)
+        next_tokens = torch.tensor(list(tokens[first + 1 : upto + 1]))
+        positions = torch.arange(first, upto)
         out = self._head.step(features, next_tokens, positions, self._cache, last_logits_only=True)
-        self._fed = upto
+        self._fed = upto - self.features.start
         # Copies: views would keep the whole forward's outputs (every fed position's) alive.
         self._outputs = [(out.features[0, -1].clone(), out.logits[0, -1].clone())]
         self._speculative = []
@@ -208,7 +264,7 @@ class HeadProposer:
         for token in tokens[shared:]:
             # The feature predicted at the previous position stands in for the target's (EAGLE's self-feeding).
             feature = self._outputs[-1][0][None]
-            position = torch.tensor([self._fed + len(self._speculative)])
+            position = torch.tensor([self._fed_end + len(self._speculative)])
             out = self._head.step(feature, torch.tensor([token]), position, self._cache)
             self._outputs.append((out.features[0, -1], out.logits[0, -1]))
             self._speculative.append(token)
@@ -216,9 +272,9 @@ class HeadProposer:
     def _grow(self, budget: int, first_position: int) -> TokenTree:
         """The tree after the context; its root's children are at sequence position ``first_position``.
 
-        Each level is a few tensor operations on the head's device over the whole frontier at once: every
-        frontier node's top-k children, their cumulative log probabilities, the next frontier as the likeliest
-        of them, and one head step over it with its tree mask. The nodes come to the host once, at the end.
+        Grown a level at a time on the head's device (``tree_growth``); the nodes come to the host once. A GPU
+        head's greedy trees grow in fixed slots captured as a CUDA graph (``head_graphs``), the rest over the
+        session's cache, whose tree entries are dropped afterwards.
         """
         # The best ``budget`` nodes are closed under parents (a path's probability only falls), so they lie
         # within ``budget`` levels and among each level's ``budget`` likeliest nodes: a small budget (the
@@ -226,32 +282,23 @@ class HeadProposer:
         depth = min(self._shape.depth, budget)
         beam = min(self._shape.beam, budget)
         context = self._fed + len(self._speculative)  # cache entries every tree node sees
-        features, logits = (t[None] for t in self._outputs[-1])  # [f, hidden], [f, vocab]: the frontier's outputs
-        frontier = torch.full((1,), ROOT, dtype=torch.long, device=self._device)  # its nodes' indices
-        cumulative = torch.zeros(1, dtype=torch.float64, device=self._device)  # their paths' log probabilities
-        # [f, entries]: the tree's cache entries (frontier nodes of earlier levels) on each frontier node's path.
-        paths = torch.zeros(1, 0, dtype=torch.bool, device=self._device)
-        levels: list[_Level] = []
+        position = self.features.start + context  # the sequence position of the root's children
+        feature, logits = self._outputs[-1]
         gumbels = self._level_noise(depth, first_position)
-        for level in range(1, depth + 1):
-            children = self._children(logits, frontier, cumulative, None if gumbels is None else gumbels[level - 1])
-            first = sum(len(done.tokens) for done in levels)
-            levels.append(children)
-            if level == depth:
-                break
-            chosen = torch.topk(children.cumulative, min(beam, len(children.tokens))).indices
-            if self._prunes:
-                chosen = _placeable(levels, chosen, budget)
-                if not len(chosen):
-                    break  # no child of theirs could be among the best ``budget``: the forward would be wasted
-            rows = torch.div(chosen, self._shape.branching, rounding_mode="floor")  # each chosen node's parent row
-            features, logits = self._forward_level(
-                features[rows], children.tokens[chosen], paths[rows], context + level - 1, context
+        if gumbels is None and self._graphs is not None:
+            levels = self._graphs.grow(
+                self._cache, context, position, feature, logits, depth, beam, self._shape.branching
             )
-            frontier, cumulative = first + chosen, children.cumulative[chosen]
-            paths = torch.cat([paths[rows], torch.eye(len(chosen), dtype=torch.bool, device=self._device)], dim=1)
-        truncate_cache(self._cache, context)
-        return _best_subtree(_on_host(levels), budget)
+        else:
+            children = self._greedy if gumbels is None else self._coupled_children(gumbels)
+
+            def step(features: torch.Tensor, tokens: torch.Tensor, paths: torch.Tensor, level: int) -> StepOut:
+                return self._forward_level(features, tokens, paths, position + level - 1, context)
+
+            prune = placeable(budget) if self._prunes else None
+            levels = grow_levels(feature, logits, depth, beam, children, step, prune)
+            truncate_cache(self._cache, context)
+        return _best_subtree(on_host(levels), budget)
 
     def _level_noise(self, depth: int, first_position: int) -> torch.Tensor | None:
         """Coupled drafts: the target's keyed noise at each level's position, [depth, vocab] on the head's device
@@ -261,33 +308,21 @@ class HeadProposer:
         noise = PositionNoise(self._coupled.seed, first_position)
         return torch.stack([noise.gumbel(level, self._draft_ids) for level in range(depth)]).to(self._device)
 
-    def _children(
-        self,
-        logits: torch.Tensor,  # [f, vocab]: the frontier nodes' draft logits
-        frontier: torch.Tensor,  # [f]: their node indices (ROOT for the root)
-        cumulative: torch.Tensor,  # [f]: their paths' log probabilities
-        gumbel: torch.Tensor | None = None,  # [vocab]: the level's keyed noise (coupled drafts)
-    ) -> _Level:
-        """Every frontier node's ``branching`` children, parent by parent: q's top-k, or with ``gumbel``
-        (coupled) the Gumbel top-k under q, each carrying the q of its rank."""
-        if gumbel is None:
-            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), self._shape.branching, dim=-1)
-            chosen, log_q = top.indices, top.values.double()
-        else:
-            assert self._coupled is not None
-            # q as the target's own p is shaped: the session's temperature, top-k and top-p.
-            shaped = torch.log(target_probs(logits, self._coupled))
-            top = torch.topk(shaped.double() + gumbel, self._shape.branching, dim=-1)
-            chosen = top.indices
-            log_q = torch.topk(shaped, self._shape.branching, dim=-1).values.double()  # rank r: the r-th largest q
+    def _coupled_children(self, gumbels: torch.Tensor) -> Children:
+        """Each frontier node's Gumbel top-k under q with the level's keyed noise, each carrying the q of its
+        rank; q shaped as the target's own p is: the session's temperature, top-k and top-p."""
+        sampling = self._coupled
+        assert sampling is not None
+        branching = self._shape.branching
+
+        def children(logits: torch.Tensor, frontier: torch.Tensor, cumulative: torch.Tensor, level: int) -> Level:
+            shaped = torch.log(target_probs(logits, sampling))
+            top = torch.topk(shaped.double() + gumbels[level - 1], branching, dim=-1)
+            log_q = torch.topk(shaped, branching, dim=-1).values.double()  # rank r: the r-th largest q
             log_q = log_q.masked_fill(top.values == float("-inf"), float("-inf"))  # never a token q has no mass for
-        count = chosen.numel()
-        return _Level(
-            tokens=self._head.draft_vocab[chosen].reshape(count),
-            parents=frontier.repeat_interleave(self._shape.branching),
-            log_q=log_q.reshape(count),
-            cumulative=(cumulative[:, None] + log_q).reshape(count),
-        )
+            return level_of(self._head.draft_vocab[top.indices], frontier, cumulative, log_q)
+
+        return children
 
     def _forward_level(
         self,
@@ -296,7 +331,7 @@ class HeadProposer:
         paths: torch.Tensor,  # [n, entries]: the tree's cache entries on each node's path (its ancestors')
         position: int,  # the nodes' sequence position (one depth: one position)
         context: int,  # cache entries every node sees
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> StepOut:
         """Run the head on one level's nodes at once; each sees the context, its ancestors and itself. Returns
         their predicted features [n, hidden] and draft logits [n, vocab]; their entries stay in the cache."""
         rows, entries = paths.shape
@@ -308,41 +343,7 @@ class HeadProposer:
         return out.features[0], out.logits[0]
 
 
-@dataclass(frozen=True)
-class _Level:
-    """One depth's nodes on the head's device, [n] each, in the order their parents were expanded."""
-
-    tokens: torch.Tensor  # target token ids
-    parents: torch.Tensor  # index of each node's parent among all the tree's nodes (ROOT: the root's)
-    log_q: torch.Tensor  # log of the draft probability given the parent (-inf: no draft, q had no mass)
-    cumulative: torch.Tensor  # log of the path's draft probability
-
-
-def _on_host(levels: list[_Level]) -> list[_Node]:
-    """The levels' nodes as host values: the round's one transfer from the head's device."""
-    columns = [torch.cat([getattr(level, column.name).double() for level in levels]) for column in fields(_Level)]
-    tokens, parents, log_q, cumulative = torch.stack(columns).cpu().tolist()
-    depths = [depth for depth, level in enumerate(levels, start=1) for _ in range(len(level.tokens))]
-    return [
-        _Node(int(token), int(parent), max(math.exp(lq), 1e-12), cum, depth)
-        for token, parent, lq, cum, depth in zip(tokens, parents, log_q, cumulative, depths, strict=True)
-    ]
-
-
-def _placeable(levels: list[_Level], chosen: torch.Tensor, budget: int) -> torch.Tensor:
-    """The chosen nodes of the last level whose children could still be among the ``budget`` most probable.
-
-    A child's path is no more probable than its parent's, and at equal probability the deeper node ranks
-    after (``_best_subtree``): a parent no more probable than the ``budget``-th best node has no child that
-    makes the cut, so expanding it (a head forward, when it is the whole frontier) changes no tree. It reads a
-    value on the host, so only a CPU head, where that costs nothing, prunes; a GPU's rows are nearly free.
-    """
-    every = torch.cat([level.cumulative for level in levels])
-    kth = torch.topk(every, budget).values[-1] if len(every) >= budget else float("-inf")
-    return chosen[levels[-1].cumulative[chosen] > kth]
-
-
-def _best_subtree(nodes: list[_Node], budget: int) -> TokenTree:
+def _best_subtree(nodes: list[Node], budget: int) -> TokenTree:
     """The ``budget`` most probable nodes, parents before children, with their probabilities."""
     drafts = (i for i in range(len(nodes)) if nodes[i].log_prob > float("-inf"))
     ranked = sorted(drafts, key=lambda i: (-nodes[i].log_prob, nodes[i].depth, i))[:budget]

@@ -274,6 +274,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             wants_features=self._drafter.wants_features,
             # Only a drafter that pre-drafts uses the tree verified; the others are spared a message a round.
             takes_verified_trees=self._drafter.predraft_outcomes > 0,
+            # Its sessions say each round whether they want its features, and the draft head restarts after a gap.
+            sparse_features=True,
         )
 
     async def PurgePool(

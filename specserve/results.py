@@ -52,14 +52,19 @@ class DraftFeedback:
     # The target's top next tokens at each position it scored last round, keyed by
     # that position's token (Token Recycling's raw material).
     successors: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    # The target's hidden features (float16 [m, hidden]) at the positions that became known since the last
-    # request, for feature-level draft models; None when the coordinator does not forward them.
+    # The target's hidden features (float16 [m, hidden]) at the last m positions before the newest committed
+    # token, for feature-level draft models; None when the coordinator does not forward them. Fewer rows than
+    # positions that became known since the last request: the ones before them have no feature (sparse
+    # features: rounds the drafter wanted none for).
     features: np.ndarray | None = None
     # Indices into the previous tree of the nodes the verifier accepted, root to leaf (empty: none, or no tree).
     accepted_node_indices: tuple[int, ...] = ()
     # Tokens a constraint forces right after the committed ones: the next tree starts with them as a chain and
     # the drafter drafts after them (structured output; empty otherwise).
     forced_prefix: tuple[int, ...] = ()
+    # The session position of ``features``' first row, counted by the drafter's session (the wire carries the
+    # rows alone, a suffix); None: right after the rows reported before.
+    features_start: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,9 @@ class DraftReply:
     predraft_ns: int = 0  # drafting time of a predrafted tree: time hidden behind verification
     # Of draft_ns, the time of sources run only to judge them (draft_service.source_gate): not a wait to budget for.
     probe_ns: int = 0
+    # The drafter wants the target's features of the round this tree is verified in (its feature-level sources
+    # keep their state); read only where it takes features sparsely (``DraftStream.sparse_features``).
+    wants_features: bool = False
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,7 @@ def draft_reply_to_proto(reply: DraftReply) -> drafter_pb2.DraftResponse:
         predrafted=reply.predrafted,
         predraft_ns=reply.predraft_ns,
         probe_ns=reply.probe_ns,
+        wants_features=reply.wants_features,
     )
 
 
@@ -188,6 +189,7 @@ def draft_reply_from_proto(message: drafter_pb2.DraftResponse) -> DraftReply:
         message.predrafted,
         int(message.predraft_ns),
         max(0, int(message.probe_ns)),
+        message.wants_features,
     )
 
 

@@ -146,7 +146,7 @@ def tree_acceptance(
         if index != current:  # a new session: the drafter sees this sequence's features as they arrive
             proposer, current = HeadProposer(head, shape), index
         assert proposer is not None
-        known = proposer.features.count
+        known = proposer.features.end
         features = seq["features"][known : t + 1].numpy().astype(np.float16)
         proposer.observe(DraftFeedback(features=features))
         tokens = seq["tokens"][: t + 2].tolist()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig, in_serving_dtype
+from draft_service.head_graphs import TreeGraphs
 from draft_service.head_proposer import HeadProposer, TreeShape
 from specserve.results import DraftFeedback
 from specserve.sampling import SamplingParams
@@ -62,10 +63,42 @@ def test_the_head_on_the_device_drafts_the_cpu_heads_trees() -> None:
     assert same >= 10, f"only {same} of 12 trees agree with the CPU head's"
 
 
+def test_captured_tree_growth_drafts_the_eager_trees_and_replays_without_capturing_again() -> None:
+    """On a GPU greedy trees grow in CUDA graphs (one per tree shape and context bucket): the same trees as
+    growing them eagerly over the session's cache, and a second pass over the same shapes only replays."""
+    model = build("llama")
+    head, _ = in_serving_dtype(random_head(model), "float32", "auto", DEVICE)
+    graphs = TreeGraphs(head)
+    rng = random.Random(1)
+    contexts = [[rng.randrange(96) for _ in range(rng.randrange(4, 60))] for _ in range(8)]
+    features = []
+    for tokens in contexts:
+        with torch.inference_mode():
+            hidden = model(input_ids=torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+        features.append(hidden[:-1].numpy().astype("float16"))
+    captures = 0
+    for attempt in range(2):
+        same = 0
+        for tokens, rows in zip(contexts, features, strict=True):
+            trees = []
+            for with_graphs in (None, graphs):
+                proposer = HeadProposer(head, SHAPE, graphs=with_graphs)
+                proposer.observe(DraftFeedback(features=rows))
+                trees.append(proposer.propose(tokens, 16))
+            same += trees[0].token_ids == trees[1].token_ids and trees[0].parents == trees[1].parents
+        assert same >= 7, f"only {same} of 8 captured trees are the eager ones"
+        assert not graphs.capture_error
+        if attempt == 0:
+            captures = graphs.num_captures
+            assert captures > 0 or DEVICE.type == "cpu"
+    assert graphs.num_captures == captures, "a tree shape seen before was captured again"
+
+
 def test_greedy_speculation_with_the_device_head_is_plain_decoding() -> None:
     """fp32, the target and the head on the device: the head's trees from the verifier's own features."""
     model = build("llama").to(DEVICE)
     head, _ = in_serving_dtype(random_head(model), "float32", "auto", DEVICE)
+    graphs = TreeGraphs(head)  # captured on a GPU
     verifier = Verifier(model, "fp", kv_cache_bytes=64 * 2**20)
     try:
         for seed in range(3):
@@ -75,7 +108,7 @@ def test_greedy_speculation_with_the_device_head_is_plain_decoding() -> None:
             for speculate in (False, True):
                 session = f"{seed}-{speculate}"
                 prefill = verifier.prefill(session, prompt, SamplingParams(), return_features=speculate)
-                proposer = HeadProposer(head, SHAPE)
+                proposer = HeadProposer(head, SHAPE, graphs=graphs)
                 proposer.observe(DraftFeedback(features=prefill.features))
                 committed = list(prompt)
                 while len(committed) < len(prompt) + 32:
@@ -88,4 +121,3 @@ def test_greedy_speculation_with_the_device_head_is_plain_decoding() -> None:
             assert outputs[1] == outputs[0], f"seed {seed}: speculation changed the output"
     finally:
         verifier.close()
-

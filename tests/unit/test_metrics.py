@@ -39,6 +39,7 @@ def test_finished_requests_count_under_vllm_spec_decode_names() -> None:
         num_drafter_trees=4,
         num_predraft_hits=3,
         predraft_hidden_ns=250_000_000,
+        num_feature_rounds=2,
     )
     stats.finish_reason = FinishReason.EOS
     stats.drafter_error = "drafter dropped: no answer within 1000 ms"
@@ -68,6 +69,7 @@ def test_finished_requests_count_under_vllm_spec_decode_names() -> None:
     assert value("specserve_drafter_trees_total") == 4
     assert value("specserve_predraft_hits_total") == 3
     assert value("specserve_predraft_hidden_seconds_total") == pytest.approx(0.25)
+    assert value("specserve_feature_rounds_total") == 2
     assert value("specserve_drafter_drops_total") == 1
     assert value("specserve_drafter_skips_total") == 0
     assert value("specserve_e2e_request_latency_seconds_count") == 3
