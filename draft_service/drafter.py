@@ -30,6 +30,7 @@ from draft_service.ngram_pool import NgramPool
 from draft_service.proposers import PoolProposer, PromptLookupProposer, Proposer, TokenRecyclingProposer
 from draft_service.session_memory import SESSION, UNBOUNDED, SessionMemory
 from draft_service.source_gate import GateCounts, GateHistory, SourceGate
+from draft_service.suffix_source import SuffixProposer
 from draft_service.tree_builder import (
     EMPTY,
     AcceptanceStats,
@@ -51,7 +52,7 @@ BYTES_PER_TOKEN = 40
 DEFAULT_MAX_NAMESPACES = 1024
 """Most (vocabulary, pool namespace) pairs whose pools, successor tables and statistics a drafter keeps."""
 
-NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name)
+NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name, SuffixProposer.name)
 ALL_SOURCES = (*NGRAM_SOURCES, HeadProposer.name)
 
 
@@ -533,6 +534,7 @@ class Drafter:
             PromptLookupProposer.name: self._prompt_lookup,
             PoolProposer.name: PoolProposer(pool),
             TokenRecyclingProposer.name: TokenRecyclingProposer(state.successors),
+            SuffixProposer.name: SuffixProposer(prompt_tokens, pool),
         }
         if self._head is not None:
             coupled = sampling if self.coupled_sampling else GREEDY
