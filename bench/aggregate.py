@@ -1,4 +1,4 @@
-"""Per mode, per category (and MT-Bench, and overall) summaries of the records.
+"""Per mode, per category (and MT-Bench, Spec-Bench overall, and each repetitive workload) summaries of the records.
 
 Ratios are ratios of sums (total tokens over total time, total committed
 tokens over total rounds), so long prompts weigh what they cost; the median
@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .dataset import CATEGORIES, TASKS
+from .dataset import CATEGORIES, TASKS, WORKLOAD_CATEGORIES, WORKLOADS
 from .records import Record
 
 OVERALL = "overall"
@@ -20,7 +20,7 @@ OVERALL = "overall"
 @dataclass(frozen=True)
 class Summary:
     mode: str
-    group: str  # a category, "mt_bench" or "overall"
+    group: str  # a category, "mt_bench", "overall" (Spec-Bench's) or a workload ("code_edit", "agent_loop")
     prompts: int
     tokens: int
     committed: int
@@ -44,13 +44,24 @@ class Summary:
 
 
 def groups_of(categories: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """(group, its categories): each category, MT-Bench when any of its categories ran, and overall."""
-    present = [c for c in CATEGORIES if c in categories]
+    """(group, its categories): each category, MT-Bench when any of its categories ran, Spec-Bench's overall when
+    any of its categories ran, and each repetitive workload that ran under its own name.
+
+    A workload's overall is kept apart from Spec-Bench's: text that repeats the prompt lifts acceptance far above
+    Spec-Bench's, and one average over both would say neither.
+    """
+    present = [c for c in (*CATEGORIES, *WORKLOAD_CATEGORIES) if c in categories]
     groups = [(c, [c]) for c in present]
     mt_bench = [c for c in TASKS["mt_bench"] if c in present]
     if mt_bench:
         groups.append(("mt_bench", mt_bench))
-    groups.append((OVERALL, present))
+    spec_bench = [c for c in present if c in CATEGORIES]
+    if spec_bench:
+        groups.append((OVERALL, spec_bench))
+    for workload, members in WORKLOADS.items():
+        ran = [c for c in members if c in present]
+        if ran:
+            groups.append((workload, ran))
     return groups
 
 

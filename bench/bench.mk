@@ -1,5 +1,7 @@
 # Benchmarks; the top-level Makefile includes this fragment.
 #   make bench                the Spec-Bench run: the default modes in the dtype --dtype auto picks, 7 prompts per category, 128 new tokens
+#   make bench-repetitive     the same run on the project's repetitive workloads instead, code edits and agent loops
+#                             (bench/data/NOTICE.md), each with rows of its own (bench/out/repetitive/); BENCH_ARGS as for bench
 #   make bench-gpu            on a CUDA machine: real-model decoding, tests/gpu, batch invariance, c(n) (bench/out/gpu/)
 #   make bench-verify-cost    the verifier's cost c(n)/c(1) for n = 1..64 tokens on a 512-token context, and B = 1..16 sessions
 #                             in one step, in float32 and bfloat16
@@ -41,10 +43,14 @@ BENCH_FORCED_ROWS_ARGS ?=
 BENCH_KERNEL_AB_ARGS ?=
 BASE ?= HEAD
 
-.PHONY: bench-kernel-ab bench-forced-rows bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
+.PHONY: bench-repetitive bench-kernel-ab bench-forced-rows bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
+
+# Workloads where the answer repeats the prompt (issue #56): BENCH_ARGS come last, so they can change either flag.
+bench-repetitive: proto
+	$(PY) -m bench.run --categories code_edit,agent_loop --out-dir bench/out/repetitive $(BENCH_ARGS)
 
 bench-verify-cost: proto
 	$(PY) -m bench.verify_cost $(VERIFY_COST_ARGS)

@@ -53,7 +53,7 @@ from .load_report import (
 from .numerics import decode_ids_alone, top2_at
 from .pinning import Pinning, pin_this_process, read_pinning
 from .records import first_divergence
-from .target import WARM_UP_TEXT, WARM_UP_TOKENS, TargetText, chat_ids, load_target_text, quiet_libraries
+from .target import DEVICE, WARM_UP_TEXT, WARM_UP_TOKENS, TargetText, chat_ids, load_target_text, quiet_libraries
 
 DEFAULT_LEVELS = (1, 4, 16, 64)
 POLL_INTERVAL_S = 0.5
@@ -90,6 +90,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=len(os.sched_getaffinity(0)),
         help="torch threads of the verifier and of the reference decoding (default: the CPUs available)",
+    )
+    parser.add_argument(
+        "--device",
+        default=DEVICE,
+        help="where the verifier and the drafter run (their --device; a --verifier-arg or --drafter-arg saying "
+        "otherwise wins) and the reference decoding: cpu (default) or cuda[:N]",
     )
     parser.add_argument(
         "--verifier-arg",
@@ -144,6 +150,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.coordinator_args = [word for value in args.coordinator_arg for word in shlex.split(value)]
     args.drafter_args = [word for value in args.drafter_arg for word in shlex.split(value)]
     read_pinning(parser, args)
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device must be cpu or cuda[:N], not {args.device!r}")
     if args.max_new_tokens < 1 or args.torch_threads < 1 or args.stream_timeout_s <= 0:
         parser.error("--max-new-tokens and --torch-threads must be at least 1, --stream-timeout-s above 0")
     return args
@@ -376,9 +384,10 @@ def add_references(
     target: TargetText,
     dtype: str,
     max_new_tokens: int,
+    device: str = DEVICE,
 ) -> None:
-    """Plain greedy decoding of every completed stream's prompt through the engine in this process."""
-    verifier = Verifier(target.load_model(dtype), "reference", throughput_guard=False)
+    """Plain greedy decoding of every completed stream's prompt through the engine in this process, on ``device``."""
+    verifier = Verifier(target.load_model(dtype, device), "reference", throughput_guard=False)
     total = sum(s.error is None for level in levels for s in level.streams)
     done = 0
     try:
@@ -432,9 +441,10 @@ def initial_meta(args: argparse.Namespace, target: TargetText, pool: PoolBackend
             "temperature": 0.0,
             "stream_timeout_s": args.stream_timeout_s,
             "torch_threads": args.torch_threads,
-            "verifier_command_args": ["--torch-threads", str(args.torch_threads), *args.verifier_args],
+            "device": args.device,
+            "verifier_command_args": ["--torch-threads", str(args.torch_threads), *service_args(args)[0]],
             "coordinator_command_args": args.coordinator_args,
-            "drafter_command_args": args.drafter_args,
+            "drafter_command_args": service_args(args)[1],
             "draft_head": describe_draft_head(draft_head_path(args.drafter_args)),
             "pool": pool.description,
             "pool_emptied_before_measuring": pool.redis_url is not None,
@@ -446,6 +456,13 @@ def initial_meta(args: argparse.Namespace, target: TargetText, pool: PoolBackend
         "verifier": {},
         "dtype": "",
     }
+
+
+def service_args(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The words appended to the verifier's and the drafter's command lines: both on ``--device``, then
+    ``--verifier-arg``'s and ``--drafter-arg``'s words (they win)."""
+    device = ["--device", args.device]
+    return [*device, *args.verifier_args], [*device, *args.drafter_args]
 
 
 def run_levels(
@@ -460,7 +477,7 @@ def run_levels(
     log_dir = args.out_dir / "tmp" / "cluster-logs"
     pinning: Pinning | None = args.pinning
     cpus: dict[str, frozenset[int]] = {}
-    drafter_args = list(args.drafter_args)
+    verifier_args, drafter_args = service_args(args)
     if pinning is not None:
         cpus = pinning.services()
         drafter_args = [*pinning.drafter_args(), *drafter_args]
@@ -470,7 +487,7 @@ def run_levels(
         pool,
         args.torch_threads,
         log_dir,
-        verifier_args=args.verifier_args,
+        verifier_args=verifier_args,
         coordinator_args=args.coordinator_args,
         drafter_args=drafter_args,
         cpus=cpus,
@@ -514,11 +531,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["dtype"], reference_dtype = resolve_dtypes(reported, args.verifier_args, args.reference_dtype)
     if not args.no_reference and levels and error != "interrupted":
         meta["settings"]["reference"] = (
-            f"plain greedy decoding through the engine alone in this process, {reference_dtype}"
+            f"plain greedy decoding through the engine alone in this process, {reference_dtype} on {args.device}"
         )
         progress(f"plain greedy references in {reference_dtype}")
         try:
-            add_references(levels, plan, target, reference_dtype, args.max_new_tokens)
+            add_references(levels, plan, target, reference_dtype, args.max_new_tokens, args.device)
         except KeyboardInterrupt:  # the streams not compared yet keep identical=None
             error = "interrupted while decoding the references"
     meta["complete"] = not error and len(levels) == len(plan)

@@ -92,6 +92,11 @@ class Prompt:
     token_ids: list[int]  # the chat-formatted prompt, as the coordinator encodes it
     max_new_tokens: int
     sampling: SamplingParams
+    chat: tuple[tuple[str, str], ...] = ()  # (role, content) turns of a conversation; empty: ``text`` alone
+
+    def messages(self) -> tuple[tuple[str, str], ...]:
+        """The chat a client sends for this prompt: its turns, or ``text`` as the one user turn."""
+        return self.chat or (("user", self.text),)
 
 
 @dataclass(frozen=True)
@@ -389,7 +394,7 @@ class DistributedMode:
         tokens: list[int] = []
         stats: Stats | None = None
         start = time.perf_counter_ns()
-        for event in self._client.generate_chat([("user", prompt.text)], params):
+        for event in self._client.generate_chat(prompt.messages(), params):
             if isinstance(event, ClientChunk):
                 tokens.extend(event.token_ids)
             else:

@@ -1,4 +1,4 @@
-"""The benchmark's Markdown report (Spec-Bench leaderboard layout) and its plot."""
+"""The benchmark's Markdown report (Spec-Bench leaderboard layout, then each repetitive workload) and its plot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .aggregate import OVERALL, Summary
-from .dataset import MT_BENCH_CATEGORIES
+from .dataset import MT_BENCH_CATEGORIES, WORKLOADS
 from .head_identity import head_line
 from .machine import strain
 from .records import Record
@@ -22,12 +22,23 @@ TASK_COLUMNS = {
     "rag": "Retrieval-aug. Generation",
 }
 NA = "n/a"  # a figure this mode does not have
+# The repetitive workloads' titles, and what their prompts are (the report says it above their tables).
+WORKLOAD_TITLES = {"code_edit": "Code edit", "agent_loop": "Agent loop"}
+WORKLOAD_NOTES = {
+    "code_edit": "A function or small class in the prompt with an instruction to change a small part of it, the "
+    "whole code asked back: `edit_replace` changes text in place (a rename, a constant, an off-by-one), "
+    "`edit_insert` adds some (a docstring, a parameter, type hints, an empty-input guard).",
+    "agent_loop": "An agent framework's conversation: tool schemas in the system turn, earlier tool calls (JSON) and "
+    "their results (as user turns, `Tool result (<tool>):`) in the context, the model asked for the next step: "
+    "`agent_call` a tool call, `agent_summary` a plain-text answer quoting the tool output.",
+}
 SHORT_NAMES = {
     "mt_bench": "MT-Bench",
     "math_reasoning": "Math reas.",
     "summarization": "Summ.",
     "translation": "Transl.",
     OVERALL: "Overall",
+    **{workload: f"{title}, overall" for workload, title in WORKLOAD_TITLES.items()},
 }
 
 
@@ -207,6 +218,45 @@ def details(summaries: Sequence[Summary], modes: Sequence[str], group: str) -> l
     return _table(header, rows)
 
 
+def workload_groups(workload: str, present: set[str]) -> list[str]:
+    """A workload's groups that ran: its categories, then the workload's overall."""
+    return [*(c for c in WORKLOADS[workload] if c in present), workload]
+
+
+def workload_sections(summaries: Sequence[Summary], modes: Sequence[str]) -> list[str]:
+    """Each repetitive workload that ran: speedup / τ per category and overall, then every figure of its overall.
+
+    The same columns as Spec-Bench's, in sections of their own: a workload's figures are read beside Spec-Bench's,
+    never averaged into them (``aggregate.groups_of``).
+    """
+    present = {s.group for s in summaries}
+    lines: list[str] = []
+    for workload, title in WORKLOAD_TITLES.items():
+        if workload not in present:
+            continue
+        lines += [f"## {title} (`{workload}`): speedup / τ", "", WORKLOAD_NOTES[workload], ""]
+        lines += [*per_group(summaries, modes, workload_groups(workload, present)), ""]
+        lines += [f"### {title}: all figures", "", *details(summaries, modes, workload), ""]
+    return lines
+
+
+def console_summary(summaries: Sequence[Summary], modes: Sequence[str]) -> list[str]:
+    """What a run prints when it ends: Spec-Bench's leaderboard when it ran, each workload's speedup / τ table."""
+    present = {s.group for s in summaries}
+    lines = leaderboard(summaries, modes) if OVERALL in present else []
+    for workload, title in WORKLOAD_TITLES.items():
+        if workload in present:
+            lines += ["", f"{title}: speedup / τ", *per_group(summaries, modes, workload_groups(workload, present))]
+    return lines
+
+
+def title(groups: set[str]) -> str:
+    """The report's title: the question sets that ran (Spec-Bench when none is known)."""
+    names = ["Spec-Bench"] if OVERALL in groups else []
+    names += [t for workload, t in WORKLOAD_TITLES.items() if workload in groups]
+    return "specserve on " + (", ".join(names) or "Spec-Bench")
+
+
 def divergences(records: Sequence[Record], greedy: bool, dtype: str = "float32") -> list[str]:
     lines: list[str] = []
     different = [r for r in records if r.identical is False]
@@ -265,7 +315,7 @@ def markdown(
         else "Cold pools: every specserve mode starts from empty n-gram pools. "
     )
     lines = [
-        "# specserve on Spec-Bench",
+        f"# {title(present)}",
         "",
         f"Target {settings['model']} ({settings['dtype']}), {decoding}, up to {settings['max_new_tokens']} new "
         f"tokens, {len(records) // max(1, len(modes))} prompts ({settings['prompts_per_category']} per category), "
@@ -283,18 +333,23 @@ def markdown(
         f"{settings.get('dtype', 'float32')} for every mode; τ is tokens committed per target forward "
         "(1.00 for `baseline`). " + identity_line(settings),
         "",
-        "## Speedup over `baseline` (Spec-Bench leaderboard layout)",
-        "",
-        *leaderboard(summaries, modes),
-        "",
-        "## Speedup / τ per task",
-        "",
-        *per_group(summaries, modes, [g for g in [*TASK_COLUMNS, OVERALL] if g in present]),
-        "",
     ]
+    if OVERALL in present:
+        lines += [
+            "## Speedup over `baseline` (Spec-Bench leaderboard layout)",
+            "",
+            *leaderboard(summaries, modes),
+            "",
+            "## Speedup / τ per task",
+            "",
+            *per_group(summaries, modes, [g for g in [*TASK_COLUMNS, OVERALL] if g in present]),
+            "",
+        ]
     if mt:
         lines += ["## MT-Bench categories: speedup / τ", "", *per_group(summaries, modes, mt), ""]
-    lines += ["## All figures, overall", "", *details(summaries, modes, OVERALL), ""]
+    if OVERALL in present:
+        lines += ["## All figures, overall", "", *details(summaries, modes, OVERALL), ""]
+    lines += workload_sections(summaries, modes)
     lines += [
         "## Outputs that differ from `baseline`",
         "",
@@ -307,10 +362,30 @@ def markdown(
     return "\n".join(lines)
 
 
+def _section(group: str) -> int:
+    """Which part of the plot a group is in: tasks, MT-Bench categories, overall, then one part per workload."""
+    if group in TASK_COLUMNS:
+        return 0
+    if group in MT_BENCH_CATEGORIES:
+        return 1
+    if group == OVERALL:
+        return 2
+    workloads = list(WORKLOADS)
+    owner = group if group in WORKLOADS else next(w for w in workloads if group in WORKLOADS[w])
+    return 3 + workloads.index(owner)
+
+
 def _section_boundaries(groups: Sequence[str]) -> list[float]:
-    """x positions between the tasks, the MT-Bench categories and overall."""
-    section = [0 if g in TASK_COLUMNS else 2 if g == OVERALL else 1 for g in groups]
+    """x positions between the tasks, the MT-Bench categories, overall and each workload."""
+    section = [_section(g) for g in groups]
     return [i - 0.5 for i in range(1, len(groups)) if section[i] != section[i - 1]]
+
+
+def plot_groups(present: set[str]) -> list[str]:
+    """The groups a plot shows, in order: Spec-Bench's tasks, its MT-Bench categories and overall, then each
+    workload's categories followed by its overall."""
+    workload_groups = [g for workload, members in WORKLOADS.items() for g in (*members, workload)]
+    return [g for g in [*TASK_COLUMNS, *MT_BENCH_CATEGORIES, OVERALL, *workload_groups] if g in present]
 
 
 def plot(summaries: Sequence[Summary], modes: Sequence[str], path: Path) -> None:
@@ -321,7 +396,7 @@ def plot(summaries: Sequence[Summary], modes: Sequence[str], path: Path) -> None
     import matplotlib.pyplot as plt
 
     present = {s.group for s in summaries}
-    groups = [g for g in [*TASK_COLUMNS, *MT_BENCH_CATEGORIES, OVERALL] if g in present]
+    groups = plot_groups(present)
     index = {(s.mode, s.group): s for s in summaries}
     fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.9 * len(groups) + 2), 8), sharex=True)
     width = 0.8 / max(1, len(modes))
@@ -337,7 +412,7 @@ def plot(summaries: Sequence[Summary], modes: Sequence[str], path: Path) -> None
         axis.grid(axis="y", alpha=0.3)
     axes[0].legend(ncols=len(modes), loc="upper left", fontsize="small")
     axes[1].set_xticks(range(len(groups)), [SHORT_NAMES.get(g, g) for g in groups], rotation=30, ha="right")
-    fig.suptitle("specserve on Spec-Bench")
+    fig.suptitle(title(present))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,5 +1,8 @@
 """The Spec-Bench benchmark: ``python -m bench.run`` (``make bench``).
 
+``--categories code_edit,agent_loop`` (``make bench-repetitive``) runs the project's repetitive workloads instead
+(``bench.dataset``), or beside Spec-Bench's categories; each gets rows of its own in the report.
+
 Runs the chosen modes on the same prompts, interleaved prompt by prompt (the
 order of the modes rotates from one prompt to the next), so machine drift hits
 every mode alike. The target runs in one dtype (``--dtype``, by default what
@@ -14,12 +17,13 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +34,7 @@ from coordinator.config import CoordinatorConfig
 from draft_service.config import DrafterConfig
 from draft_service.head_products import HEAD_MATMUL_CHOICES
 from draft_service.head_proposer import HeadProposer
+from draft_service.main import parse_config as parse_drafter_config
 from specserve.block_weights import choose_model_dtype
 from specserve.hardware import DtypeChoice
 from specserve.model_loading import DEFAULT_MODEL, resolve_model
@@ -48,9 +53,18 @@ from .cluster import (
     pool_reset,
     start_cluster,
 )
-from .dataset import CATEGORIES, Question, expand_categories, load_questions, select
+from .dataset import (
+    ALL_TASKS,
+    CATEGORIES,
+    WORKLOADS,
+    Question,
+    expand_categories,
+    load_all_questions,
+    select,
+    workload_of,
+)
 from .decoding import hf_generate, top2_gap
-from .head_identity import describe_draft_head, draft_head_path
+from .head_identity import describe_draft_head
 from .modes import (
     BASELINE,
     EAGER_BASELINE,
@@ -75,7 +89,7 @@ from .modes import (
 )
 from .pinning import PinnedMode, Pinning, pin_this_process, read_pinning
 from .records import Record, first_divergence, make_record
-from .report import leaderboard, markdown, plot
+from .report import console_summary, markdown, plot
 from .target import (
     DEVICE,
     WARM_UP_TEXT,
@@ -86,6 +100,7 @@ from .target import (
     load_target,
     model_dtype,
     quiet_libraries,
+    turns_ids,
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -110,8 +125,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--device",
         default=DEVICE,
-        help="where the target runs in every mode: cpu (default) or cuda[:N] (the drafters' head stays on the CPU, "
-        "as a drafter worker runs it; greedy only)",
+        help="where the target runs in every mode: cpu (default) or cuda[:N] (greedy only); the distributed modes' "
+        "drafter runs there too (its --device), the in-process modes' draft head on the CPU",
     )
     parser.add_argument("--prompts-per-category", type=int, default=DEFAULT_PROMPTS_PER_CATEGORY)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -125,7 +140,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--categories",
         default="all",
-        help=f"comma-separated categories or 'mt_bench'; 'all' (default): {', '.join(CATEGORIES)}",
+        help=f"comma-separated categories, 'mt_bench', or the repetitive workloads {', '.join(WORKLOADS)} (their "
+        "own prompts: a function to edit, an agent's conversation); 'all' (default): Spec-Bench, "
+        f"{', '.join(CATEGORIES)}",
     )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/out"))
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the target: 'smollm2' or a model path")
@@ -193,6 +210,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--keep-pool", action="store_true", help="do not empty the Redis n-gram pool first (a warm pool)"
     )
     parser.add_argument(
+        "--drafter-arg",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="appended to the distributed drafter's command line, split like a shell does; repeatable, e.g. "
+        "--drafter-arg='--sources prompt_lookup,ngram_pool' (in-process modes: name their sources, inproc:a+b)",
+    )
+    parser.add_argument(
         "--warm-pool",
         type=int,
         default=0,
@@ -204,6 +229,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a TTY)"
     )
     args = parser.parse_args(argv)
+    args.drafter_args = [word for value in args.drafter_arg for word in shlex.split(value)]
+    # The distributed drafter's own parsing (its sources, its head): a bad --drafter-arg stops the run here.
+    args.drafter_config = parse_drafter_config(list(args.drafter_args))[0]
     if args.device != "cpu" and not args.device.startswith("cuda"):
         parser.error(f"--device must be cpu or cuda[:N], not {args.device!r}")
     if args.device != "cpu" and args.temperature > 0:
@@ -222,7 +250,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)} (or inproc:<source>+<source>...)")
     categories = CATEGORIES if args.categories == "all" else args.categories.split(",")
     try:
-        args.categories = expand_categories(c.strip() for c in categories if c.strip())
+        args.categories = expand_categories((c.strip() for c in categories if c.strip()), ALL_TASKS)
     except ValueError as exc:
         parser.error(str(exc))
     if args.prompts_per_category < 1 or args.max_new_tokens < 1 or args.torch_threads < 1:
@@ -240,6 +268,14 @@ def make_prompt(target: Target, text: str, max_new_tokens: int, sampling: Sampli
     return Prompt(text, chat_ids(target.tokenizer, text), max_new_tokens, sampling)
 
 
+def question_prompt(target: Target, question: Question, max_new_tokens: int, sampling: SamplingParams) -> Prompt:
+    """A question as every mode runs it: its whole conversation (an agent loop's turns) chat-formatted."""
+    if not question.turns:
+        return make_prompt(target, question.text, max_new_tokens, sampling)
+    ids = turns_ids(target.tokenizer, question.turns)
+    return Prompt(question.text, ids, max_new_tokens, sampling, question.turns)
+
+
 def check_baseline(model: Any, target: Target, prompt: Prompt, threads: int = 0) -> dict[str, Any]:
     """Does plain decoding through the engine (``baseline``) produce exactly what transformers' greedy generate does?
     (Both on ``threads`` torch threads, off this thread: ``on_a_thread_of_its_own``.)
@@ -247,7 +283,7 @@ def check_baseline(model: Any, target: Target, prompt: Prompt, threads: int = 0)
     Checked on the fp32 ``model``, where they must agree token for token: in bf16 the engine's fp32 head
     (the verifier's numerics) and transformers' bf16 head part at near-ties.
     """
-    greedy = Prompt(prompt.text, prompt.token_ids, prompt.max_new_tokens, SamplingParams())
+    greedy = replace(prompt, sampling=SamplingParams())
     engine = EnginePlainMode(model, target.fingerprint, target.eos_ids, BASELINE, "auto", threads=threads)
     try:
         ours = engine.run(greedy)
@@ -263,6 +299,25 @@ def check_baseline(model: Any, target: Target, prompt: Prompt, threads: int = 0)
         "tokens_compared": len(ours.tokens) + int(ours.eos),
         "first_mismatch": None if mismatch is None else asdict(mismatch),
     }
+
+
+def service_args(args: argparse.Namespace, name: str, dtype: str) -> tuple[list[str], list[str]]:
+    """The words distributed mode ``name`` appends to its verifier's and its drafter's command lines.
+
+    The verifier runs the target in ``dtype`` on ``--device`` with the run's engine flags; the drafter runs on the
+    same device (its ``--device``: the draft head, its state and tree expansion; the n-gram sources stay on the
+    host), with the mode's pre-drafting, the pinning's threads, then ``--drafter-arg``'s words (they win).
+    """
+    verifier = ["--dtype", dtype, "--weights", args.weights, "--device", args.device, "--compile", args.compile]
+    verifier += ["--dedicated-cores" if args.dedicated_cores else "--no-dedicated-cores"]
+    verifier += [] if args.throughput_guard else ["--no-throughput-guard"]
+    drafter = ["--device", args.device, "--head-matmul", args.head_matmul]
+    if name in (NO_PREDRAFT, PREDRAFT):
+        outcomes = 0 if name == NO_PREDRAFT else DrafterConfig().predraft_outcomes
+        drafter += ["--predraft-outcomes", str(outcomes)]
+    if args.pinning is not None:
+        drafter += args.pinning.drafter_args()
+    return verifier, [*drafter, *args.drafter_args]
 
 
 def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolBackend, stack: ExitStack) -> list[Mode]:
@@ -300,22 +355,8 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
-            dtype_args = ["--dtype", target.dtype, "--weights", args.weights, "--device", args.device]
-            dtype_args += [
-                "--compile",
-                args.compile,
-                "--dedicated-cores" if args.dedicated_cores else "--no-dedicated-cores",
-            ]
-            dtype_args += [] if args.throughput_guard else ["--no-throughput-guard"]
+            verifier_args, drafter_args = service_args(args, name, target.dtype)
             pinning: Pinning | None = args.pinning
-            cpus: dict[str, frozenset[int]] = {}
-            drafter_args: list[str] = ["--head-matmul", args.head_matmul]
-            if name in (NO_PREDRAFT, PREDRAFT):
-                outcomes = 0 if name == NO_PREDRAFT else DrafterConfig().predraft_outcomes
-                drafter_args += ["--predraft-outcomes", str(outcomes)]
-            if pinning is not None:
-                cpus = pinning.services()
-                drafter_args += pinning.drafter_args()
             # Each distributed mode learns into a pool of its own: one must not draft from the other's outputs.
             own_pool = pool if name == "distributed" else other_database(pool, name)
             cluster = start_cluster(
@@ -323,9 +364,9 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 own_pool,
                 args.torch_threads,
                 log_dir,
-                verifier_args=dtype_args,
+                verifier_args=verifier_args,
                 drafter_args=drafter_args,
-                cpus=cpus,
+                cpus=pinning.services() if pinning is not None else {},
             )
             stack.callback(cluster.stop)
             reset = pool_reset(own_pool, target.fingerprint, args.keep_pool)
@@ -338,13 +379,13 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
     return modes
 
 
-def uses_head(modes: Sequence[str]) -> bool:
-    """Whether any of ``modes`` drafts with the draft head (a cluster's drafter runs every default source)."""
+def uses_head(modes: Sequence[str], drafter_sources: Sequence[str] = DrafterConfig().sources) -> bool:
+    """Whether any of ``modes`` drafts with the draft head (a cluster's drafter runs ``drafter_sources``)."""
     for name in modes:
         if name == "inproc" or name.startswith("inproc:"):
             if HeadProposer.name in (mode_sources(name) or DrafterConfig().sources):
                 return True
-        elif name not in (*PLAIN_MODES, "hf-pld"):
+        elif name not in (*PLAIN_MODES, "hf-pld") and HeadProposer.name in drafter_sources:
             return True
     return False
 
@@ -361,7 +402,7 @@ def fill_pools(
     learners = [mode for mode in modes if mode.learns]
     with tqdm(total=len(questions) * len(learners), unit="gen", desc="warm pool", disable=disable_progress) as bar:
         for question in questions:
-            prompt = make_prompt(target, question.text, max_new_tokens, sampling(question.question_id))
+            prompt = question_prompt(target, question, max_new_tokens, sampling(question.question_id))
             for mode in learners:
                 mode.run(prompt)
                 bar.update()
@@ -422,7 +463,7 @@ def write_outputs(out_dir: Path, records: list[Record], modes: Sequence[str], me
         plot(summaries, modes, paths["png"])
     else:
         paths["png"].unlink(missing_ok=True)
-    print("\n".join(leaderboard(summaries, modes)))
+    print("\n".join(console_summary(summaries, modes)))
     return paths
 
 
@@ -444,7 +485,7 @@ def _run(args: argparse.Namespace) -> int:
     args.engine_threads = serve_on_this_thread() if args.dedicated_cores else args.torch_threads
     started = time.monotonic()
     started_at = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    all_questions = load_questions()
+    all_questions = load_all_questions()
     questions = select(all_questions, args.categories, args.prompts_per_category)
     warm_questions = select(all_questions, args.categories, args.warm_pool, skip=args.prompts_per_category)
     choice: DtypeChoice = args.dtype_choice
@@ -456,12 +497,13 @@ def _run(args: argparse.Namespace) -> int:
             return SamplingParams()
         return SamplingParams(temperature=args.temperature, seed=args.seed + question_id)
 
-    prompts = [make_prompt(target, q.text, args.max_new_tokens, sampling(q.question_id)) for q in questions]
+    prompts = [question_prompt(target, q, args.max_new_tokens, sampling(q.question_id)) for q in questions]
     checks = check_baseline(fp32, target, prompts[0], args.engine_threads)
     if not checks["baseline_matches_hf_generate"]:
         print(f"warning: the baseline loop differs from transformers' generate: {checks}", file=sys.stderr)
     pool = choose_pool(args.redis_url) if cluster_modes(args.modes) else PoolBackend(None, "not used")
     policy = CoordinatorConfig()
+    drafter: DrafterConfig = args.drafter_config
     meta: dict[str, Any] = {
         "started_at": started_at,
         "settings": {
@@ -473,6 +515,7 @@ def _run(args: argparse.Namespace) -> int:
             "device": args.device,
             "modes": args.modes,
             "categories": args.categories,
+            "workloads": list(dict.fromkeys(workload_of(c) for c in args.categories)),
             "prompts_per_category": args.prompts_per_category,
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
@@ -493,7 +536,10 @@ def _run(args: argparse.Namespace) -> int:
             "compile": args.compile,
             "dedicated_cores": args.dedicated_cores,
             "head_matmul": args.head_matmul,
-            "draft_head": describe_draft_head(draft_head_path()) if uses_head(args.modes) else None,
+            "drafter_args": args.drafter_args,
+            "draft_head": describe_draft_head(Path(drafter.draft_head_path))
+            if uses_head(args.modes, drafter.sources)
+            else None,
         },
         "machine": machine.describe(),
         "checks": checks,

@@ -155,6 +155,11 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
     return encode_prompt(tokenizer, None, [ChatTurn("user", text)])
 
 
+def turns_ids(tokenizer: Any, turns: Sequence[tuple[str, str]]) -> list[int]:
+    """(role, content) turns (an agent's conversation), chat-formatted and tokenized as the coordinator does."""
+    return encode_prompt(tokenizer, None, [ChatTurn(role, content) for role, content in turns])
+
+
 @dataclass(frozen=True)
 class Case:
     """One prompt: where it came from and its chat-formatted token ids."""
