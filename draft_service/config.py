@@ -25,8 +25,9 @@ class DrafterConfig:
     pool_max_keys: int = 200_000  # in-memory pool only; Redis is bounded by TTL and per-key caps
     lookup_min_ngram: int = 2
     lookup_max_ngram: int = 4
-    # All four sources; the draft head's weights ship with the drafter (draft_service/weights/).
-    sources: tuple[str, ...] = ("prompt_lookup", "ngram_pool", "token_recycling", "draft_model")
+    # The suffix source (prompt, output and the tenant's pool in one), token recycling and the draft head, whose
+    # weights ship with the drafter (draft_service/weights/); prompt_lookup and ngram_pool are there to name.
+    sources: tuple[str, ...] = ("suffix", "token_recycling", "draft_model")
     metrics_port: int = 0
     shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM: in-flight work goes on this long at most
     max_health_watches: int = DEFAULT_MAX_HEALTH_WATCHES  # open Health/Watch streams; more: RESOURCE_EXHAUSTED

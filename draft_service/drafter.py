@@ -54,6 +54,9 @@ DEFAULT_MAX_NAMESPACES = 1024
 
 NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name, SuffixProposer.name)
 ALL_SOURCES = (*NGRAM_SOURCES, HeadProposer.name)
+DEFAULT_NGRAM_SOURCES = (SuffixProposer.name, TokenRecyclingProposer.name)
+"""The n-gram sources a drafter runs unless told: the suffix source drafts what prompt lookup and the pool do (it
+reads the pool itself), with frequency-scored trees."""
 
 
 @dataclass
@@ -449,7 +452,7 @@ class Drafter:
         self,
         pool_for: Callable[[str, str], NgramPool],  # (vocabulary fingerprint, pool namespace) -> pool
         prompt_lookup: PromptLookupProposer | None = None,
-        sources: Sequence[str] = NGRAM_SOURCES,
+        sources: Sequence[str] = DEFAULT_NGRAM_SOURCES,
         cost: VerifyCost | None = None,
         draft_head: DraftHead | None = None,
         tree_shape: TreeShape | None = None,
