@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             f"specserve is up: coordinator {cluster.coordinator_address}, drafter {cluster.drafter_address}, "
             f"verifier {cluster.verifier_address} (n-gram pool: {args.redis_url or 'in-memory'})\n"
             f"{http}{metrics}"
-            "auth is off: no API keys, no TLS, loopback only (see the README's Privacy model to turn it on)\n"
+            "auth is off: no API keys, no TLS, loopback only (docs/operations.md#privacy-model: how to turn it on)\n"
             'try:  specserve generate "Write a haiku about the sea"    (Ctrl-C stops all three)',
             flush=True,
         )

@@ -109,7 +109,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[VerifierConfig, str]:
         help="dtype: the layers read the model's weights in --dtype; int8: int8 copies of them (per-channel "
         "scales, bf16 activations in the products; CPU with --compile auto): a quarter of fp32's bytes, other "
         "weights, so other output than --dtype alone gives; speculation then does not reproduce plain int8 decoding "
-        "token for token (the README's --weights row)",
+        "token for token (docs/numerics.md)",
     )
     parser.add_argument(
         "--no-throughput-guard",

@@ -5,7 +5,7 @@ tree of size zero each round), not transformers. The products are row-invariant,
 scores a token as a plain step does. On the real model the bf16-rounded inputs of the products turn CPU
 attention's last-bit differences into bf16-sized ones, and ``bench.numerics --weights int8`` measured
 speculative output leaving plain int8 decoding on 19 of 20 prompts against a noise floor of 6: int8 is an
-opt-in speed mode, not lossless by design.md's rule (README, ``--weights``).
+opt-in speed mode, not lossless by design.md's rule (docs/numerics.md, ``--weights``).
 """
 
 from __future__ import annotations

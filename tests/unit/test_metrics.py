@@ -1,4 +1,4 @@
-"""Each tier's metrics: what is observed lands in the series named in the README's metrics table.
+"""Each tier's metrics: what is observed lands in the series named in docs/metrics.md's table.
 
 Admission's series (running, waiting, queue time, rejections) are checked in test_admission.py.
 """
