@@ -58,7 +58,7 @@ class Workspace:
         self.feature = torch.zeros(head.config.hidden_size, dtype=dtype, device=self.device)
         self.logits = torch.zeros(head.config.draft_vocab_size, dtype=dtype, device=self.device)
         self.context = torch.zeros((), dtype=torch.long, device=self.device)  # cached positions in use
-        self.position = torch.zeros((), dtype=torch.long, device=self.device)  # the root's children's position
+        self.position = torch.zeros((), dtype=torch.long, device=self.device)  # the head position of level 1
         self._slot_index = torch.arange(slots, device=self.device)
         self._children = greedy_children(head.draft_vocab, branching)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -131,7 +131,7 @@ class TreeGraphs:
         self,
         cache: HeadCache,
         context: int,  # the session's cached positions every node sees
-        position: int,  # the sequence position of the root's children
+        position: int,  # the head position level 1 is fed at (the last cached position's, plus one)
         feature: torch.Tensor,  # [hidden]: the root's predicted feature
         logits: torch.Tensor,  # [vocab]: the root's draft logits
         depth: int,

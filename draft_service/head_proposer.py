@@ -282,7 +282,7 @@ class HeadProposer:
         depth = min(self._shape.depth, budget)
         beam = min(self._shape.beam, budget)
         context = self._fed + len(self._speculative)  # cache entries every tree node sees
-        position = self.features.start + context  # the sequence position of the root's children
+        position = self.features.start + context  # where level 1 is fed: the root's own position, plus one
         feature, logits = self._outputs[-1]
         gumbels = self._level_noise(depth, first_position)
         if gumbels is None and self._graphs is not None:
