@@ -339,7 +339,8 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
             mode = HfPromptLookupMode(target.model, target.eos_ids, args.hf_pld_tokens, args.engine_threads)
         elif name == "inproc" or name.startswith("inproc:"):
             sources = mode_sources(name) or DrafterConfig().sources
-            head = draft_head(target, fp32, args.head_matmul) if HeadProposer.name in sources else None
+            # On the run's device, as the distributed mode's drafter (--device) runs it.
+            head = draft_head(target, fp32, args.head_matmul, args.device) if HeadProposer.name in sources else None
             mode = InProcessMode(
                 target.model,
                 target.tokenizer,

@@ -126,26 +126,32 @@ def load_target(name: str, dtype: str = FLOAT32, device: str = DEVICE) -> Target
 
 
 def load_head(
-    model: Any, fingerprint: str, path: Path | None = None, *, serving: bool = True, head_matmul: str = "auto"
+    model: Any,
+    fingerprint: str,
+    path: Path | None = None,
+    *,
+    serving: bool = True,
+    head_matmul: str = "auto",
+    device: str = "cpu",
 ) -> DraftHead:
     """The draft head at ``path`` (default: the one a drafter started here loads) over ``model``'s embedding and
-    LM head in fp32; computing in the dtype the draft service picks on this CPU with its products as
-    ``head_matmul`` says (``serving``), else as loaded (fp32, products unpacked). Raises DraftHeadError when there
-    is no usable head. The head runs on the CPU wherever ``model`` is, as a drafter worker runs it."""
+    LM head in fp32; computing on ``device`` in the dtype the draft service picks there with its products as
+    ``head_matmul`` says (``serving``), else as loaded (fp32, on the CPU, products unpacked). Raises DraftHeadError
+    when there is no usable head. ``device`` is the drafter's ``--device``, wherever ``model`` is."""
     head, _ = load_draft_head(
         draft_head_path() if path is None else path,
         target_fingerprint=fingerprint,
         embedding=model.get_input_embeddings().weight.detach().float().cpu(),
         lm_head=model.get_output_embeddings().weight.detach().float().cpu(),
     )
-    return in_serving_dtype(head, head_matmul=head_matmul)[0] if serving else head
+    return in_serving_dtype(head, head_matmul=head_matmul, device=device)[0] if serving else head
 
 
-def draft_head(target: Target, fp32: Any, head_matmul: str = "auto") -> DraftHead:
-    """The drafter's default draft head over the float32 target ``fp32``, as the drafter computes it
+def draft_head(target: Target, fp32: Any, head_matmul: str = "auto", device: str = "cpu") -> DraftHead:
+    """The drafter's default draft head over the float32 target ``fp32``, as a drafter on ``device`` computes it
     (``--head-matmul``: ``head_matmul``); the harness stops with the reason when there is none."""
     try:
-        return load_head(fp32, target.fingerprint, head_matmul=head_matmul)
+        return load_head(fp32, target.fingerprint, head_matmul=head_matmul, device=device)
     except DraftHeadError as exc:
         raise SystemExit(f"error: the draft_model source needs its head: {exc}") from exc
 
