@@ -51,11 +51,11 @@ if [ -n "${MODEL:-}" ]; then
   }
   # The n-gram sources alone: the draft head is checked against the tokenizer's vocabulary fingerprint, and
   # transformers 5.17 (the device image's) reads the GGUF's vocabulary differently from the pinned 5.23.
-  NGRAM=inproc:prompt_lookup+ngram_pool+token_recycling
+  NGRAM=inproc:suffix+token_recycling
   want decode && decode 200 decode-bfloat16 --dtype bfloat16 --modes baseline,hf-plain,$NGRAM
   want decode && decode 150 decode-float32 --dtype float32 --modes baseline,$NGRAM
-  # The draft head too (inproc: head and n-gram sources, the head's products on the host's CPU as a drafter
-  # worker runs them): needs the pinned transformers 5.23 on the device (carried as a wheel where the image
+  # The draft head too (inproc: head and n-gram sources, the head on the GPU as a drafter with --device cuda
+  # runs it, its greedy trees in captured graphs): needs the pinned transformers 5.23 on the device (carried as a wheel where the image
   # has another), or the head refuses the vocabulary.
   want decode-head && decode 200 decode-head-bfloat16 --dtype bfloat16 --modes baseline,inproc
   want decode-head && decode 150 decode-head-float32 --dtype float32 --modes baseline,inproc
@@ -75,7 +75,7 @@ if [ -n "${MODEL:-}" ]; then
     # The draft head checks the tokenizer's vocabulary fingerprint, which another transformers reads differently.
     pinned=$(sed -n 's/^ *"transformers==\([^"]*\)".*/\1/p' pyproject.toml)
     installed=$($PY -c 'import transformers; print(transformers.__version__)')
-    [ "$installed" = "$pinned" ] || DRAFT_SOURCES=${DRAFT_SOURCES-prompt_lookup,ngram_pool,token_recycling}
+    [ "$installed" = "$pinned" ] || DRAFT_SOURCES=${DRAFT_SOURCES-suffix,token_recycling}
     SOURCES=() INPROC=inproc
     if [ -n "${DRAFT_SOURCES:-}" ]; then
       SOURCES=(--drafter-arg="--sources $DRAFT_SOURCES") INPROC="inproc:${DRAFT_SOURCES//,/+}"
