@@ -1,12 +1,11 @@
 """The draft head's decoder layer on a compact forward of its own, for serving.
 
 The head trains as a transformers ``LlamaModel`` of one layer, and that is
-what ``DraftHead.forward`` runs. Served, much of its time was overhead:
-on a 2-core Xeon a 4-row draft step took 5.5 ms, of which the products (the
-fc, the layer's seven linears and the draft logits) took 2-3.4 ms; the
-rest was transformers' machinery around one layer (a ``DynamicCache`` that
-concatenates its whole past on every step, mask and rotary building, module
-dispatch). ``HeadStep`` runs the same math as the verifier's engine runs its
+what ``DraftHead.forward`` runs. Around one small layer, transformers'
+machinery (a ``DynamicCache`` that concatenates its whole past on every step,
+mask and rotary building, module dispatch) costs about as much as the
+products themselves (bench/README.md, "The draft head on its own layer").
+``HeadStep`` runs the same math as the verifier's engine runs its
 layers: fused QKV and gate-up products on prepacked weights, the rotary and
 RMSNorm of ``specserve.llama_ops``, SDPA over a ``HeadCache`` whose buffers
 grow by doubling and are written in place. It reads the head's own

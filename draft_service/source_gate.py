@@ -5,9 +5,7 @@ and the round waits for them (unless the tree was pre-drafted on an idle core). 
 tokens per second of its time than the session commits per second of a round, every round that runs it
 commits less per second than one that does not. Worse, the verifier sizes each session's trees from what
 its drafted rounds wait for (``VerifyRequest.draft_micros``, ``DraftBudget``): a slow head there keeps every
-source's trees small, the cheap sources' too. On a 2-core Zen 4 EPYC beside the verifier, SmolLM2's head took
-2-13 ms a draft against an 8 ms target step, and Spec-Bench's `inproc` committed 1.04 tokens a round with it
-against 1.20 without it (bench/README, "The draft head's gate").
+source's trees small, the cheap sources' too (bench/README.md, "The draft head's gate").
 
 So per session a ``SourceGate`` weighs the costly sources each round: they run while the tokens only they
 drafted that the verifier accepted, per second of their drafting, are at least the tokens the session
@@ -20,8 +18,7 @@ budget counts. Drafts never change output: this only moves time between drafting
 
 A session alone needs its warm-up to judge the sources, and the first of those runs feeds the whole prompt's
 features, in the background while the verifier computes (on shared cores, taking its CPU). Where the head has
-not paid for a drafter's earlier sessions that warm-up buys nothing: Spec-Bench `inproc` on a 2-core Zen 5
-EPYC ran at 0.91x plain decoding with the head and 0.99x without it, at the same tau (bench/README, "The draft
+not paid for a drafter's earlier sessions that warm-up buys nothing but that cost (bench/README.md, "The draft
 head's record"). So every session's figures also feed the drafter's ``GateHistory``, and a new session of a
 drafter whose record says the sources do not pay starts with its warm-up done, judged on the record's figures
 until its own come in, and feeds them no features until they next run (a probe). Every

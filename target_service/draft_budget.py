@@ -375,10 +375,9 @@ class ThroughputGuard:
     the load it was judged at: when the sessions a step serves (smoothed)
     grow or shrink ``LOAD_CHANGE`` times from that, a fresh exploit stretch at
     the first pace begins, so the next probe comes ``exploit_s`` after the
-    change, judged on sessions at the new load. (Seen on an AVX512-BF16
-    EPYC, Spec-Bench one request at a time: no probe had the paired tokens
-    to judge by, yet the probes held drafting off for most of 5 of 13
-    requests: 1.20x plain decoding against 1.35x without the guard.)
+    change, judged on sessions at the new load: probes that can never be
+    judged must not hold drafting off (bench/README.md, "The throughput
+    guard's probes").
 
     The comparison is paired: only sessions that committed tokens both in the
     probe and in the exploit arm's stretch just before it count, each at its
@@ -394,10 +393,9 @@ class ThroughputGuard:
     does not open with a probe that fell due while nothing ran; a probe starts
     only once a session in the step has ``min_tokens`` in the stretch's last
     ``probe_s`` (one it can be judged on), and ends as soon as none of those
-    sessions is left. (Seen on an AVX512-BF16 EPYC, Spec-Bench one request at a
-    time among other modes' turns: a probe fell due at the start of most
-    requests, and whole requests ran without drafts, τ 1.1 on 5 of 13 against
-    2.0-2.8 on the others.)
+    sessions is left: otherwise a probe that fell due while nothing ran opens
+    the next request, which then runs without drafts (bench/README.md, "The
+    guard's probes on a quiet engine").
     """
 
     IDLE_GAP_S = 0.5  # between two steps longer than this, the engine had no work: the stretch's clock stops
