@@ -174,10 +174,8 @@ class LocalCluster:
 
         Pre-drafting drafts the next round while the verifier computes, which pays only on a core the
         verifier leaves idle; the verifier's step runs on every CPU it has, so on shared CPUs it takes the
-        verifier's. Spec-Bench on a 2-core EPYC, 13 prompts, the three processes on both cores, bf16 with
-        ``--compile inductor --dedicated-cores``: with pre-drafting 0.67x plain decoding (a verify round 57.9
-        ms against a 25.3 ms step alone), without 1.18x (28.8 ms; bench/README, "Pre-drafting on shared
-        cores"). So a cluster on one machine starts its drafter with pre-drafting off.
+        verifier's and every verify round waits for it (bench/README.md, "Pre-drafting on shared cores"). So a
+        cluster on one machine starts its drafter with pre-drafting off.
         """
         drafter, verifier = self.cpus.get("drafter"), self.cpus.get("verifier")
         return drafter is None or verifier is None or bool(drafter & verifier)

@@ -8,24 +8,18 @@ small model is thousands of regions. Once the process holds more of those
 threads than it has CPUs, libgomp stops spinning ("throttled" waits) in
 every team. A service that loads its model on the main thread (a team) and
 then runs steps on an engine thread (a second team) is in that state for
-good: on a 2-core Xeon with AMX one bf16 step of SmolLM2-135M took 57-60 ms
-on the engine thread against 42 ms on the main thread, and fifty one-row
-products of its gate/up projection 15.6 ms against 9.6 ms once the main
-thread ran one region on one thread instead of two.
+good, and every step pays for it (bench/README.md, "An AMX Xeon: one OpenMP
+team, and the step compiled whole").
 
 So a process whose heavy work runs on one thread calls
 ``serve_on_this_thread`` on its main thread before any torch work (model
 loading then runs on one core), and the thread that computes calls
 ``compute_on_this_thread``: the verifier does, unless started with
 ``--no-dedicated-cores``. Spinning workers hold their core between regions,
-which the drafter and coordinator want where they share the machine; on
-that Xeon, with the drafter pre-drafting beside every step, Spec-Bench's
-13-prompt `distributed` run showed no gain from it (1.40x and 1.06x plain
-decoding without, 1.37x and 1.36x with). On a 2-core AVX512-BF16 EPYC, with
-pre-drafting off as a cluster on one machine now runs it, two pairs of runs
-in turn, without and with (bench/README, "One OpenMP team by default"):
-plain decoding 23.3 and 26.1 tok/s against 31.4 and 34.3, `distributed`
-32.7 and 34.3 against 36.5 and 39.9. So it is the default.
+which the drafter and coordinator want where they share the machine; with
+pre-drafting off, as a cluster on one machine runs it, the dedicated team
+still decodes faster, plain and through the three processes (bench/README.md,
+"One OpenMP team by default"). So it is the default.
 """
 
 from __future__ import annotations
