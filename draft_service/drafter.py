@@ -469,8 +469,8 @@ class Drafter:
         self._head = draft_head if HeadProposer.name in sources else None
         self._tree_shape = tree_shape or TreeShape()
         # A GPU head grows greedy trees in captured graphs, shared by its sessions.
-        on_gpu = self._head is not None and self._head.draft_lm_head.device.type == "cuda"
-        self._tree_graphs = TreeGraphs(self._head) if self._head is not None and on_gpu else None
+        head = self._head
+        self._tree_graphs = TreeGraphs(head) if head is not None and head.draft_lm_head.device.type == "cuda" else None
         self._pool_for = pool_for
         self._prompt_lookup = prompt_lookup or PromptLookupProposer()
         self.sources = tuple(sources)
@@ -533,18 +533,21 @@ class Drafter:
         if vocab_size > 0:
             pool.limit_vocab(vocab_size)
         state = self._namespace(vocab_fingerprint, namespace)
-        available: dict[str, Proposer] = {
-            PromptLookupProposer.name: self._prompt_lookup,
-            PoolProposer.name: PoolProposer(pool),
-            TokenRecyclingProposer.name: TokenRecyclingProposer(state.successors),
-            SuffixProposer.name: SuffixProposer(prompt_tokens, pool),
+        # Built only for the sources this drafter runs: the suffix source copies and indexes the prompt.
+        available: dict[str, Callable[[], Proposer]] = {
+            PromptLookupProposer.name: lambda: self._prompt_lookup,
+            PoolProposer.name: lambda: PoolProposer(pool),
+            TokenRecyclingProposer.name: lambda: TokenRecyclingProposer(state.successors),
+            SuffixProposer.name: lambda: SuffixProposer(prompt_tokens, pool),
         }
-        if self._head is not None:
+        head = self._head
+        if head is not None:
             coupled = sampling if self.coupled_sampling else GREEDY
-            available[HeadProposer.name] = HeadProposer(self._head, self._tree_shape, coupled, self._tree_graphs)
+            available[HeadProposer.name] = lambda: HeadProposer(head, self._tree_shape, coupled, self._tree_graphs)
         shared = state.stats(sampling.greedy)
         builder = TreeBuilder(AcceptanceStats(parent=shared), verify_cost or self._cost)
-        proposers = [available[name] for name in self.sources]
+        built = {name: available[name]() for name in dict.fromkeys(self.sources)}  # a source named twice: one
+        proposers = [built[name] for name in self.sources]
         session = DraftSession(
             session_id,
             prompt_tokens,
