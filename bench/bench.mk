@@ -1,5 +1,6 @@
 # Benchmarks; the top-level Makefile includes this fragment.
-#   make bench                the Spec-Bench run: the default modes in the dtype --dtype auto picks, 7 prompts per category, 128 new tokens
+#   make bench                the Spec-Bench run: the default modes in the dtype --dtype auto picks, 7 prompts per category, 128 new tokens;
+#                             its report ends with where a round's time goes, mean ms per round per phase (bench/round_breakdown.py)
 #   make bench-repetitive     the same run on the project's repetitive workloads instead, code edits and agent loops
 #                             (bench/data/NOTICE.md), each with rows of its own (bench/out/repetitive/); BENCH_ARGS as for bench
 #   make bench-gpu            on a CUDA machine: real-model decoding, tests/gpu, batch invariance, c(n) (bench/out/gpu/)
@@ -13,14 +14,15 @@
 #                             processes, the drafter with coupled drafts and without (bench/out/sampling/)
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/out/numerics/)
 #   make bench-structured     structured output: JSON-schema prompts constrained with speculation, without, and unconstrained
-#   make bench-forced-rows    a verifier step under token masks: rows that allow one token skip the LM head
+#   make bench-gemm-kernels   each product of the model's shape at 1-16 rows on every CPU kernel the engine can use
+#   make bench-step-invariance  how far a row's fp32 logits move when more rows share its step (0: bit-identical)
 #   make bench-kernel-ab      the block kernel's attention and products (--parts verify: whole verifies) against BASE's
 #                             (default HEAD) in one process, in turn, bits compared (bench/out/kernel-ab/)
 #   make bench-peers          specserve (plain, speculative in one process and in three) against llama.cpp on the
 #                             same prompts (bench/out/peers/); opt-in: it first
 #                             builds llama-cpp-python into the venv from source (make bench-peers-install), never make test
 # All write to bench/out/ (git-ignored); a run is copied under bench/results/ only where a README cites it. Pass flags through BENCH_ARGS / VERIFY_COST_ARGS / BENCH_LOAD_ARGS / BENCH_NUMERICS_ARGS /
-# BENCH_HEAD_ARGS / BENCH_PEERS_ARGS / BENCH_SAMPLING_ARGS / BENCH_STRUCTURED_ARGS / BENCH_FORCED_ROWS_ARGS /
+# BENCH_HEAD_ARGS / BENCH_PEERS_ARGS / BENCH_SAMPLING_ARGS / BENCH_STRUCTURED_ARGS / BENCH_GEMM_ARGS / BENCH_INVARIANCE_ARGS /
 # BENCH_KERNEL_AB_ARGS, e.g.
 #   make bench BENCH_ARGS="--prompts-per-category 2 --max-new-tokens 32 --out-dir bench/out/tmp"
 #   make bench-verify-cost VERIFY_COST_ARGS="--shape llama-3.1-8b --dtypes bfloat16 --device cuda"
@@ -39,11 +41,12 @@ BENCH_PEERS_ARGS ?=
 BENCH_SAMPLING_ARGS ?=
 BENCH_STRUCTURED_ARGS ?=
 BENCH_STARTUP_ARGS ?=
-BENCH_FORCED_ROWS_ARGS ?=
+BENCH_GEMM_ARGS ?=
+BENCH_INVARIANCE_ARGS ?=
 BENCH_KERNEL_AB_ARGS ?=
 BASE ?= HEAD
 
-.PHONY: bench-repetitive bench-kernel-ab bench-forced-rows bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
+.PHONY: bench-repetitive bench-kernel-ab bench-gemm-kernels bench-step-invariance bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -77,8 +80,11 @@ bench-sampling: proto
 bench-structured: proto
 	$(PY) -m bench.structured $(BENCH_STRUCTURED_ARGS)
 
-bench-forced-rows: proto
-	$(PY) -m bench.forced_rows $(BENCH_FORCED_ROWS_ARGS)
+bench-gemm-kernels: proto
+	$(PY) -m bench.gemm_kernels $(BENCH_GEMM_ARGS)
+
+bench-step-invariance: proto
+	$(PY) -m bench.step_invariance $(BENCH_INVARIANCE_ARGS)
 
 bench-kernel-ab: proto
 	$(PY) -m bench.kernel_ab --base $(BASE) $(BENCH_KERNEL_AB_ARGS)

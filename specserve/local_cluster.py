@@ -174,7 +174,7 @@ class LocalCluster:
 
         Pre-drafting drafts the next round while the verifier computes, which pays only on a core the
         verifier leaves idle; the verifier's step runs on every CPU it has, so on shared CPUs it takes the
-        verifier's and every verify round waits for it (bench/README.md, "Pre-drafting on shared cores"). So a
+        verifier's and every verify round waits for it (docs/benchmarks.md, "Pre-drafting on shared cores"). So a
         cluster on one machine starts its drafter with pre-drafting off.
         """
         drafter, verifier = self.cpus.get("drafter"), self.cpus.get("verifier")

@@ -4,10 +4,10 @@ For README.md, docs/*.md, bench/README.md and deploy/README.md, each relative li
 image) names a file or folder of the repository that git keeps (not an ignored one such as bench/out/), and
 each ``#anchor`` names a heading of its target under GitHub's rules (lowercase, spaces to hyphens,
 punctuation dropped, ``-1``, ``-2`` for repeats). No link leaves the repository (``../shared`` and the like)
-or starts at ``/``. README.md and docs/ link to no website either, not even as a bare URL in prose (code
-spans and code blocks are examples, not links); bench/README.md and deploy/README.md may cite http(s)
-pages, which the checker does not fetch. The README stays a short page for users: what is long lives in
-docs/, and the README links every page there.
+or starts at ``/``. README.md, docs/ and bench/README.md link to no website either, not even as a bare URL in
+prose (code spans and code blocks are examples, not links); deploy/README.md alone may cite http(s) pages,
+which the checker does not fetch. The README stays a short page for users: what is long lives in docs/, and
+the README links every page there.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_MAX_LINES = 260
 # Pages that may link to websites (http and https only); every other checked page links inside the repository.
-EXTERNAL_ALLOWED = frozenset({"bench/README.md", "deploy/README.md"})
+EXTERNAL_ALLOWED = frozenset({"deploy/README.md"})
 
 FENCE = re.compile(r"^\s{0,3}(`{3,}|~{3,})")
 HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)(?:\s+#+)?\s*$")
