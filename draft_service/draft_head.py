@@ -16,13 +16,13 @@ the vocabulary the head was trained on.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaModel
+from transformers import LlamaModel
 
 from draft_service.head_layer import HeadCache, HeadStep
 from draft_service.head_products import (
@@ -36,6 +36,7 @@ from draft_service.head_products import (
     product,
 )
 from draft_service.head_timing import Timer, faster_kernel, time_draft_step, time_kernels
+from draft_service.head_types import DraftHeadConfig, HeadOutput
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.packed_linear import Packing
 
@@ -46,63 +47,13 @@ class DraftHeadError(ValueError):
     """A weight file that cannot serve this target: missing, corrupt, or trained for another one."""
 
 
-@dataclass(frozen=True)
-class DraftHeadConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    draft_vocab_size: int
-
-    @classmethod
-    def for_target(cls, target_config: Any, draft_vocab_size: int, intermediate_size: int = 0) -> DraftHeadConfig:
-        """A head shaped like one layer of ``target_config`` (intermediate size overridable)."""
-        rope = getattr(target_config, "rope_theta", None)
-        if rope is None:  # newer transformers keep it in rope_parameters
-            rope = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        return cls(
-            hidden_size=int(target_config.hidden_size),
-            intermediate_size=intermediate_size or int(target_config.intermediate_size),
-            num_attention_heads=int(target_config.num_attention_heads),
-            num_key_value_heads=int(getattr(target_config, "num_key_value_heads", target_config.num_attention_heads)),
-            rope_theta=float(rope),
-            rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 2048)),
-            draft_vocab_size=draft_vocab_size,
-        )
-
-    def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            vocab_size=1,  # the body never embeds tokens itself: it gets inputs_embeds
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=1,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings,
-            bos_token_id=None,
-            eos_token_id=None,
-        )
-
-
-@dataclass(frozen=True)
-class HeadOutput:
-    features: torch.Tensor  # [batch, n, hidden]: predicted f_{t+1}
-    logits: torch.Tensor  # [batch, n, draft_vocab]: draft logits for x_{t+2}
-    past_key_values: Any
-
-
 class DraftHead(nn.Module):
     """fc(concat(f_t, embed(x_{t+1}))) -> one Llama decoder layer -> f^_{t+1} -> reduced LM head."""
 
     embedding: torch.Tensor
     draft_lm_head: torch.Tensor
     draft_vocab: torch.Tensor
+    feature_layers: tuple[int, ...] = ()  # it reads the target's final hidden state (``head_types.ServingHead``)
 
     def __init__(
         self,
@@ -192,6 +143,12 @@ class DraftHead(nn.Module):
         if self._step is None or not self._step.serves(self):
             self._step = self._new_step()
         return self._step.in_slots(features, next_tokens, positions, keys, values, first_slot, allowed)
+
+    @property
+    def head_dim(self) -> int:
+        """Its attention's head size."""
+        attention: Any = self.body.layers[0].self_attn
+        return int(attention.head_dim)
 
     @property
     def logits_pack(self) -> WeightPack | None:

@@ -4,7 +4,7 @@ The head trains as a transformers ``LlamaModel`` of one layer, and that is
 what ``DraftHead.forward`` runs. Around one small layer, transformers'
 machinery (a ``DynamicCache`` that concatenates its whole past on every step,
 mask and rotary building, module dispatch) costs about as much as the
-products themselves (bench/README.md, "The draft head on its own layer").
+products themselves (docs/benchmarks.md, "The draft head on its own layer").
 ``HeadStep`` runs the same math as the verifier's engine runs its
 layers: fused QKV and gate-up products on prepacked weights, the rotary and
 RMSNorm of ``specserve.llama_ops``, SDPA over a ``HeadCache`` whose buffers
@@ -16,17 +16,15 @@ the two together), and drafts stay guesses the verifier checks either way.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from draft_service.head_products import pack_of, product
+from draft_service.head_types import HeadWeights
 from specserve.block_weights import attend_rows, fused_ops_fit, rms_norm_rows, rotary_rows, serial_kernels
 from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
-
-if TYPE_CHECKING:
-    from draft_service.draft_head import DraftHead
 
 
 class HeadCache:
@@ -78,7 +76,7 @@ class HeadCache:
 class HeadStep:
     """The head's fc, decoder layer, final norm and draft logits over rows of one session."""
 
-    def __init__(self, head: DraftHead) -> None:
+    def __init__(self, head: HeadWeights) -> None:
         layer: Any = head.body.layers[0]  # transformers' LlamaDecoderLayer
         attn, mlp = layer.self_attn, layer.mlp
         self._fused_from = _sources(head)
@@ -111,7 +109,7 @@ class HeadStep:
         # A copied head has copies of its weights, which this step's fused ones are not: it builds its own.
         return None
 
-    def serves(self, head: DraftHead) -> bool:
+    def serves(self, head: HeadWeights) -> bool:
         """Whether this step was built over ``head``'s current weights and packing."""
         return self._head is head and _sources(head) == self._fused_from
 
@@ -228,7 +226,7 @@ class HeadStep:
         return predicted, product(scored, self._head.draft_lm_head, None, self._head.logits_pack)
 
 
-def _sources(head: DraftHead) -> tuple[Any, ...]:
+def _sources(head: HeadWeights) -> tuple[Any, ...]:
     """What a ``HeadStep``'s fused weights were made from: the projections' tensors (storage, dtype, in-place
     version) and the packing."""
     layer: Any = head.body.layers[0]

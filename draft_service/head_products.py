@@ -28,8 +28,9 @@ from specserve.packed_linear import PackedLinear, Packing, available_packing, in
 HEAD_MATMUL_CHOICES = ("auto", "packed", "linear", "int8", "blocks")
 """``--head-matmul``: auto, the fastest of the candidates timed at start-up (``head_timing``); packed, where this
 dtype and device have a packed kernel, else F.linear; F.linear; int8 copies of the weights on a CPU
-(``packed_linear``'s int8 kernel: a draft's numerics cost acceptance at most, never exactness, and its 1-4-row
-products run 1.5-2x faster than fp32 ones on an AVX2 EPYC); or, for an fp32 head on a CPU where the block kernel
+(``packed_linear``'s int8 kernel: a quarter of fp32's bytes, which pays at a draft step's few rows; a draft's
+numerics cost acceptance at most, never exactness; see docs/benchmarks.md, "Smaller figures behind rules in the
+code"); or, for an fp32 head on a CPU where the block kernel
 builds, the weights as llama.cpp Q8_0 blocks read by it (``block_weights``): the draft logits' rows are the
 packaged target's Q8_0 head exactly, the head's own weights are rounded to 8 bits a value with an fp16 scale
 per 32 (finer than int8's per row)."""

@@ -2,11 +2,11 @@
 
 The head's products run on its float weights prepacked for the CPU's GEMM kernel (oneDNN, MKL for fp32 on
 Intel), on int8 copies of them, or (an fp32 head, where the block kernel builds) on Q8_0 blocks. Which is
-faster depends on the CPU and the torch build, not on the model: int8 cut a draft step by about a quarter on
-a 2-core AVX512-BF16 EPYC and, against the guess that AMX's bf16 tiles would win, on a 2-core AMX Xeon too
-(bench/README). So the drafter times a draft's typical pair of steps each way when it loads the head and keeps
-the fastest, preferring the float weights unless another is faster by ``INT8_MARGIN``: int8 and Q8_0 drafts
-are a little different and can cost acceptance (never exactness: the verifier checks every draft).
+faster depends on the CPU and the torch build, not on the model, and the CPU's features do not tell: AMX's
+bf16 tiles, the likely winner on paper, lost to int8 (see docs/benchmarks.md, "`--head-matmul auto` times the
+head's kernels"). So the drafter times a draft's typical pair of steps each way when it loads the head and
+keeps the fastest, preferring the float weights unless another is faster by ``INT8_MARGIN``: int8 and Q8_0
+drafts are a little different and can cost acceptance (never exactness: the verifier checks every draft).
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from draft_service.head_layer import HeadCache
+from draft_service.head_types import HeadOutput, HeadWeights
 from specserve.packed_linear import Packing
-
-if TYPE_CHECKING:
-    from draft_service.draft_head import DraftHead
 
 INT8_MARGIN = 0.10
 """int8 or Q8_0 blocks are kept only where a draft step takes at most 90% of the float products' time."""
@@ -33,10 +31,27 @@ ROUNDS = 3
 CONTEXT = 32  # cached positions the timed steps attend to
 BEAM = 4  # rows of the timed tree level (TreeShape's default beam)
 
-Timer = Callable[["DraftHead"], float]
+
+class TimedHead(HeadWeights, Protocol):
+    """What the timing reads of a draft head (``draft_head.DraftHead`` is one): it steps it, packed each way."""
+
+    def step(
+        self,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HeadCache,
+        allowed: torch.Tensor | None = None,
+        last_logits_only: bool = False,
+    ) -> HeadOutput: ...
+
+    def pack_for(self, packing: Packing) -> None: ...
 
 
-def time_draft_step(head: DraftHead, repeats: int = 8, clock: Callable[[], float] = time.perf_counter) -> float:
+Timer = Callable[[TimedHead], float]
+
+
+def time_draft_step(head: TimedHead, repeats: int = 8, clock: Callable[[], float] = time.perf_counter) -> float:
     """Median seconds of a draft's typical pair of head steps: one row fed (its last logits only), then a
     tree level of ``BEAM`` rows with all their logits, over ``CONTEXT`` cached positions."""
     hidden = head.config.hidden_size
@@ -63,7 +78,7 @@ def time_draft_step(head: DraftHead, repeats: int = 8, clock: Callable[[], float
 
 
 def time_kernels(
-    head: DraftHead, candidates: Sequence[Packing], timer: Timer = time_draft_step
+    head: TimedHead, candidates: Sequence[Packing], timer: Timer = time_draft_step
 ) -> dict[Packing, float]:
     """Each candidate's best draft-step time over ``ROUNDS`` turns; the head is left packed for the last one."""
     best: dict[Packing, float] = {}

@@ -17,8 +17,7 @@ really accepted. An uncertain draft thus scores low and is left out when it
 does not pay for its verification: entropy gating with a learnt threshold.
 
 Size: verifying n nodes costs c(n) target-forward units (``VerifyCost``: the
-session's verifier's measured curve, else one measured by ``make
-bench-verify-cost`` on a 2-core CPU), so the builder keeps the n
+session's verifier's measured curve, else ``CPU_VERIFY_COST``), so the builder keeps the n
 best-scoring nodes that maximise (1 + sum of scores) / c(n). On a CPU, where
 c(n) grows quickly, that is often a short chain, and sometimes nothing. A
 source the drafter has not seen verified yet is tried first (``EXPLORE_TRIES``):
@@ -29,17 +28,18 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from draft_service.draft_tree import EMPTY, DraftTree
 from specserve.token_tree import ROOT, TokenTree
 
 # c(n)/c(0): forward time of the pending token plus n nodes, relative to plain
-# decoding, measured with `make bench-verify-cost` on a 2-core CPU for the
-# packaged SmolLM2-135M at a 512-token context (bench/results/verify_cost_*.md;
-# chains and trees cost the same). The first draft node is the expensive one:
-# the forward leaves the single-token kernels; then up to ~16 nodes are nearly
-# free. Non-monotone noise in the measurement is smoothed out.
+# decoding, for the packaged SmolLM2-135M at a 512-token context on a CPU
+# (`make bench-verify-cost`; chains and trees of n nodes cost the same), kept
+# monotone. Only a fallback: a session sizes its trees by its own verifier's
+# measured curve, which it sends, because curves differ by machine several-fold
+# (see docs/benchmarks.md, "The engine's step").
 CPU_VERIFY_COST: dict[int, float] = {0: 1.0, 1: 1.6, 3: 1.6, 7: 1.64, 15: 1.72, 31: 2.2, 63: 3.3}
 
 
@@ -133,22 +133,6 @@ class AcceptanceStats:
             self.parent.update(source, depth, accepted)
 
 
-@dataclass(frozen=True)
-class DraftTree:
-    """A tree to verify, with the sources credited for each node."""
-
-    tree: TokenTree
-    sources: tuple[frozenset[str], ...]
-    scores: tuple[float, ...]
-
-    @property
-    def expected_tokens(self) -> float:
-        return 1.0 + sum(self.scores)
-
-
-EMPTY = DraftTree(TokenTree(), (), ())
-
-
 @dataclass
 class _TrieNode:
     token: int
@@ -170,6 +154,11 @@ def credit_label(source: str, q: float | None) -> str:
     if q is None:
         return source
     return f"{source}@q{min(CONFIDENCE_BUCKETS - 1, int(q * CONFIDENCE_BUCKETS))}"
+
+
+def source_names(labels: Iterable[str]) -> frozenset[str]:
+    """The sources behind credit labels (``credit_label``: a source's name, or its name and a bucket of q)."""
+    return frozenset(label.split("@", 1)[0] for label in labels)
 
 
 class TreeBuilder:

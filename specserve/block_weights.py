@@ -17,12 +17,12 @@ order of the sums differs from another fp32 kernel. Each output is computed
 alike whatever the number of rows (batch invariance by construction;
 ``packed_linear`` checks it at start-up like every packed product).
 
-Measured on a 2-core AVX512-BF16 EPYC over SmolLM2-135M's 120 layer products
-(``bench.gemm_kernels``, summed): 2.0 ms at 1 row against oneDNN's 12.3 (fp32)
-and 5.5 (bf16), 4.9 against 11.3 and 6.6 at 8 rows, 17.4 against 21.1 and
-11.8 at 32; between 8 and 16 rows bf16's products (two multiply-adds an
-instruction) become cheaper, and past 128 rows (a prefill) oneDNN's fp32 ones,
-so steps past the largest bucket run those (``packed_linear``).
+At a few rows a product is bound by the bytes it reads, so the blocks beat
+oneDNN's fp32 and bf16 products there; as rows grow it becomes bound by the
+multiply-adds, and bf16's products (two multiply-adds an instruction) become
+cheaper from about a dozen rows, and oneDNN's fp32 ones past about 128 rows
+(a prefill), so steps past the largest bucket run those (``packed_linear``;
+figures: docs/benchmarks.md, "The block kernel").
 
 The kernel is compiled for the CPU it runs on (``-march=native``) the first
 time it is needed and kept under the cache directory (about 20 s once, then

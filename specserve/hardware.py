@@ -6,11 +6,8 @@ emulated and slower than fp32, so fp32 it is. One exception: a model whose
 layers come as llama.cpp Q4_1/Q8_0 blocks (a GGUF file, the default target's)
 runs in fp32 on every CPU, where the block kernel reads those blocks
 (``specserve.block_weights``): fewer bytes than bf16's and the fp32 model's
-products, so faster and exactly lossless. Measured on an AVX512-BF16 EPYC, in
-turn: plain decoding 1.51x bf16's, speculative 1.26-1.31x (bench/README, "The
-block kernel"); on an AMX Xeon, in turn: plain decoding 2.1-2.4x bf16's on
-AMX, speculative 1.35-1.55x, c(n) lower up to 8 rows (bench/README, "The
-block kernel against AMX").
+products, so faster and exactly lossless, AMX's bf16 included (see
+docs/benchmarks.md, "The block kernel" and "The block kernel against AMX").
 """
 
 from __future__ import annotations

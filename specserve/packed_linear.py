@@ -3,9 +3,9 @@
 On a CPU a verify step reads every weight once, so its cost should hardly
 grow from 1 to 8 rows. ``F.linear`` does not behave so: it repacks the weight
 into the GEMM kernel's blocked layout on every call, and for fp32 at 3-32 rows
-that repacking costs more than the product (measured on an AVX512 Xeon over
-SmolLM2-135M's layers: 4 rows 41 ms against 23 ms prepacked, 16 rows 105 ms
-against 31 ms). Prepacking once at start-up is what inductor's "freezing" does
+that repacking costs more than the product (this module's figures, each
+kernel's below included, are in docs/benchmarks.md, "Smaller figures behind
+rules in the code"). Prepacking once at start-up is what inductor's "freezing" does
 for a compiled graph; here it is explicit, so it costs no compile time and no
 graph cache.
 
@@ -14,11 +14,9 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
 - **oneDNN** (``torch.ops.mkldnn._linear_pointwise``): bf16 and fp16 where
   the CPU converts them natively (AVX512BW/VL/DQ or AVX-NE-CONVERT; an
   AVX2-only CPU runs them on ``F.linear``), and fp32 except on Intel's. One
-  pack serves every row count. On an
-  AMD EPYC (Zen 4) it is 2-4x faster than MKL's packed fp32 product at 1-16
-  rows: SmolLM2's fp32 LM head [49152 x 576] takes 4.3 ms at 4 rows against
-  MKL's 16.6 (``bench.gemm_kernels``). MKL's kernels are Intel's own and do
-  not take AMD's fast paths.
+  pack serves every row count. On AMD
+  CPUs it is the fast fp32 one: MKL's kernels are Intel's own and do not
+  take AMD's fast paths (several times slower at 1-16 rows).
 - **MKL** (``torch.ops.mkl._mkl_linear``, a weight packed by
   ``cblas_sgemm_pack`` for one row count): fp32 on Intel CPUs, where it is
   the fast one measured; called with another row count it falls back to an
@@ -29,10 +27,9 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
   (``torch._weight_int8pack_mm``) over weights quantized once, symmetric per
   output channel, with bf16 scales; the activations are rounded to bf16 for
   the product, its fast path on x86 (with fp32 activations the kernel is
-  about 10x slower). It reads a quarter of fp32's bytes: on an AVX2 EPYC
-  SmolLM2's layer products take 0.29 ms a layer at 1 row against oneDNN's
-  fp32 0.62, 0.48 against 0.78 at 4 rows, but about the same at 8 and more
-  at 16 (its cost grows with the rows; ``bench.gemm_kernels``). The weights
+  about 10x slower). It reads a quarter of fp32's bytes, which pays at 1-4
+  rows, but its cost grows with the rows faster than fp32's, to about the same
+  at 8 and more at 16. The weights
   are then other weights: what the model computes changes, as it does in
   bf16, and rounding the inputs to bf16 turns last-bit differences
   elsewhere in a step (CPU attention rounds a query row by how many share
@@ -46,13 +43,10 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
   head), chosen by ``fp32_head_packing``. The kernel widens each
   weight to fp32 and multiplies fp32 inputs in fp32, so the products are the
   fp32 products; only the order of the sums differs, as it does between any
-  two kernels. It reads half the bytes: SmolLM2's head [49152 x 576] takes
-  1.3 ms at 1 row against oneDNN fp32's 4.5, 2.9 against 4.5 at 8 rows, 5.6
-  against 5.8 at 16 (``bench.gemm_kernels`` on a 2-core AVX512-BF16 EPYC).
-  Measured there, every row count from 1 to 64 gives a row the same bits. Its
-  cost grows with the rows faster than oneDNN's fp32 product's (at 32 rows
-  10.7 ms against 9.8, at 128 44.7 against 36.8), so steps past the largest
-  bucket run that one, on a
+  two kernels. It reads half the bytes, which pays up to about 16 rows; every
+  row count from 1 to 64 gives a row the same bits. Its cost grows with the
+  rows faster than oneDNN's fp32 product's, which is faster from about 32 rows,
+  so steps past the largest bucket run that one, on a
   second pack of the fp32 weights (no fp32 copy is kept beside the packs:
   together they hold 0.75x the bytes of the fp32 head's copy and pack).
 - **blocks** (fp32 products over weights stored as llama.cpp's Q4_1 or Q8_0
@@ -72,7 +66,7 @@ compare the two with it).
 Batch invariance: a row's bits must not depend on how many rows share its
 step (a token scored inside a tree must get the logits it gets in a plain
 one-token step). Neither kernel promises it: MKL takes a GEMV path for one
-row, on a Zen 4 EPYC its 2-row product rounds unlike 4 rows, and oneDNN's
+row and on some CPUs its 2-row product rounds unlike 4 rows, and oneDNN's
 fp32 one-row product of SmolLM2's down projection rounds unlike two rows.
 So the row counts a product may run at are checked once per weight shape at
 start-up (``row_invariant_rows``: random weights of the shape, each count

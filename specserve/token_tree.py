@@ -92,6 +92,24 @@ class TokenTree:
             depths.append(1 if parent == ROOT else depths[parent] + 1)
         return depths
 
+    def find(self, path: Sequence[int]) -> int | None:
+        """The node that ``path`` (tokens from the root) reaches; ROOT for the empty path, None where this tree
+        does not spell it."""
+        node = ROOT
+        children = self.children()
+        for token in path:
+            found = next((c for c in children[node] if self.token_ids[c] == token), None)
+            if found is None:
+                return None
+            node = found
+        return node
+
+    def node_at(self, path: Sequence[int]) -> int:
+        """The node that ``path`` reaches in this tree, which spells it."""
+        node = self.find(path)
+        assert node is not None, f"the tree does not spell {list(path)}"
+        return node
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to ``node`` inclusive."""
         path = []

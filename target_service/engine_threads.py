@@ -8,7 +8,7 @@ small model is thousands of regions. Once the process holds more of those
 threads than it has CPUs, libgomp stops spinning ("throttled" waits) in
 every team. A service that loads its model on the main thread (a team) and
 then runs steps on an engine thread (a second team) is in that state for
-good, and every step pays for it (bench/README.md, "An AMX Xeon: one OpenMP
+good, and every step pays for it (docs/benchmarks.md, "An AMX Xeon: one OpenMP
 team, and the step compiled whole").
 
 So a process whose heavy work runs on one thread calls
@@ -18,7 +18,7 @@ loading then runs on one core), and the thread that computes calls
 ``--no-dedicated-cores``. Spinning workers hold their core between regions,
 which the drafter and coordinator want where they share the machine; with
 pre-drafting off, as a cluster on one machine runs it, the dedicated team
-still decodes faster, plain and through the three processes (bench/README.md,
+still decodes faster, plain and through the three processes (docs/benchmarks.md,
 "One OpenMP team by default"). So it is the default.
 """
 

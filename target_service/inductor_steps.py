@@ -1,18 +1,17 @@
 """The whole step compiled by inductor: the engine's step on a CPU with ``--compile inductor`` (opt-in).
 
 The prepacked eager step (``packed_linear``) reads the weights at near the
-GEMM kernels' speed, yet on a 2-core CPU a third of a one-token step of
-SmolLM2-135M is not products: some 25 small operations a layer (norms,
-rotary, SwiGLU, residuals, attention's reshapes and copies), each
-dispatched from Python, and per-segment attention. Compiling those in
-pieces does not pay: a compiled function's guards and wrapper cost about
-60 us a call, more than the ~95 us of eager glue it replaces in a layer
-(measured on an AMX Xeon). Compiling the *whole* step, 30 layers in one
-graph, pays the call once: the glue fuses into a few C++ loops and the
-products become oneDNN calls on weights inductor prepacks once
-("freezing"). Measured on that Xeon in bf16 through the verifier, one run:
-a 1-token verify 43 ms against 66 ms prepacked eager, 8 tokens 51 against 72
-(bench/README, "An AMX Xeon").
+GEMM kernels' speed, yet for a small model on few cores much of a one-token
+step is not products: some 25 small operations a layer (norms, rotary,
+SwiGLU, residuals, attention's reshapes and copies), each dispatched from
+Python, and per-segment attention. Compiling those in pieces does not pay:
+a compiled function's guards and wrapper cost about as much as the eager
+glue it replaces. Compiling the *whole* step, 30 layers in one graph, pays
+the call once: the glue fuses into a few C++ loops and the products become
+oneDNN calls on weights inductor prepacks once ("freezing"), which makes a
+step cheaper where the verifier owns its cores (see docs/benchmarks.md, "An
+AMX Xeon: one OpenMP team, and the step compiled whole", and "Smaller
+figures behind rules in the code").
 
 The compiled step is ``static_steps``' static shape (rows padded to a
 bucket, attention over one gathered window with an additive mask), run
@@ -23,16 +22,15 @@ for every row bucket and window), and the one-row bucket is left out: a
 one-token step runs as two rows, so that dynamo never specialises a graph
 for size one (two graphs, rounding apart) and plain decoding shares the
 kernels of every tree. The graph is compiled at start-up, on the engine thread
-(``prepare_graph``; 90-130 s on 2 cores at every start: inductor's FX graph
+(``prepare_graph``; one to two minutes on 2 cores, at every start: inductor's FX graph
 cache refuses the graph, "mkldnn tensors unpickleable", since the weights it
 prepacks are oneDNN tensors; products left to the prepacked eager kernels as
-a custom op made the graph cacheable, 6 s warm, but the step slower than the
-prepacked one through the verifier, 33-35 ms against 25-27 at one token on an
-AVX512-BF16 EPYC); inductor's kernel cache lives
+a custom op make the graph cacheable but the step slower than the prepacked
+one, which is why they are not); inductor's kernel cache lives
 under ``~/.cache/specserve/inductor`` (``TORCHINDUCTOR_CACHE_DIR``
 overrides). Its many small parallel regions need the OpenMP workers awake:
 run it with ``--dedicated-cores`` (``target_service.engine_threads``), without
-which it measured slower than the prepacked step.
+which it is slower than the prepacked step.
 
 Steps beyond the largest bucket or window run the ragged eager step.
 """

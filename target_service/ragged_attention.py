@@ -157,9 +157,10 @@ def attend_segments(
         if table.numel():
             kernel_rows(q, k, v, plan.arena.keys[layer], plan.arena.values[layer], table, allowed, scaling, out)
     gqa = q.shape[1] != k.shape[1]
-    # PyTorch's CPU SDPA is slow in bf16 for short queries (4-6x fp32 at one query row over 500 keys,
-    # measured on AVX512-BF16): on CPU the attention itself runs in fp32, which is also more exact. The
-    # engine keeps a bf16 model's cache in fp32 there (``ModelRunner.kv_dtype``), so only the query converts.
+    # PyTorch's CPU SDPA is several times slower in bf16 than in fp32 for short queries (see
+    # docs/benchmarks.md, "Smaller figures behind rules in the code"): on CPU the attention itself runs in
+    # fp32, which is also more exact. The engine keeps a bf16 model's cache in fp32 there
+    # (``ModelRunner.kv_dtype``), so only the query converts.
     upcast = q.device.type == "cpu" and q.dtype != torch.float32
     for seg in segments:
         plan.arena.write(layer, seg.region, seg.num_cached, k[seg.rows].transpose(0, 1), v[seg.rows].transpose(0, 1))

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from target_service.draft_budget import (
-    CostCurve,
-    DraftBudget,
-    SessionAcceptance,
-    ThroughputGuard,
-    flat_curve,
-    measure_context_cost,
-    measure_curve,
-)
+from target_service.budget_policy import DraftBudget, SessionAcceptance
+from target_service.cost_curve import CostCurve, flat_curve, measure_context_cost, measure_curve
+from target_service.throughput_guard import ThroughputGuard
 
 # Shaped like the fp32 curve measured on a 2-core Xeon (c(n)/c(1)).
 CPU_FP32 = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (1.0, 1.15, 1.55, 1.84, 2.09, 2.45, 3.55, 6.5), 0.02)
@@ -368,3 +362,19 @@ def test_measure_context_cost_fits_the_extra_time_per_row_and_cached_token() -> 
     assert measure_context_cost(lambda tokens, context: None, (1, 8), (128, 1024), clock=lambda: 0.0) == 0.0
     with pytest.raises(ValueError, match="longer"):
         measure_context_cost(run, (1,), (1024, 128))
+
+
+def test_guard_judges_rounds_end_to_end_not_by_the_engines_step_alone() -> None:
+    """A session's rate is its tokens over the time between its steps: the whole round, drafting and hops too.
+
+    Drafted rounds here take a 20 ms step for 2 tokens (by the step alone, 100 tok/s against a plain step's
+    83) but 20 ms more outside the engine (the drafter, the hops): 50 tok/s end to end against plain rounds'
+    67. The guard turns drafting off.
+    """
+    clock = FakeClock()
+    guard = ThroughputGuard(clock, exploit_s=8, probe_s=3)
+    for _ in range(2000):
+        step_s, outside_s, tokens = (0.020, 0.020, 2) if guard.arm_now else (0.012, 0.003, 1)
+        clock.now += outside_s + step_s
+        guard.observe({"a": tokens}, step_s)
+    assert not guard.speculate and guard.num_switches == 1

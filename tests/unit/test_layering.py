@@ -44,7 +44,8 @@ def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
     return imports_in(path.read_text(), module, is_package=path.name == "__init__.py")
 
 
-def imports_in(text: str, module: str, is_package: bool = False) -> Iterator[tuple[int, str]]:
+def imports_in(text: str, module: str, is_package: bool = False, members: bool = False) -> Iterator[tuple[int, str]]:
+    """``members``: for ``from a import b``, ``a.b`` too (the module ``b`` where ``a`` is a package)."""
     package = module.split(".") if is_package else module.split(".")[:-1]
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, ast.Import):
@@ -52,10 +53,15 @@ def imports_in(text: str, module: str, is_package: bool = False) -> Iterator[tup
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[: len(package) - node.level + 1]
-                yield node.lineno, ".".join([*base, *([node.module] if node.module else [])])
+                base = ".".join([*package[: len(package) - node.level + 1], *([node.module] if node.module else [])])
             elif node.module:
-                yield node.lineno, node.module
+                base = node.module
+            else:
+                continue
+            yield node.lineno, base
+            if members:
+                for alias in node.names:
+                    yield node.lineno, f"{base}.{alias.name}"
 
 
 def test_the_sources_are_found() -> None:
@@ -79,6 +85,61 @@ def test_the_check_reads_absolute_relative_and_nested_imports() -> None:
     text += "def f():\n    import draft_service.drafter\n"
     names = [name for _, name in imports_in(text, "coordinator.probe")]
     assert sorted(names) == ["coordinator", "draft_service.drafter", "grpc", "specserve"]  # a tier is the first part
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of ``package`` it imports (TYPE_CHECKING ones included)."""
+    paths = {}
+    for path in sources(package):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return {
+        name: {
+            imported
+            for _, imported in imports_in(path.read_text(), name, path.name == "__init__.py", members=True)
+            if imported in paths and imported != name
+        }
+        for name, path in paths.items()
+    }
+
+
+def a_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports in ``graph``, its first module repeated at the end; [] where there is none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if imported in path:
+                return [*path[path.index(imported) :], imported]
+            if imported not in done and (circle := visit(imported)):
+                return circle
+        path.pop()
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        if module not in done and (circle := visit(module)):
+            return circle
+    return []
+
+
+def test_the_circle_finder_finds_a_circle_and_only_one() -> None:
+    assert a_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert a_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+    names = [name for _, name in imports_in("from . import rounds\n", "coordinator.probe", members=True)]
+    assert names == ["coordinator", "coordinator.rounds"]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_a_package_s_modules_import_one_another_in_no_circle(package: str) -> None:
+    """Imports run one way, from a module to the modules below it: a module that two others read sits below
+    both (a protocol where it reads one of them back), so that each can be read, tested and moved alone."""
+    graph = import_graph(package)
+    assert len(graph) >= 2
+    circle = a_circle(graph)
+    assert not circle, "these modules import each other in a circle: " + " -> ".join(circle)
 
 
 def coordinator_modules() -> list[str]:
