@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 PROTOS := $(wildcard proto/specserve/v1/*.proto)
 STUBS := $(patsubst proto/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all venv proto run test test-slow test-gpu unit integration lint grpcurl-tool bench bench-verify-cost train-draft clean
+.PHONY: all venv proto run test test-slow test-gpu unit integration lint docs grpcurl-tool bench bench-verify-cost train-draft clean
 
 all: proto
 
@@ -37,6 +37,11 @@ lint: proto
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
 	cd proto && ../$(VENV)/bin/buf lint
+
+# The settings tables of docs/configuration.md, made from the config dataclasses (tests/unit/test_settings.py
+# fails while they are out of date).
+docs: proto
+	$(PY) -m specserve.settings --markdown
 
 unit: proto
 	$(PY) -m pytest -q tests/unit

@@ -1,82 +1,185 @@
-"""The coordinator's configuration, parsed once in main.py."""
+"""The coordinator's settings, declared once (flags, environment variables, docs table), and what follows from
+them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from coordinator.admission import AdmissionLimits
 from coordinator.ports import VerifierInfo
 from coordinator.prompts import PromptLimits
 from coordinator.rounds import RoundPolicy
 from coordinator.tree_checks import TreeLimits
-from specserve.auth.config import ServerSecurity
 from specserve.auth.tls import ClientTLS
-from specserve.drain import DEFAULT_GRACE_S
 from specserve.model_loading import DEFAULT_MODEL
 from specserve.service_main import (
     COORDINATOR_PORT,
-    DEFAULT_MAX_HEALTH_WATCHES,
     DRAFTER_PORT,
     HTTP_PORT,
     LOOPBACK,
     VERIFIER_PORT,
+    ServiceConfig,
+    grpc_port,
 )
+from specserve.settings import setting
 
 
 @dataclass(frozen=True)
-class CoordinatorConfig:
-    host: str = LOOPBACK
-    port: int = COORDINATOR_PORT
-    http_port: int = HTTP_PORT  # the OpenAI-compatible HTTP API (coordinator.openai_api) on --host; 0: off
-    # gRPC target: an address list, dns:///specserve-verifier:50053, or k8s://NAMESPACE/SERVICE:PORT (watched
-    # through the Kubernetes API, coordinator.discovery)
-    verifier: str = f"{LOOPBACK}:{VERIFIER_PORT}"
-    drafter: str | None = f"{LOOPBACK}:{DRAFTER_PORT}"  # the same forms; None: verifier-only decoding
-    # The coordinator's own zone, preferred for drafter sessions with a k8s:// drafter target; "" with
-    # self_service set: learnt from this pod's (POD_NAME) entry in that Service's EndpointSlices.
-    zone: str = ""
-    self_service: str = ""  # NAMESPACE/SERVICE of the coordinator's own Service; "": no zone lookup
-    model: str = DEFAULT_MODEL  # where the tokenizer and chat template come from
-    served_model_name: str = ""  # the name clients use for the model (the HTTP API's `model`); empty: `model`
-    cache_dir: str | None = None
-    max_new_tokens_limit: int = 4096
-    max_prompt_bytes: int = 4 << 20  # UTF-8 bytes of a prompt, or of a chat's contents together
-    max_chat_messages: int = 1024
-    max_stop_strings: int = 16
-    max_stop_string_bytes: int = 256
-    # The round loop's own defaults (coordinator.rounds.RoundPolicy), defined there once. Most draft tokens (tree
-    # nodes) asked of the drafter per round; the target's likeliest next tokens per scored position (0: off).
-    max_draft_tokens: int = RoundPolicy.max_draft_tokens
-    num_successors: int = RoundPolicy.num_successors
-    # Ceiling of the draft timeout; a slower drafter is dropped for the request.
-    draft_timeout_ms: int = round(RoundPolicy.draft_timeout_s * 1000)
-    draft_timeout_floor_ms: int = 100  # the timeout follows the drafter's p99 latency, never below this
-    drafter_backoff_ms: int = 5000  # a failed drafter is skipped this long, doubling with each failure in a row
-    drafter_max_backoff_ms: int = 60_000
-    verifier_timeout_s: float = 120.0
-    startup_timeout_s: float = 900.0  # how long to wait for the verifier to load its model
-    metrics_port: int = 0
-    metrics_token_file: str | None = None  # /metrics asks for this bearer token; None: open
-    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS; internal token it sends
-    api_keys_file: str | None = None  # None: no authentication (loopback only, or --insecure)
-    api_keys_reload_s: float = 5.0  # how often the key file is checked for changes
-    internal_tls_ca: str | None = None  # TLS towards the verifier and drafters (any of the three turns it on)
-    internal_tls_cert: str | None = None  # the coordinator's client certificate for workers that require mTLS
-    internal_tls_key: str | None = None
-    # Admission (coordinator.admission): streams running at once; the default matches one verifier's engine
-    # step (its --max-batch-sessions), the queue its --max-sessions.
-    max_concurrent_streams: int = 64
-    max_queued_streams: int = 256  # streams waiting for a slot; more are refused with RESOURCE_EXHAUSTED
-    queue_timeout_s: float = 30.0  # a queued stream waits this long for a slot, then RESOURCE_EXHAUSTED
-    # Per tenant, unless its own setting says otherwise; 0: no limit. None: half the slots with API keys on (one
-    # tenant cannot take every slot and queue place), no limit with them off (every caller is one tenant).
-    tenant_max_concurrent_streams: int | None = None
-    # Prompts waiting for one of the 2 tokenizer threads; more: RESOURCE_EXHAUSTED. 0: max_concurrent_streams, which
-    # bounds it already (a prompt is tokenized only once its request holds a slot): a smaller queue refused a burst of
-    # 64 streams that the slots admit (bench.load N=64: 46 of 64 refused at 16).
-    max_tokenize_queue: int = 0
-    shutdown_grace_s: float = DEFAULT_GRACE_S  # on SIGTERM, running streams get this long to finish
-    max_health_watches: int = DEFAULT_MAX_HEALTH_WATCHES  # open Health/Watch streams; more: RESOURCE_EXHAUSTED
+class CoordinatorConfig(ServiceConfig):
+    """The coordinator's settings (``specserve.settings``); ``coordinator.main`` parses them once."""
+
+    port: int = grpc_port(COORDINATOR_PORT)
+    http_port: int = setting(
+        HTTP_PORT,
+        "port of the OpenAI-compatible HTTP API on --host, with --tls-cert/--tls-key when set (0: off)",
+        env="SPECSERVE_HTTP_PORT",
+    )
+    verifier: str = setting(
+        f"{LOOPBACK}:{VERIFIER_PORT}",
+        "the verifier tier: host:port[,host:port...], dns:///NAME:PORT (every resolved replica, re-resolved every "
+        "30 s; sessions are pinned to one) or k8s://NAMESPACE/SERVICE:PORT (the Service's EndpointSlices, watched "
+        "through the Kubernetes API with the pod's service account or $KUBECONFIG; PORT is a number or the port's "
+        "name)",
+        env="SPECSERVE_VERIFIER_ADDR",
+    )
+    drafter: str | None = setting(
+        f"{LOOPBACK}:{DRAFTER_PORT}",
+        "the drafter tier, in the same forms as --verifier; empty: decode without drafting",
+        env="SPECSERVE_DRAFTER_ADDR",
+    )
+    zone: str = setting(
+        "",
+        "this coordinator's zone: with a k8s:// --drafter, drafter endpoints in it get its sessions first",
+        env="SPECSERVE_ZONE",
+    )
+    self_service: str = setting(
+        "",
+        "NAMESPACE/SERVICE of the coordinator's own Service: without --zone, the zone is read from this pod's "
+        "(POD_NAME) entry in its EndpointSlices",
+        env="SPECSERVE_SELF_SERVICE",
+    )
+    model: str = setting(
+        DEFAULT_MODEL,
+        "model whose tokenizer and chat template to use (must match the verifier's)",
+        env="SPECSERVE_MODEL",
+    )
+    served_model_name: str = setting(
+        "",
+        "the model name clients use (the HTTP API's `model`, /v1/models); empty: --model",
+        env="SPECSERVE_SERVED_MODEL_NAME",
+        shown="`--model`",
+    )
+    cache_dir: str | None = setting(
+        None, "where GGUF models are converted once", env="SPECSERVE_CACHE_DIR", shown="`~/.cache/specserve`"
+    )
+    max_new_tokens_limit: int = setting(4096, "per-request ceiling of new tokens")
+    max_prompt_bytes: int = setting(
+        4 << 20,
+        "most UTF-8 bytes in a prompt, or in a chat's message contents together (INVALID_ARGUMENT beyond); the "
+        "largest gRPC message accepted is 1 MiB above it",
+        shown="4 MiB",
+    )
+    max_chat_messages: int = setting(1024, "most messages in a chat")
+    max_stop_strings: int = setting(16, "most stop strings per request")
+    max_stop_string_bytes: int = setting(256, "most UTF-8 bytes in each stop string")
+    # The round loop's own defaults (coordinator.rounds.RoundPolicy), defined there once.
+    max_draft_tokens: int = setting(
+        RoundPolicy.max_draft_tokens,
+        "most draft tokens (tree nodes) asked of the drafter each round; a request's max_draft_tokens may only "
+        "lower it",
+    )
+    num_successors: int = setting(
+        RoundPolicy.num_successors,
+        "the target's likeliest next tokens per scored position, returned by each Verify and sent to the drafter "
+        "(Token Recycling; 0: off)",
+    )
+    gate_drafting: bool = setting(
+        True,
+        "each session drafts only while its drafted rounds commit more tokens per second than its plain rounds, "
+        "end to end, probing now and then (off: the verifier's draft budget alone decides)",
+    )
+    draft_timeout_ms: int = setting(
+        round(RoundPolicy.draft_timeout_s * 1000),
+        "most a draft round trip may take (the timeout follows the drafter's p99 latency below it); a slower "
+        "drafter is dropped for the request",
+    )
+    draft_timeout_floor_ms: int = setting(
+        100, "least draft timeout: 4x the drafter's p99 latency, clamped to [floor, --draft-timeout-ms]"
+    )
+    drafter_backoff_ms: int = setting(
+        5000,
+        "how long new requests skip a drafter that failed, timed out or sent a bad tree (doubles per failure in a "
+        "row), before it is probed again",
+    )
+    drafter_max_backoff_ms: int = setting(60_000, "longest drafter backoff")
+    verifier_timeout_s: float = setting(120.0, "deadline of one call to the verifier")
+    verify_transport: str = setting(
+        "stream",
+        "how Verify calls reach a verifier replica: stream (one VerifyStream per replica carries every session's "
+        "rounds; a verifier without it gets unary calls) or unary (one call per round)",
+        env="SPECSERVE_VERIFY_TRANSPORT",
+        choices=("stream", "unary"),
+    )
+    startup_timeout_s: float = setting(900.0, "how long to wait for the verifier to load its model")
+    metrics_token_file: str | None = setting(
+        None,
+        "file holding a token that /metrics (--metrics-port) then requires as `Authorization: Bearer <token>`; "
+        "unset: /metrics is open to whoever reaches the port",
+        env="SPECSERVE_METRICS_TOKEN_FILE",
+        shown="open",
+    )
+    api_keys_file: str | None = setting(
+        None,
+        "YAML file of API key digests and tenants (reloaded when it changes); unset: no authentication (loopback "
+        "only, or --insecure)",
+        env="SPECSERVE_API_KEYS_FILE",
+        shown="auth off",
+    )
+    api_keys_reload_s: float = setting(5.0, "how often to check the API key file for changes")
+    internal_tls_ca: str | None = setting(
+        None,
+        "PEM CA of the workers: TLS towards the verifier and drafters (any of the three internal TLS settings "
+        "turns it on)",
+        env="SPECSERVE_INTERNAL_TLS_CA",
+        shown="plaintext",
+    )
+    internal_tls_cert: str | None = setting(
+        None, "PEM client certificate for workers that require mTLS", env="SPECSERVE_INTERNAL_TLS_CERT"
+    )
+    internal_tls_key: str | None = setting(
+        None, "PEM private key of --internal-tls-cert", env="SPECSERVE_INTERNAL_TLS_KEY"
+    )
+    # Admission (coordinator.admission): the default matches one verifier's engine step (its
+    # --max-batch-sessions), the queue its --max-sessions.
+    max_concurrent_streams: int = setting(
+        64, "generations running at once; more wait in the queue", env="SPECSERVE_MAX_CONCURRENT_STREAMS"
+    )
+    max_queued_streams: int = setting(
+        256,
+        "generations waiting for a slot; more are refused with RESOURCE_EXHAUSTED (and retry-after-ms)",
+        env="SPECSERVE_MAX_QUEUED_STREAMS",
+    )
+    queue_timeout_s: float = setting(
+        30.0,
+        "how long a generation waits for a slot before it is refused with RESOURCE_EXHAUSTED",
+        env="SPECSERVE_QUEUE_TIMEOUT_S",
+    )
+    tenant_max_concurrent_streams: int | None = setting(
+        None,
+        "generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit; "
+        "unset: half of --max-concurrent-streams with --api-keys-file (so no one tenant takes every slot and "
+        "queue place), else no limit (every caller is one tenant)",
+        env="SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS",
+        shown="half the slots with --api-keys-file",
+    )
+    max_tokenize_queue: int = setting(
+        0,
+        "admitted prompts waiting for one of the tokenizer threads (each holds its text); more: "
+        "RESOURCE_EXHAUSTED. 0: --max-concurrent-streams, the most that can wait (a prompt is tokenized only once "
+        "its request holds a slot)",
+        env="SPECSERVE_MAX_TOKENIZE_QUEUE",
+        shown="0 (= `--max-concurrent-streams`)",
+    )
 
 
 def internal_tls(config: CoordinatorConfig) -> ClientTLS | None:
@@ -94,6 +197,7 @@ def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPoli
         max_session_tokens=verifier.max_session_tokens,
         num_successors=config.num_successors,
         tree_limits=TreeLimits.of(verifier),
+        gate_drafting=config.gate_drafting,
     )
 
 

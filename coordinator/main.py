@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +48,15 @@ from coordinator.ports import DrafterPort, VerifierInfo, VerifierPort
 from coordinator.rounds import Generation, GenerationRequest
 from coordinator.server import GenerationServicer
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
-from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import ApiKeyInterceptor
 from specserve.auth.internal import InternalCredentials, Metadata, read_token
 from specserve.auth.keys import ApiKeys, KeyFileError
-from specserve.auth.tls import ExposureError, add_port, aio_channel, check_exposure
+from specserve.auth.tls import ExposureError, aio_channel, check_exposure
 from specserve.call_limit import AioCallLimitInterceptor, CallLimit
 from specserve.drain import Drain
 from specserve.errors import DrafterFailed
 from specserve.health import track_watches
+from specserve.lifecycle import listen
 from specserve.model_loading import (
     default_cache_root,
     eos_token_ids,
@@ -67,16 +65,14 @@ from specserve.model_loading import (
     vocab_fingerprint,
 )
 from specserve.rpc import (
-    add_health,
     channel_options,
-    mark_draining,
     mark_serving,
     reconnect_options,
     serve_until_signal,
     server_options,
 )
 from specserve.rpc_errors import AioErrorInterceptor
-from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.service_main import parse_service_config, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("coordinator")
@@ -90,182 +86,23 @@ class StartupError(RuntimeError):
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[CoordinatorConfig, str]:
-    defaults = CoordinatorConfig()
-    parser = argparse.ArgumentParser(prog="coordinator", description="specserve coordinator (public API)")
-    add_common_flags(parser, defaults)
-    parser.add_argument(
-        "--http-port",
-        type=int,
-        default=int(env("SPECSERVE_HTTP_PORT", str(defaults.http_port))),
-        help="port of the OpenAI-compatible HTTP API on --host, with --tls-cert/--tls-key when set (0: off)",
+    """The coordinator's config from its command line and environment (``CoordinatorConfig`` declares both)."""
+    return parse_service_config(
+        CoordinatorConfig, argv, prog="coordinator", description="specserve coordinator (public API)", refine=refine
     )
-    parser.add_argument(
-        "--verifier",
-        default=env("SPECSERVE_VERIFIER_ADDR", defaults.verifier),
-        help="the verifier tier: host:port[,host:port...], dns:///NAME:PORT (re-resolved every 30 s) or "
-        "k8s://NAMESPACE/SERVICE:PORT (the Service's EndpointSlices, watched through the Kubernetes API)",
-    )
-    parser.add_argument(
-        "--drafter",
-        default=env("SPECSERVE_DRAFTER_ADDR", defaults.drafter or ""),
-        help="the drafter tier, in the same forms as --verifier; empty: decode without drafting",
-    )
-    parser.add_argument(
-        "--zone",
-        default=env("SPECSERVE_ZONE", defaults.zone),
-        help="this coordinator's zone: with a k8s:// --drafter, drafter endpoints in it get its sessions first",
-    )
-    parser.add_argument(
-        "--self-service",
-        default=env("SPECSERVE_SELF_SERVICE", defaults.self_service),
-        help="NAMESPACE/SERVICE of the coordinator's own Service: without --zone, the zone is read from this "
-        "pod's (POD_NAME) entry in its EndpointSlices",
-    )
-    parser.add_argument(
-        "--model",
-        default=env("SPECSERVE_MODEL", defaults.model),
-        help="model whose tokenizer and chat template to use (must match the verifier's)",
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=env("SPECSERVE_SERVED_MODEL_NAME", defaults.served_model_name),
-        help="the model name clients use (the HTTP API's `model`); empty: --model",
-    )
-    parser.add_argument("--cache-dir", default=env("SPECSERVE_CACHE_DIR", ""))
-    parser.add_argument("--max-new-tokens-limit", type=int, default=defaults.max_new_tokens_limit)
-    parser.add_argument(
-        "--max-prompt-bytes",
-        type=int,
-        default=defaults.max_prompt_bytes,
-        help="most UTF-8 bytes in a prompt, or in a chat's message contents together (INVALID_ARGUMENT beyond)",
-    )
-    parser.add_argument("--max-chat-messages", type=int, default=defaults.max_chat_messages)
-    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
-    parser.add_argument(
-        "--max-stop-string-bytes",
-        type=int,
-        default=defaults.max_stop_string_bytes,
-        help="most UTF-8 bytes in each stop string",
-    )
-    parser.add_argument(
-        "--max-draft-tokens",
-        type=int,
-        default=defaults.max_draft_tokens,
-        help="most draft tokens (tree nodes) asked of the drafter each round; a request's max_draft_tokens may "
-        "only lower it",
-    )
-    parser.add_argument(
-        "--draft-timeout-ms",
-        type=int,
-        default=defaults.draft_timeout_ms,
-        help="most a draft round trip may take (the timeout follows the drafter's p99 latency below it)",
-    )
-    parser.add_argument(
-        "--draft-timeout-floor-ms",
-        type=int,
-        default=defaults.draft_timeout_floor_ms,
-        help="least draft timeout: 4x the drafter's p99 latency, clamped to [floor, --draft-timeout-ms]",
-    )
-    parser.add_argument(
-        "--drafter-backoff-ms",
-        type=int,
-        default=defaults.drafter_backoff_ms,
-        help="how long requests skip a drafter after it failed or timed out (doubles per failure in a row)",
-    )
-    parser.add_argument("--drafter-max-backoff-ms", type=int, default=defaults.drafter_max_backoff_ms)
-    parser.add_argument(
-        "--num-successors",
-        type=int,
-        default=defaults.num_successors,
-        help="the target's likeliest next tokens per scored position, returned by each Verify and sent to the "
-        "drafter (Token Recycling; 0: off)",
-    )
-    parser.add_argument("--verifier-timeout-s", type=float, default=defaults.verifier_timeout_s)
-    parser.add_argument("--startup-timeout-s", type=float, default=defaults.startup_timeout_s)
-    parser.add_argument(
-        "--api-keys-file",
-        default=env("SPECSERVE_API_KEYS_FILE", ""),
-        help="YAML file of API key digests and tenants (reloaded when it changes); unset: no authentication",
-    )
-    parser.add_argument(
-        "--api-keys-reload-s",
-        type=float,
-        default=defaults.api_keys_reload_s,
-        help="how often to check the API key file for changes",
-    )
-    parser.add_argument(
-        "--metrics-token-file",
-        default=env("SPECSERVE_METRICS_TOKEN_FILE", ""),
-        help="file holding a token that /metrics (--metrics-port) then requires as `Authorization: Bearer <token>`; "
-        "unset: /metrics is open to whoever reaches the port",
-    )
-    parser.add_argument("--internal-tls-ca", default=env("SPECSERVE_INTERNAL_TLS_CA", ""), help="PEM CA of the workers")
-    parser.add_argument(
-        "--internal-tls-cert",
-        default=env("SPECSERVE_INTERNAL_TLS_CERT", ""),
-        help="PEM client certificate for workers that require mTLS",
-    )
-    parser.add_argument("--internal-tls-key", default=env("SPECSERVE_INTERNAL_TLS_KEY", ""))
-    add_admission_flags(parser, defaults)
-    args = parser.parse_args(argv)
-    try:
-        args.security = security_from_args(args)
-        for flag, target in (("--verifier", args.verifier), ("--drafter", args.drafter)):
-            if is_k8s_target(target):
-                try:
-                    parse_target(target)
-                except TargetError as exc:
-                    raise ValueError(f"{flag}: {exc}") from exc
-        if args.self_service and not SELF_SERVICE.match(args.self_service):
-            raise ValueError(f"--self-service {args.self_service!r}: expected NAMESPACE/SERVICE")
-    except ValueError as exc:
-        parser.error(str(exc))
-    values = {f.name: getattr(args, f.name) for f in fields(CoordinatorConfig)}
-    values["drafter"] = values["drafter"] or None
-    values["cache_dir"] = values["cache_dir"] or None
-    for name in ("api_keys_file", "metrics_token_file", "internal_tls_ca", "internal_tls_cert", "internal_tls_key"):
-        values[name] = values[name] or None
-    return CoordinatorConfig(**values), args.log_level
 
 
-def optional_int(text: str) -> int | None:
-    """An integer flag that may be left unset ("": None, the config's default)."""
-    return int(text) if text.strip() else None
-
-
-def add_admission_flags(parser: argparse.ArgumentParser, defaults: CoordinatorConfig) -> None:
-    parser.add_argument(
-        "--max-concurrent-streams",
-        type=int,
-        default=int(env("SPECSERVE_MAX_CONCURRENT_STREAMS", str(defaults.max_concurrent_streams))),
-        help="generations running at once; more wait in the queue",
-    )
-    parser.add_argument(
-        "--max-queued-streams",
-        type=int,
-        default=int(env("SPECSERVE_MAX_QUEUED_STREAMS", str(defaults.max_queued_streams))),
-        help="generations waiting for a slot; more are refused with RESOURCE_EXHAUSTED (and retry-after-ms)",
-    )
-    parser.add_argument(
-        "--queue-timeout-s",
-        type=float,
-        default=float(env("SPECSERVE_QUEUE_TIMEOUT_S", str(defaults.queue_timeout_s))),
-        help="how long a generation waits for a slot before it is refused with RESOURCE_EXHAUSTED",
-    )
-    parser.add_argument(
-        "--tenant-max-concurrent-streams",
-        type=optional_int,
-        default=env("SPECSERVE_TENANT_MAX_CONCURRENT_STREAMS", ""),
-        help="generations one tenant may run at once (and have waiting) unless its own setting says; 0: no limit; "
-        "unset: half of --max-concurrent-streams with --api-keys-file, else no limit",
-    )
-    parser.add_argument(
-        "--max-tokenize-queue",
-        type=int,
-        default=int(env("SPECSERVE_MAX_TOKENIZE_QUEUE", str(defaults.max_tokenize_queue))),
-        help="admitted prompts waiting for a tokenizer thread (each holds its text); more: RESOURCE_EXHAUSTED; "
-        "0 (default): --max-concurrent-streams, the most that can wait",
-    )
+def refine(config: CoordinatorConfig) -> CoordinatorConfig:
+    """The tier targets and --self-service read as they will be used (ValueError naming the flag)."""
+    for flag, target in (("--verifier", config.verifier), ("--drafter", config.drafter or "")):
+        if is_k8s_target(target):
+            try:
+                parse_target(target)
+            except TargetError as exc:
+                raise ValueError(f"{flag}: {exc}") from exc
+    if config.self_service and not SELF_SERVICE.match(config.self_service):
+        raise ValueError(f"--self-service {config.self_service!r}: expected NAMESPACE/SERVICE")
+    return config
 
 
 async def wait_until_serving(channel: grpc.aio.Channel, target: str, timeout_s: float) -> None:
@@ -375,7 +212,11 @@ def verifier_connector(config: CoordinatorConfig) -> Callable[[str], GrpcVerifie
 
     def connect(address: str) -> GrpcVerifier:
         return GrpcVerifier(
-            internal_channel(config, address, config.verifier), address, config.verifier_timeout_s, metadata
+            internal_channel(config, address, config.verifier),
+            address,
+            config.verifier_timeout_s,
+            metadata,
+            stream=config.verify_transport == "stream",
         )
 
     return connect
@@ -583,12 +424,9 @@ async def serve(config: CoordinatorConfig) -> None:
     drain.on_begin(admission.drain)
     frontend = GenerationFrontend(config.served_model_name or config.model, admission, metrics)
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
-    health = add_health(server, [SERVICE_NAME], config.max_health_watches)
+    health, address = listen(server, config, SERVICE_NAME, drain)
     track_watches(metrics.registry, health)
     add_reflection(server)
-    drain.on_begin(lambda: mark_draining(health))
-    address = f"{config.host}:{config.port}"
-    add_port(server, address, config.security.tls)
     await server.start()
     http = await start_http(
         config, frontend, keys, drain, call_limit("coordinator's HTTP API")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,22 +12,25 @@ import grpc
 import torch
 
 from draft_service.config import POOL_SHARE, DrafterConfig
-from draft_service.draft_head import DraftHead, DraftHeadError, in_serving_dtype, load_draft_head, require_weights
-from draft_service.drafter import ALL_SOURCES, Drafter
-from draft_service.head_products import HEAD_MATMUL_CHOICES
+from draft_service.draft_head import DraftHeadError, in_serving_dtype, load_draft_head, require_weights
+from draft_service.draft_lm import DraftLM, DraftLMError, load_draft_lm
+from draft_service.draft_lm_source import DraftLMProposer
+from draft_service.drafter import Drafter
+from draft_service.eagle3_head import Eagle3Head, eagle3_in_serving_dtype, is_eagle3_dir, load_eagle3_head
 from draft_service.head_proposer import HeadProposer, TreeShape
+from draft_service.head_types import ServingHead
 from draft_service.metrics import DrafterMetrics
 from draft_service.ngram_pool import PoolShape
 from draft_service.pools import PoolRegistry
 from draft_service.proposers import PromptLookupProposer
 from draft_service.server import DrafterServicer
 from draft_service.session_memory import SessionMemory
-from specserve.auth.config import security_from_args
 from specserve.auth.interceptors import AioInternalTokenInterceptor
-from specserve.auth.tls import ExposureError, add_port
 from specserve.drain import Drain
 from specserve.health import track_watches
+from specserve.lifecycle import internal_token, listen
 from specserve.model_loading import (
+    ModelNotFoundError,
     default_cache_root,
     load_model,
     load_tokenizer,
@@ -36,9 +38,9 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.rpc import add_health, mark_draining, mark_serving, serve_until_signal, server_options
+from specserve.rpc import mark_serving, serve_until_signal, server_options
 from specserve.rpc_errors import AioErrorInterceptor
-from specserve.service_main import add_common_flags, env, setup_logging
+from specserve.service_main import parse_service_config, setup_logging
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
 
 log = logging.getLogger("draft_service")
@@ -46,126 +48,31 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_na
 
 
 def parse_config(argv: list[str] | None = None) -> tuple[DrafterConfig, str]:
-    defaults = DrafterConfig()
-    parser = argparse.ArgumentParser(prog="draft_service", description="specserve drafter")
-    add_common_flags(parser, defaults)
-    parser.add_argument(
-        "--redis-url",
-        default=env("SPECSERVE_REDIS_URL", ""),
-        help="shared n-gram pool, e.g. redis://127.0.0.1:6379/0 (default: in-memory pool)",
+    """The drafter's config from its command line and environment (``DrafterConfig`` declares both)."""
+    return parse_service_config(
+        DrafterConfig, argv, prog="draft_service", description="specserve drafter", refine=refine
     )
-    parser.add_argument("--redis-timeout-ms", type=int, default=defaults.redis_timeout_ms)
-    parser.add_argument("--pool-key-len", type=int, default=defaults.pool_key_len)
-    parser.add_argument("--pool-continuation-len", type=int, default=defaults.pool_continuation_len)
-    parser.add_argument("--pool-max-keys", type=int, default=defaults.pool_max_keys)
-    parser.add_argument("--lookup-min-ngram", type=int, default=defaults.lookup_min_ngram)
-    parser.add_argument("--lookup-max-ngram", type=int, default=defaults.lookup_max_ngram)
-    parser.add_argument(
-        "--sources",
-        default=env("SPECSERVE_DRAFT_SOURCES", ",".join(defaults.sources)),
-        help=f"comma-separated draft sources, from {', '.join(ALL_SOURCES)}",
-    )
-    parser.add_argument(
-        "--draft-head-path",
-        default=env("SPECSERVE_DRAFT_HEAD", defaults.draft_head_path),
-        help="weights of the draft head (the draft_model source)",
-    )
-    parser.add_argument(
-        "--target-model",
-        default=env("SPECSERVE_MODEL", defaults.target_model),
-        help="the target the head was trained for (its embedding and LM head are loaded)",
-    )
-    parser.add_argument(
-        "--device",
-        default=env("SPECSERVE_DRAFTER_DEVICE", defaults.device),
-        help="where the draft head, its per-session state and its tree expansion run: cpu, cuda or cuda:N "
-        "(the n-gram sources run on the host either way)",
-    )
-    parser.add_argument(
-        "--head-dtype",
-        default=env("SPECSERVE_HEAD_DTYPE", defaults.head_dtype),
-        choices=["auto", "float32", "bfloat16"],
-        help="the draft head's compute dtype (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)",
-    )
-    parser.add_argument(
-        "--head-matmul",
-        "--head-logits-matmul",
-        dest="head_logits_matmul",
-        default=env("SPECSERVE_HEAD_LOGITS_MATMUL", defaults.head_logits_matmul),
-        choices=HEAD_MATMUL_CHOICES,
-        help="packed: the head's fc, layer linears and draft logits run on weights prepacked once at start-up "
-        "for the CPU's GEMM kernel (oneDNN; MKL for fp32 on Intel), F.linear where the dtype has none; "
-        "int8: int8 copies of those weights (CPU; a draft's numerics can cost acceptance, never exactness); "
-        "blocks: an fp32 head's weights as Q8_0 blocks on the block kernel (the draft logits' rows are the GGUF "
-        "target's own; the head's weights rounded to 8 bits), its norms, rotary and attention there too; "
-        "auto: whichever of packed, int8 and blocks a draft step timed at start-up runs fastest (another than "
-        "packed only if at least 10%% faster); linear: F.linear everywhere",
-    )
-    parser.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
-    parser.add_argument("--tree-branching", type=int, default=defaults.tree_branching)
-    parser.add_argument("--tree-beam", type=int, default=defaults.tree_beam)
-    parser.add_argument(
-        "--torch-threads", type=int, default=int(env("SPECSERVE_TORCH_THREADS", str(defaults.torch_threads)))
-    )
-    parser.add_argument(
-        "--predraft-outcomes",
-        type=int,
-        default=int(env("SPECSERVE_PREDRAFT_OUTCOMES", str(defaults.predraft_outcomes))),
-        help="likeliest outcomes of each tree to draft the next round for while the verifier checks it (0: off)",
-    )
-    parser.add_argument(
-        "--coupled-sampling",
-        action=argparse.BooleanOptionalAction,
-        default=env("SPECSERVE_COUPLED_SAMPLING", "on" if defaults.coupled_sampling else "off") != "off",
-        help="for sampled requests, the draft head drafts with the target's keyed Gumbel noise, so its first "
-        "candidate is the target's own token far more often (--no-coupled-sampling: its top-k, as for greedy)",
-    )
-    parser.add_argument(
-        "--max-memory-mib",
-        type=int,
-        default=int(env("SPECSERVE_DRAFTER_MAX_MEMORY_MIB", str(defaults.max_memory_mib))),
-        help=f"bound of the in-memory n-gram pools ({POOL_SHARE:.0%}% of it), per-session drafting state and the "
-        "namespaces' successor tables and acceptance statistics; over it the least recently used sessions lose "
-        "their draft-head state (they draft from n-grams) and namespaces their tables and statistics",
-    )
-    parser.add_argument(
-        "--max-namespaces",
-        type=int,
-        default=defaults.max_namespaces,
-        help="most (vocabulary, pool namespace) pairs whose in-memory n-gram pool, successor table and acceptance "
-        "statistics are kept; beyond it the least recently used pair's are dropped",
-    )
-    parser.add_argument(
-        "--stream-idle-timeout-s",
-        type=float,
-        default=defaults.stream_idle_timeout_s,
-        help="a Draft stream that sends nothing this long is closed (DEADLINE_EXCEEDED) and its state freed",
-    )
-    parser.add_argument(
-        "--max-connection-age-s",
-        type=float,
-        default=defaults.max_connection_age_s,
-        help="clients reconnect after this long (open streams finish first), and so resolve the drafter "
-        "Service's DNS name again: new drafter pods get sessions within about this long",
-    )
-    args = parser.parse_args(argv)
-    try:
-        args.security = security_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    values = {f.name: getattr(args, f.name) for f in fields(DrafterConfig)}
-    values["redis_url"] = values["redis_url"] or None
-    values["sources"] = tuple(name.strip() for name in args.sources.split(",") if name.strip())
-    unknown = set(values["sources"]) - set(ALL_SOURCES)
-    if unknown:
-        parser.error(f"unknown draft sources {sorted(unknown)}; choose from {', '.join(ALL_SOURCES)}")
-    try:
-        values["device"] = str(drafter_device(values["device"]))
-    except ValueError as exc:
-        parser.error(str(exc))
-    if values["max_namespaces"] < 1:
-        parser.error("--max-namespaces must be at least 1")
-    return DrafterConfig(**values), args.log_level
+
+
+def refine(config: DrafterConfig) -> DrafterConfig:
+    """``--device`` checked against what this process can use, and written as torch writes it; the sources
+    with the draft model's (``with_draft_lm``)."""
+    config = replace(config, device=str(drafter_device(config.device)))
+    return replace(config, sources=with_draft_lm(config.sources, config.draft_model))
+
+
+def with_draft_lm(sources: tuple[str, ...], draft_model: str) -> tuple[str, ...]:
+    """``sources`` with draft_lm after them when ``--draft-model`` is set; ValueError when draft_lm is named
+    without a draft model.
+
+    A draft model given is meant to draft, whatever ``--sources`` lists (its default names the n-gram sources
+    and the draft head): making the user also add it there would leave a model loaded for nothing.
+    """
+    if not draft_model:
+        if DraftLMProposer.name in sources:
+            raise ValueError(f"the {DraftLMProposer.name} source needs a draft model: pass --draft-model PATH")
+        return sources
+    return sources if DraftLMProposer.name in sources else (*sources, DraftLMProposer.name)
 
 
 def drafter_device(name: str) -> torch.device:
@@ -188,8 +95,11 @@ def drafter_device(name: str) -> torch.device:
     return device
 
 
-def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple[Drafter, PoolRegistry]:
-    """The drafter ``config`` describes; the draft_model source needs ``head`` (see ``load_head``)."""
+def build_drafter(
+    config: DrafterConfig, head: ServingHead | None = None, draft_lm: DraftLM | None = None
+) -> tuple[Drafter, PoolRegistry]:
+    """The drafter ``config`` describes; the draft_model source needs ``head`` (see ``load_head``), the draft_lm
+    source ``draft_lm`` (``load_draft_model``)."""
     shape = PoolShape(key_len=config.pool_key_len, continuation_len=config.pool_continuation_len)
     memory_bytes = config.max_memory_mib << 20
     pool_bytes = int(memory_bytes * POOL_SHARE)
@@ -213,20 +123,43 @@ def build_drafter(config: DrafterConfig, head: DraftHead | None = None) -> tuple
         coupled_sampling=config.coupled_sampling,
         memory=SessionMemory(memory_bytes - pool_bytes),
         max_namespaces=config.max_namespaces,
+        draft_lm=draft_lm,
+        lookahead_pool_for=pools.lookahead,
     )
     return drafter, pools
 
 
-def load_head(config: DrafterConfig) -> DraftHead:
-    """The draft head over the target's embedding and LM head (its ``target_fingerprint`` is the target's).
+def load_draft_model(config: DrafterConfig) -> DraftLM:
+    """The draft model of ``--draft-model`` on ``--device``, checked to share ``--target-model``'s tokenizer.
+
+    Raises DraftLMError (no model at the path, weights that do not load, another family or tokenizer) with a
+    message that names both models and says what to do.
+    """
+    try:
+        target = materialize(resolve_model(config.target_model), default_cache_root())
+    except ModelNotFoundError as exc:
+        raise DraftLMError(f"--target-model {config.target_model!r}: {exc}") from exc
+    fingerprint = vocab_fingerprint(load_tokenizer(target))
+    model = load_draft_lm(config.draft_model, fingerprint, config.target_model, config.device)
+    log.info("draft model %s (the %s source): %s", config.draft_model, DraftLMProposer.name, model.describe())
+    return model
+
+
+def load_head(config: DrafterConfig) -> ServingHead:
+    """The draft head over the target's embedding and LM head (its ``target_fingerprint`` is the target's): our
+    own head file, or a published EAGLE-3 head's directory (``eagle3_head``).
 
     Raises DraftHeadError (missing, corrupt or foreign weights) with a message that says what to do.
     """
-    require_weights(Path(config.draft_head_path))
+    path = Path(config.draft_head_path)
+    if not is_eagle3_dir(path):
+        require_weights(path)
     source = materialize(resolve_model(config.target_model), default_cache_root())
     fingerprint = vocab_fingerprint(load_tokenizer(source))
     target = load_model(source)
     embedding = target.get_input_embeddings().weight.detach()
+    if is_eagle3_dir(path):
+        return load_eagle3(config, path, fingerprint, embedding, int(target.config.num_hidden_layers))
     lm_head = target.get_output_embeddings().weight.detach()
     head, _ = load_draft_head(
         Path(config.draft_head_path), target_fingerprint=fingerprint, embedding=embedding, lm_head=lm_head
@@ -238,6 +171,24 @@ def load_head(config: DrafterConfig) -> DraftHead:
         config.device,
         dtype.dtype,
         dtype.reason,
+        head.products,
+    )
+    return head
+
+
+def load_eagle3(
+    config: DrafterConfig, path: Path, fingerprint: str, embedding: torch.Tensor, target_layers: int
+) -> Eagle3Head:
+    """The EAGLE-3 head in ``path`` for this target, on ``--device`` in ``--head-dtype``."""
+    head = load_eagle3_head(path, target_fingerprint=fingerprint, embedding=embedding, target_layers=target_layers)
+    head, dtype = eagle3_in_serving_dtype(head, config.head_dtype, config.device)
+    log.info(
+        "EAGLE-3 head %s runs on %s in %s (%s), reading the target's layers %s; its products: %s",
+        path,
+        config.device,
+        dtype.dtype,
+        dtype.reason,
+        list(head.feature_layers),
         head.products,
     )
     return head
@@ -255,11 +206,7 @@ def drafter_server_options(config: DrafterConfig) -> list[tuple[str, Any]]:
 
 def interceptors(config: DrafterConfig) -> list[grpc.aio.ServerInterceptor]:
     """The internal token check, after the exposure rule (SystemExit with what to pass when it fails)."""
-    try:
-        config.security.check_internal_exposure("drafter", config.host)
-        token = config.security.internal_token()
-    except (ExposureError, ValueError) as exc:
-        raise SystemExit(str(exc)) from exc
+    token = internal_token(config, "drafter")
     return [AioInternalTokenInterceptor(token)] if token is not None else []
 
 
@@ -273,19 +220,23 @@ async def serve(config: DrafterConfig) -> None:
             head = load_head(config)
         except DraftHeadError as exc:
             raise SystemExit(f"drafter: cannot use the {HeadProposer.name} source: {exc}") from exc
-    drafter, pools = build_drafter(config, head)
+    draft_lm = None
+    if DraftLMProposer.name in config.sources:
+        try:
+            draft_lm = load_draft_model(config)
+        except DraftLMError as exc:
+            raise SystemExit(f"drafter: cannot use the {DraftLMProposer.name} source: {exc}") from exc
+    drafter, pools = build_drafter(config, head, draft_lm)
     server = grpc.aio.server(options=drafter_server_options(config), interceptors=[AioErrorInterceptor(), *checks])
     drain = Drain(config.shutdown_grace_s)
     servicer = DrafterServicer(drafter, pools, drain, config.stream_idle_timeout_s)
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)
-    health = add_health(server, [SERVICE_NAME], config.max_health_watches)
-    drain.on_begin(lambda: mark_draining(health))
-    address = f"{config.host}:{config.port}"
-    add_port(server, address, config.security.tls)
+    health, address = listen(server, config, SERVICE_NAME, drain)
     await server.start()
     mark_serving(health, [SERVICE_NAME])
     if config.metrics_port:
         metrics = DrafterMetrics(drafter.memory, pools, drafter.predraft_counts, drafter.gate_counts)
+        servicer.observe_propose = metrics.observe_propose
         track_watches(metrics.registry, health)
         metrics.serve(config.metrics_port, config.host)
     print(f"drafter listening on {address} (n-gram pool: {pools.backend})", flush=True)

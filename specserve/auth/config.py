@@ -32,6 +32,7 @@ class ServerSecurity:
 
 
 def security_from_args(args: argparse.Namespace) -> ServerSecurity:
-    """The flags ``specserve.service_main.add_common_flags`` added; ValueError on a contradiction."""
+    """The security flags (``specserve.service_main.ProcessSettings``) as the config's ``security``; ValueError on
+    a contradiction."""
     tls = ServerTLS(args.tls_cert or None, args.tls_key or None, args.tls_client_ca or None)
     return ServerSecurity(tls, args.internal_token_file or None, bool(args.insecure))
