@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 from specserve.errors import DeadlineExceeded
 
-_deadline: ContextVar[float | None] = ContextVar("specserve_deadline", default=None)  # time.monotonic()
+clock: Callable[[], float] = time.monotonic
+"""What deadlines are kept on: a monotonic clock, so that setting the wall clock moves no deadline (a test puts
+a clock of its own here, to pass a deadline exactly when it means to)."""
+
+_deadline: ContextVar[float | None] = ContextVar("specserve_deadline", default=None)  # on ``clock``
 
 
 @contextmanager
 def deadline_scope(time_remaining_s: float | None) -> Iterator[None]:
     """Run the block under a deadline ``time_remaining_s`` from now (None: no deadline)."""
-    deadline = None if time_remaining_s is None else time.monotonic() + time_remaining_s
+    deadline = None if time_remaining_s is None else clock() + time_remaining_s
     token = _deadline.set(deadline)
     try:
         yield
@@ -39,7 +43,7 @@ def deadline_scope(time_remaining_s: float | None) -> Iterator[None]:
 def remaining_s() -> float | None:
     """Seconds left before the request's deadline (negative once passed); None without a deadline."""
     deadline = _deadline.get()
-    return None if deadline is None else deadline - time.monotonic()
+    return None if deadline is None else deadline - clock()
 
 
 def expired() -> bool:

@@ -162,9 +162,9 @@ def test_a_stalled_drafter_costs_one_timeout_not_one_per_request(cluster: LocalC
     for run in runs:
         assert_no_internals(run.stats.drafter_error, cluster.drafter_address)
     for run in later:
+        # The first request paid the timeout; the next ones did not call the drafter at all (an open circuit skips
+        # it before any call: tests/unit/test_drafter_health.py times that on a virtual clock).
         assert run.stats.drafter_error.startswith("drafter skipped: circuit open until"), run.stats.drafter_error
-        # The first request paid the timeout; the next ones did not wait for the drafter at all.
-        assert run.stats.draft_s < first.stats.draft_s / 4
         assert run.stats.num_draft_tokens == 0
     wait_until_drafting(cluster.coordinator_address)
 

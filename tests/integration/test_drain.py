@@ -1,9 +1,9 @@
 """SIGTERM mid-stream: the stream finishes unchanged, new work is refused, the process exits by itself after it.
 
 Real processes, one cluster for the file: first the coordinator is drained (and restarted alone against the
-running verifier), then the verifier. Timings are printed; the only timing asserted is the exit soon after
-the stream's end, well within the grace. The grace is long (a loaded 2-core machine has taken 28 s for the rest
-of a 48-token stream) so that the stream always ends by itself.
+running verifier), then the verifier. Timings are printed, not asserted: that the process stopped because its
+last stream ended, not because the grace ran out, is read from its log. The grace is long (a loaded 2-core
+machine has taken 28 s for the rest of a 48-token stream) so that the stream always ends by itself.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.integration.conftest import FP32_VERIFIER, Target
 pytestmark = pytest.mark.integration
 
 GRACE_S = 120.0
-EXIT_AFTER_STREAM_S = 20.0  # at most, from the stream's end to the exit (seconds it takes: ~1-4)
+EXIT_GUARD_S = GRACE_S + 60  # only turns a process that never exits into a failure
 # The signal is handled on the server's event loop at its next turn: a health check sent right after the
 # signal may be answered first (CI saw SERVING once on a loaded machine). NOT_SERVING within this.
 NOT_SERVING_WITHIN_S = 5.0
@@ -70,8 +70,15 @@ def wait_not_serving(address: str, within_s: float = NOT_SERVING_WITHIN_S) -> fl
     return time.monotonic() - start
 
 
-def drain_mid_stream(cluster: LocalCluster, name: str, health_address: str) -> tuple[list[int], float, float]:
-    """Stream, SIGTERM ``name`` after the first chunk, check the drain; the tokens, stream end and exit times."""
+def last_stop_line(cluster: LocalCluster, name: str) -> str:
+    """The last line in which ``name`` logged why it stopped (``specserve.rpc``: drained, grace over, or forced)."""
+    assert cluster.log_dir is not None
+    log = (cluster.log_dir / f"{name}.log").read_text(errors="replace")
+    return next((line for line in reversed(log.splitlines()) if "specserve.rpc: stopping" in line), "")
+
+
+def drain_mid_stream(cluster: LocalCluster, name: str, health_address: str) -> list[int]:
+    """Stream, SIGTERM ``name`` after the first chunk, check the drain; the tokens streamed."""
     process = cluster.processes[name]
     with grpc.insecure_channel(cluster.coordinator_address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -100,28 +107,27 @@ def drain_mid_stream(cluster: LocalCluster, name: str, health_address: str) -> t
         streamed = time.monotonic() - signalled
     assert stats is not None and stats.num_generated_tokens == len(tokens)
     try:
-        process.wait(timeout=EXIT_AFTER_STREAM_S)
+        process.wait(timeout=EXIT_GUARD_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the {name} did not exit within {EXIT_AFTER_STREAM_S:.0f} s of its last stream")
+        pytest.fail(f"the {name} did not exit within {EXIT_GUARD_S:.0f} s of its last stream")
     exited = time.monotonic() - signalled
     assert process.returncode == 0
+    assert last_stop_line(cluster, name).endswith("stopping: drained"), "it waited out the grace, not its stream"
     print(
         f"{name}: NOT_SERVING {not_serving:.2f} s after SIGTERM, stream done after {streamed:.2f} s, "
         f"exited after {exited:.2f} s (grace {GRACE_S:.0f} s)"
     )
-    return tokens, streamed, exited
+    return tokens
 
 
 def test_a_draining_coordinator_finishes_its_stream_and_refuses_new_ones(
     cluster: LocalCluster, greedy: list[int]
 ) -> None:
-    tokens, streamed, exited = drain_mid_stream(cluster, "coordinator", cluster.coordinator_address)
+    tokens = drain_mid_stream(cluster, "coordinator", cluster.coordinator_address)
     assert tokens == greedy
-    assert exited - streamed < EXIT_AFTER_STREAM_S
 
 
 def test_a_draining_verifier_serves_the_sessions_it_holds_to_the_end(cluster: LocalCluster, greedy: list[int]) -> None:
     cluster.restart_coordinator()
-    tokens, streamed, exited = drain_mid_stream(cluster, "verifier", cluster.verifier_address)
+    tokens = drain_mid_stream(cluster, "verifier", cluster.verifier_address)
     assert tokens == greedy
-    assert exited - streamed < EXIT_AFTER_STREAM_S

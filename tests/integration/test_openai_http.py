@@ -207,7 +207,7 @@ def test_a_client_that_goes_away_ends_its_generation(served: Served) -> None:
             break
         time.sleep(0.2)
     assert mine and mine[0]["status"] == "CANCELLED" and mine[0]["api"] == "openai.completions"
-    assert mine[0]["total_s"] < 20  # ended when the client left, not after 400 tokens
+    assert mine[0]["completion_tokens"] < 400  # ended when the client left, not after its 400 tokens
 
 
 def test_on_sigterm_running_streams_finish_and_new_requests_get_503(served: Served) -> None:
@@ -223,9 +223,8 @@ def test_on_sigterm_running_streams_finish_and_new_requests_get_503(served: Serv
         texts.append(json.loads(next(lines).removeprefix("data: "))["choices"][0]["text"])
         coordinator.send_signal(signal.SIGTERM)
         health = httpx.get(base.removesuffix("/v1") + "/health")
-        for _ in range(50):
-            if health.status_code == 503:
-                break
+        deadline = time.monotonic() + 30  # the signal is handled at the loop's next turn; the guard ends a hang
+        while health.status_code != 503 and time.monotonic() < deadline:
             time.sleep(0.05)
             health = httpx.get(base.removesuffix("/v1") + "/health")
         assert health.json() == {"status": "draining"}

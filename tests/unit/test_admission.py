@@ -52,7 +52,8 @@ def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
 def test_at_most_max_running_streams_run_and_the_queue_is_fifo() -> None:
     async def test() -> None:
-        admission = AdmissionController(AdmissionLimits(max_running=2, max_queued=10))
+        now = [100.0]  # the admission clock, moved by the test alone
+        admission = AdmissionController(AdmissionLimits(max_running=2, max_queued=10), clock=lambda: now[0])
         streams = Streams(admission)
         tasks = [streams.open(f"s{i}", A if i % 2 else B) for i in range(5)]
         await settle()
@@ -62,11 +63,11 @@ def test_at_most_max_running_streams_run_and_the_queue_is_fifo() -> None:
         await settle()
         assert streams.started == ["s0", "s1", "s2"]
         streams.finish("s0")
-        await asyncio.sleep(0.01)
+        now[0] += 0.01
         streams.finish("s2")
         await settle()
         assert streams.started == ["s0", "s1", "s2", "s3", "s4"]
-        assert streams.queue_s["s0"] == 0.0 and streams.queue_s["s4"] > 0.0
+        assert streams.queue_s["s0"] == 0.0 and streams.queue_s["s4"] == pytest.approx(0.01)
         for name in ("s3", "s4"):
             streams.finish(name)
         await asyncio.gather(*tasks)
@@ -138,15 +139,16 @@ def test_beyond_the_queue_is_resource_exhausted_with_retry_after() -> None:
 
 def test_retry_after_follows_recent_stream_durations() -> None:
     async def test() -> None:
-        admission = AdmissionController(AdmissionLimits(max_running=1, max_queued=0))
-        for _ in range(3):
+        now = [100.0]  # the admission clock, moved by the test alone
+        admission = AdmissionController(AdmissionLimits(max_running=1, max_queued=0), clock=lambda: now[0])
+        for held_s in (0.1, 0.15, 0.2):
             async with admission.slot(A):
-                await asyncio.sleep(0.15)
+                now[0] += held_s
         async with admission.slot(A):
             with pytest.raises(ResourceExhausted) as refused:
                 async with admission.slot(B):
                     pass
-        assert 140 <= int(dict(refused.value.metadata)["retry-after-ms"]) <= 2000  # about 150 ms per stream
+        assert dict(refused.value.metadata)["retry-after-ms"] == "150"  # one stream ahead, at the mean duration
 
     run(test)
 

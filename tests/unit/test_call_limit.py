@@ -30,9 +30,10 @@ from tests.unit.test_openai_api import FakeFrontend
 
 
 async def until(predicate: Callable[[], bool]) -> None:
-    """Yield to the loop until the server's own state says ``predicate`` (bounded by the test's timeout)."""
-    while not predicate():
-        await asyncio.sleep(0.001)
+    """Yield to the loop until the server's own state says ``predicate`` (the timeout only ends a hang)."""
+    async with asyncio.timeout(30):
+        while not predicate():
+            await asyncio.sleep(0.001)
 
 
 def test_a_call_past_the_limit_is_refused_with_retry_after_and_counted() -> None:

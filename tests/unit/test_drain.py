@@ -154,6 +154,19 @@ async def first_refusal(*requests: drafter_pb2.DraftRequest) -> grpc.aio.AioRpcE
 def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused() -> None:
     async def scenario() -> None:
         drain = Drain(grace_s=30, clock=FakeClock())  # a clock that stands still: the grace never runs out here
+        drain_began = asyncio.Event()
+        drain.on_begin(drain_began.set)
+        kept_waiting = asyncio.Event()  # the server found the drain unfinished at three of its polls
+        polls = 0
+
+        def busy() -> int:  # read by ``drain.done`` at each of the server's polls while it drains
+            nonlocal polls
+            polls += 1
+            if polls >= 3:
+                kept_waiting.set()
+            return 0
+
+        drain.count_busy(busy)
         server, address = await drafter_server(drain)
         serving = asyncio.ensure_future(serve_until_signal(server, drain))
         try:
@@ -166,10 +179,8 @@ def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused()
                 await stream.call.read()
 
                 os.kill(os.getpid(), signal.SIGTERM)  # caught by serve_until_signal's handler
-                for _ in range(50):
-                    if drain.draining:
-                        break
-                    await asyncio.sleep(0.02)
+                async with asyncio.timeout(30):  # only a guard against hanging
+                    await drain_began.wait()
                 for service in ("", "specserve.v1.DrafterService"):
                     status = await health.Check(health_pb2.HealthCheckRequest(service=service))
                     assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
@@ -182,8 +193,9 @@ def test_sigterm_drains_an_aio_server_open_streams_finish_new_ones_are_refused()
                 assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "shutting down" in (caught.value.details() or "")
 
-                # The open stream keeps working through the drain.
-                await asyncio.sleep(0.3)
+                # The open stream keeps working through the drain, which the server waits out.
+                async with asyncio.timeout(30):
+                    await kept_waiting.wait()
                 await stream.send(propose([4, 5]))
                 reply = await stream.call.read()
                 assert reply.draft_ns > 0
@@ -210,7 +222,16 @@ def test_a_sync_server_drains_until_its_busy_count_is_zero_then_stops() -> None:
     sessions = [1]
     drain = Drain(grace_s=30)
     drain.on_begin(lambda: mark_draining(health))
-    drain.count_busy(lambda: sessions[0])
+    held_at_polls = threading.Event()  # the waiter found a session held at three of its polls
+    polls = [0]
+
+    def busy() -> int:  # read by ``drain.done`` at each of the waiter's polls while it drains
+        polls[0] += 1
+        if polls[0] >= 3 and sessions[0]:
+            held_at_polls.set()
+        return sessions[0]
+
+    drain.count_busy(busy)
     stopped = threading.Event()
     waiter = threading.Thread(target=lambda: (stop_when_drained(server, drain), stopped.set()))
     waiter.start()
@@ -219,9 +240,10 @@ def test_a_sync_server_drains_until_its_busy_count_is_zero_then_stops() -> None:
         with grpc.insecure_channel(address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
         assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
-        assert not stopped.wait(0.5), "a session is still held"
+        assert held_at_polls.wait(30), "the waiter polls the drain"
+        assert not stopped.is_set(), "a session is still held"
         sessions[0] = 0
-        assert stopped.wait(5), "stopped once nothing is held"
+        assert stopped.wait(30), "stopped once nothing is held"
     finally:
         server.stop(0)
         waiter.join(5)

@@ -33,7 +33,7 @@ class ScriptedGeneration:
     async def stream(self) -> AsyncIterator[TextChunk | GenerationStats]:
         try:
             for text in self._chunks:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0)  # a real stream yields to the loop between chunks
                 yield TextChunk(text, [1])
             self.stats.num_generated_tokens = len(self._chunks)
             self.stats.finish_reason = FinishReason.EOS

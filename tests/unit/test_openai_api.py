@@ -614,8 +614,9 @@ def test_a_client_that_goes_away_stops_its_generation(stream: bool) -> None:
             "server": ("127.0.0.1", 8000),
         }
         call = asyncio.create_task(app(scope, receive, send))
-        while drain.outstanding == 0 or (stream and len(sent) < 4):  # start, role chunk, "Hello", " world"
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(30):  # only a guard against a hang
+            while drain.outstanding == 0 or (stream and len(sent) < 4):  # start, role chunk, "Hello", " world"
+                await asyncio.sleep(0.01)
         assert frontend.ended == []
         gone.set()
         async with asyncio.timeout(5):

@@ -106,10 +106,9 @@ def test_a_call_past_the_concurrency_limit_is_refused_before_it_is_read() -> Non
             url = f"http://127.0.0.1:{server.port}/v1/completions"
             async with httpx.AsyncClient() as client:
                 first = asyncio.create_task(client.post(url, json={"model": "smollm2", "prompt": "a"}))
-                for _ in range(10_000):  # until the first call is inside the frontend (state, not time)
-                    if frontend.calls:
-                        break
-                    await asyncio.sleep(0.001)
+                async with asyncio.timeout(30):  # until the first call is inside the frontend; the guard ends a hang
+                    while not frontend.calls:
+                        await asyncio.sleep(0.001)
                 second = await client.post(url, json={"model": "smollm2", "prompt": "b"})
                 assert second.status_code == 503 and len(frontend.calls) == 1
                 hold.set()
