@@ -15,8 +15,7 @@ from specserve.errors import DrafterFailed
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
-from specserve.token_masks import TokenMasks
-from specserve.token_tree import TokenTree
+from specserve.verify_call import VerifyCall
 from target_service.verifier import Verifier
 
 
@@ -43,31 +42,30 @@ class InProcessVerifier:
         return verifier_info(self._verifier)
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
-    ) -> PrefillResult:
-        return await asyncio.wrap_future(
-            self._verifier.submit_prefill(session_id, list(token_ids), sampling, return_features)
-        )
-
-    async def verify(
         self,
         session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
         return_features: bool = False,
-        token_masks: TokenMasks | None = None,
-        draft_ns: int = 0,
-    ) -> VerifyResult:
+        feature_layers: Sequence[int] = (),
+    ) -> PrefillResult:
+        return await asyncio.wrap_future(
+            self._verifier.submit_prefill(
+                session_id, list(token_ids), sampling, return_features, feature_layers=feature_layers
+            )
+        )
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
         return await asyncio.wrap_future(
             self._verifier.submit_verify(
-                session_id,
-                num_committed,
-                tree,
-                num_successors,
-                return_features,
-                token_masks=token_masks,
-                draft_ns=draft_ns,
+                call.session_id,
+                call.num_committed,
+                call.tree,
+                call.num_successors,
+                call.return_features,
+                token_masks=call.token_masks,
+                draft_ns=call.draft_ns,
+                lookahead=call.lookahead,
             )
         )
 
@@ -76,10 +74,11 @@ class InProcessVerifier:
 
 
 class _InProcessDraftStream:
-    def __init__(self, session: DraftSession, predraft: bool) -> None:
+    def __init__(self, session: DraftSession, predraft: bool, feature_layers: tuple[int, ...] = ()) -> None:
         self._session = session
         self._predraft = predraft
         self.wants_features = session.wants_features
+        self.feature_layers = feature_layers if session.wants_features else ()
         self.takes_verified_trees = predraft and session.predrafts
         # It says each round whether it wants the round's features, as a drafter's server does.
         self.sparse_features = session.wants_features
@@ -138,6 +137,6 @@ class InProcessDrafter:
                 self._verify_cost,
                 sampling,
             )
-            return _InProcessDraftStream(session, self._predraft)
+            return _InProcessDraftStream(session, self._predraft, self._drafter.feature_layers)
         except ValueError as exc:  # the drafter cannot serve this session (a draft head for another vocabulary)
             raise DrafterFailed(str(exc)) from exc

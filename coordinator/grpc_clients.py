@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
-from coordinator import deadlines
+from coordinator import deadlines, round_phases
 from coordinator.ports import VerifierInfo
+from coordinator.verify_stream import StreamCallFailed, StreamUnsupported, VerifyStreamMux
 from specserve import errors
 from specserve.auth.internal import ANONYMOUS_METADATA, Metadata
 from specserve.drain import DRAINING_METADATA
@@ -18,23 +20,23 @@ from specserve.errors import DrafterDraining, DrafterFailed, ReplicaDraining, Re
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
-from specserve.token_masks import TokenMasks
-from specserve.token_tree import TokenTree
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specserve.verify_call import VerifyCall
 from specserve.wire import (
     cost_from_proto,
     cost_to_proto,
     draft_reply_from_proto,
     features_to_proto,
     feedback_to_proto,
-    masks_to_proto,
     prefill_result_from_proto,
     sampling_to_proto,
     split_features,
-    tree_to_proto,
     verified_tree_to_proto,
+    verify_call_to_proto,
     verify_result_from_proto,
 )
+
+log = logging.getLogger(__name__)
 
 PEER_STATUS_WAIT_S = 0.5
 """Longest wait for a peer's own status to replace the INTERNAL a failed write recorded (``peer_code``)."""
@@ -93,7 +95,11 @@ def _draining(exc: grpc.aio.AioRpcError) -> bool:
 
 
 class GrpcVerifier:
-    """``metadata()``: sent with every call (the internal token and the tenant of the request being served)."""
+    """``metadata()``: sent with every call (the internal token and the tenant of the request being served).
+
+    ``stream``: Verify calls travel on one VerifyStream shared by every session (``coordinator.verify_stream``);
+    a verifier without it gets unary Verify calls from its first refusal on, as it does with ``stream`` off.
+    """
 
     def __init__(
         self,
@@ -101,29 +107,36 @@ class GrpcVerifier:
         target: str,
         timeout_s: float,
         metadata: Callable[[], Metadata] = ANONYMOUS_METADATA,
+        stream: bool = True,
     ) -> None:
         self._stub = verifier_pb2_grpc.VerifierServiceStub(channel)
         self._target = target
         self._timeout_s = timeout_s
         self._metadata = metadata
+        self._stream: VerifyStreamMux | None = None
+        if stream:
+            self._stream = VerifyStreamMux(lambda: self._stub.VerifyStream(metadata=self._metadata()), peer_code)
 
     def _translate(self, exc: grpc.aio.AioRpcError) -> errors.SpecserveError:
+        return self._refusal(exc.code(), exc.details() or "", _draining(exc))
+
+    def _refusal(self, code: grpc.StatusCode, details: str, draining: bool) -> errors.SpecserveError:
         """The domain error for a failed call: a message for clients, the verifier's own words in ``detail``."""
-        detail = f"verifier at {self._target}: {exc.code().name}: {exc.details()}"
-        refusal = _VERIFIER_REFUSALS.get(exc.code())
+        detail = f"verifier at {self._target}: {code.name}: {details}"
+        refusal = _VERIFIER_REFUSALS.get(code)
         if refusal is not None:
             error, message = refusal
             return error(message, detail=detail)
-        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # not a replica failure: no failover
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:  # not a replica failure: no failover
             return errors.DeadlineExceeded(
                 "the verifier did not answer within the request's deadline: give the request a longer deadline",
                 detail=detail,
             )
-        if exc.code() == grpc.StatusCode.UNAVAILABLE and _draining(exc):
+        if code == grpc.StatusCode.UNAVAILABLE and draining:
             return ReplicaDraining("a verifier replica is shutting down", detail=detail)
-        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        if code == grpc.StatusCode.UNAVAILABLE:
             return ReplicaUnreachable("a verifier replica is unreachable", detail=detail)
-        return errors.Unavailable(f"the verifier failed ({exc.code().name}); retry shortly", detail=detail)
+        return errors.Unavailable(f"the verifier failed ({code.name}); retry shortly", detail=detail)
 
     async def info(self) -> VerifierInfo:
         try:
@@ -144,13 +157,19 @@ class GrpcVerifier:
         )
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        return_features: bool = False,
+        feature_layers: Sequence[int] = (),
     ) -> PrefillResult:
         request = verifier_pb2.PrefillRequest(
             session_id=session_id,
             token_ids=token_ids,
             sampling=sampling_to_proto(sampling),
             return_features=return_features,
+            feature_layers=feature_layers,
         )
         try:
             response = await self._stub.Prefill(
@@ -161,31 +180,32 @@ class GrpcVerifier:
         with self._reading():
             return prefill_result_from_proto(response)
 
-    async def verify(
-        self,
-        session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
-        return_features: bool = False,
-        token_masks: TokenMasks | None = None,
-        draft_ns: int = 0,
-    ) -> VerifyResult:
-        request = verifier_pb2.VerifyRequest(
-            session_id=session_id,
-            num_committed_tokens=num_committed,
-            tree=tree_to_proto(tree),
-            num_successors=num_successors,
-            return_features=return_features,
-            token_masks=masks_to_proto(token_masks),
-            draft_micros=max(0, draft_ns) // 1000,
-        )
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        with round_phases.protobuf():
+            request = verify_call_to_proto(call)
+        if self._stream is not None:
+            try:
+                r = await self._stream.verify(request, current_tenant().name, deadlines.bounded(self._timeout_s))
+            except StreamCallFailed as exc:
+                raise self._refusal(exc.code, exc.details, exc.draining) from exc
+            except StreamUnsupported:  # never ran there: sent again, as every later call, unary
+                log.info("the verifier at %s has no VerifyStream: Verify calls go unary", self._target)
+                self._stream.close()
+                self._stream = None
+                r = await self._unary_verify(request)
+        else:
+            r = await self._unary_verify(request)
+        with self._reading(), round_phases.protobuf():
+            return verify_result_from_proto(r, call.num_successors)
+
+    async def _unary_verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
         try:
-            r = await self._stub.Verify(request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata())
+            response: verifier_pb2.VerifyResponse = await self._stub.Verify(
+                request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata()
+            )
         except grpc.aio.AioRpcError as exc:
             raise self._translate(exc) from exc
-        with self._reading():
-            return verify_result_from_proto(r, num_successors)
+        return response
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[None]:
@@ -217,6 +237,7 @@ class GrpcDraftStream:
         wants_features: bool,
         takes_verified_trees: bool = False,
         sparse_features: bool = False,
+        feature_layers: Sequence[int] = (),
     ) -> None:
         self._call = call
         self._target = target
@@ -225,6 +246,8 @@ class GrpcDraftStream:
         self.takes_verified_trees = takes_verified_trees
         # It says each round whether it wants the round's features (a drafter that drafts from none has nothing to say).
         self.sparse_features = sparse_features and wants_features
+        # The target layers its head reads (an EAGLE-3 head's), named in the session's Prefill; empty: the last.
+        self.feature_layers = tuple(feature_layers) if wants_features else ()
 
     async def _write(self, request: drafter_pb2.DraftRequest) -> None:
         try:
@@ -274,9 +297,13 @@ class GrpcDraftStream:
         await self._write(drafter_pb2.DraftRequest(start=start))
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
-        propose = feedback_to_proto(feedback, max_nodes, await self._send_features_ahead(feedback.features))
-        await self._write(drafter_pb2.DraftRequest(propose=propose))
-        return draft_reply_from_proto(await self._read())
+        last_features = await self._send_features_ahead(feedback.features)
+        with round_phases.protobuf():
+            request = drafter_pb2.DraftRequest(propose=feedback_to_proto(feedback, max_nodes, last_features))
+        await self._write(request)
+        response = await self._read()
+        with round_phases.protobuf():
+            return draft_reply_from_proto(response)
 
     async def _read(self) -> drafter_pb2.DraftResponse:
         """The drafter's next answer; DrafterFailed (DrafterDraining) when the call ended instead."""
@@ -355,6 +382,7 @@ class GrpcDrafter:
             self._info.wants_features,
             self._info.takes_verified_trees,
             self._info.sparse_features,
+            tuple(self._info.feature_layers),
         )
         await stream.start(session_id, prompt_tokens, vocab_fingerprint, self._vocab_size, self._verify_cost, sampling)
         return stream

@@ -20,8 +20,7 @@ from typing import Protocol
 
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
-from specserve.token_masks import TokenMasks
-from specserve.token_tree import TokenTree
+from specserve.verify_call import VerifyCall
 
 
 @dataclass(frozen=True)
@@ -41,25 +40,19 @@ class VerifierPort(Protocol):
     async def info(self) -> VerifierInfo: ...
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
-    ) -> PrefillResult:
-        """Create the session (with the target's features at the cached positions when asked)."""
-        ...
-
-    async def verify(
         self,
         session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
         return_features: bool = False,
-        token_masks: TokenMasks | None = None,
-        draft_ns: int = 0,
-    ) -> VerifyResult:
-        """Verify ``tree``; ``num_successors`` > 0 also asks for that many of the target's likeliest next tokens
-        per scored position (Token Recycling), ``return_features`` for its hidden states at the committed positions,
-        ``token_masks`` (structured output) limits the tokens the target may pick at each scored row, ``draft_ns``
-        says how long the drafter took to send ``tree`` (0: none was asked; the draft budget counts it)."""
+        feature_layers: Sequence[int] = (),
+    ) -> PrefillResult:
+        """Create the session (with the target's features at the cached positions when asked); its features,
+        here and in its Verifies, are the inputs of ``feature_layers`` concatenated (empty: the final state)."""
+        ...
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        """Verify ``call.tree`` on top of the session (``specserve.verify_call`` says what each field asks)."""
         ...
 
     async def release(self, session_id: str) -> None: ...
@@ -80,6 +73,12 @@ class DraftStream(Protocol):
     @property
     def takes_verified_trees(self) -> bool:
         """Whether it pre-drafts from the tree verified (``verifying``): a constrained round tells it, else not."""
+        ...
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers its draft head reads (an EAGLE-3 head's three), which the round loop names in the
+        session's Prefill; empty: the target's final hidden state."""
         ...
 
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:

@@ -30,15 +30,14 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from coordinator.discovery import Replica
 from coordinator.ports import VerifierInfo, VerifierPort
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
-from specserve.token_masks import TokenMasks
-from specserve.token_tree import TokenTree
+from specserve.verify_call import VerifyCall
 
 _DNS_SCHEME = "dns:///"
 T = TypeVar("T")
@@ -205,28 +204,19 @@ class StickyVerifierRouter:
         raise self._no_replica()
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
-    ) -> PrefillResult:
-        return await self._call(session_id, True, lambda r: r.prefill(session_id, token_ids, sampling, return_features))
-
-    async def verify(
         self,
         session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
         return_features: bool = False,
-        token_masks: TokenMasks | None = None,
-        draft_ns: int = 0,
-    ) -> VerifyResult:
-        extra: dict[str, Any] = {"token_masks": token_masks} if token_masks is not None else {}
-        if draft_ns:
-            extra["draft_ns"] = draft_ns
+        feature_layers: Sequence[int] = (),
+    ) -> PrefillResult:
         return await self._call(
-            session_id,
-            False,
-            lambda r: r.verify(session_id, num_committed, tree, num_successors, return_features, **extra),
+            session_id, True, lambda r: r.prefill(session_id, token_ids, sampling, return_features, feature_layers)
         )
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        return await self._call(call.session_id, False, lambda r: r.verify(call))
 
     async def release(self, session_id: str) -> None:
         address = self._pinned.pop(session_id, None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -11,6 +11,7 @@ from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import DraftDistribution, TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specserve.verify_call import VerifyCall
 
 
 def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
@@ -104,6 +105,56 @@ def masks_from_proto(message: verifier_pb2.TokenMasks) -> TokenMasks | None:
     return TokenMasks.from_packed(message.packed_bits, message.num_rows)
 
 
+def verify_call_to_proto(call: VerifyCall) -> verifier_pb2.VerifyRequest:
+    return verifier_pb2.VerifyRequest(
+        session_id=call.session_id,
+        num_committed_tokens=call.num_committed,
+        tree=tree_to_proto(call.tree),
+        num_successors=call.num_successors,
+        return_features=call.return_features,
+        token_masks=masks_to_proto(call.token_masks),
+        draft_micros=max(0, call.draft_ns) // 1000,
+        lookahead=call.lookahead,
+    )
+
+
+def verify_call_from_proto(message: verifier_pb2.VerifyRequest) -> VerifyCall:
+    """Raises InvalidTokenMasksError when the masks do not split into rows."""
+    return VerifyCall(
+        message.session_id,
+        message.num_committed_tokens,
+        tree_from_proto(message.tree),
+        message.num_successors,
+        message.return_features,
+        masks_from_proto(message.token_masks),
+        message.draft_micros * 1000,
+        message.lookahead,
+    )
+
+
+def ngrams_to_proto(ngrams: Sequence[Sequence[int]]) -> common_pb2.NGrams | None:
+    """n-grams of one size as an ``NGrams`` message (None for none); ValueError when their sizes differ."""
+    if not ngrams:
+        return None
+    size = len(ngrams[0])
+    if any(len(ngram) != size for ngram in ngrams):
+        raise ValueError("an NGrams message holds n-grams of one size")
+    return common_pb2.NGrams(size=size, token_ids=[token for ngram in ngrams for token in ngram])
+
+
+def ngrams_from_proto(message: common_pb2.NGrams) -> tuple[tuple[int, ...], ...]:
+    """The whole n-grams of an ``NGrams`` message; none for an unset one (an older peer) or a size below 2.
+
+    Lenient, not an error: n-grams are guesses for drafters' pools (whoever drafts from them checks their ids),
+    and a round must not fail over a hint. Tokens past the last whole n-gram are dropped.
+    """
+    size = message.size
+    if size < 2:
+        return ()
+    flat = list(message.token_ids)
+    return tuple(tuple(flat[i : i + size]) for i in range(0, len(flat) - size + 1, size))
+
+
 def prefill_result_to_proto(result: PrefillResult) -> verifier_pb2.PrefillResponse:
     return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
 
@@ -124,6 +175,7 @@ def verify_result_to_proto(result: VerifyResult) -> verifier_pb2.VerifyResponse:
         draft_budget_nodes=result.draft_budget_nodes,
         batch_sessions=result.batch_sessions,
         queue_ns=result.queue_ns,
+        lookahead_ngrams=ngrams_to_proto(result.lookahead_ngrams),
     )
 
 
@@ -142,6 +194,7 @@ def verify_result_from_proto(message: verifier_pb2.VerifyResponse, num_successor
         draft_budget_nodes=message.draft_budget_nodes if message.HasField("draft_budget_nodes") else None,
         batch_sessions=message.batch_sessions,
         queue_ns=message.queue_ns,
+        lookahead_ngrams=ngrams_from_proto(message.lookahead_ngrams),
     )
 
 
@@ -157,6 +210,7 @@ def feedback_to_proto(feedback: DraftFeedback, max_nodes: int, features: np.ndar
         features=features_to_proto(features),
         accepted_node_indices=feedback.accepted_node_indices,
         forced_prefix=feedback.forced_prefix,
+        lookahead_ngrams=ngrams_to_proto(feedback.lookahead_ngrams),
     )
 
 
@@ -168,6 +222,7 @@ def feedback_from_proto(message: drafter_pb2.ProposeTree, features: np.ndarray |
         features,
         tuple(message.accepted_node_indices),
         tuple(message.forced_prefix),
+        lookahead_ngrams=ngrams_from_proto(message.lookahead_ngrams),
     )
 
 

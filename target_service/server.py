@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import ExitStack
 from typing import TypeVar
 
 import grpc
@@ -10,18 +12,20 @@ import grpc
 from specserve.auth.internal import session_owner
 from specserve.drain import Drain
 from specserve.errors import InvalidArgument, Unavailable
+from specserve.results import VerifyResult
+from specserve.tenancy import TENANT_METADATA_KEY
 from specserve.token_masks import InvalidTokenMasksError
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
     cost_to_proto,
-    masks_from_proto,
     prefill_result_to_proto,
     sampling_from_proto,
-    tree_from_proto,
+    verify_call_from_proto,
     verify_result_to_proto,
 )
 from target_service.metrics import VerifierMetrics
 from target_service.verifier import Verifier
+from target_service.verify_stream import answer_stream
 
 T = TypeVar("T")
 
@@ -73,29 +77,51 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
                 sampling_from_proto(request.sampling),
                 request.return_features,
                 owner=_owner(context),
+                feature_layers=tuple(request.feature_layers),
             )
             result = _wait(submitted, context)
         return prefill_result_to_proto(result)
 
     def Verify(self, request: verifier_pb2.VerifyRequest, context: grpc.ServicerContext) -> verifier_pb2.VerifyResponse:
-        tree = tree_from_proto(request.tree)
+        return verify_result_to_proto(_wait(self._start_verify(request, _owner(context)), context))
+
+    def VerifyStream(
+        self, request_iterator: Iterator[verifier_pb2.VerifyStreamRequest], context: grpc.ServicerContext
+    ) -> Iterator[verifier_pb2.VerifyStreamResponse]:
+        identities = context.peer_identities()
+
+        def start(request: verifier_pb2.VerifyRequest, tenant: str) -> Future[VerifyResult]:
+            return self._start_verify(request, session_owner(((TENANT_METADATA_KEY, tenant),), identities))
+
+        return answer_stream(request_iterator, context, start)
+
+    def _start_verify(self, request: verifier_pb2.VerifyRequest, owner: str) -> Future[VerifyResult]:
+        """Check ``request`` and queue it for the engine; counted in flight (metrics, drain) until it completes."""
         try:
-            token_masks = masks_from_proto(request.token_masks)
+            call = verify_call_from_proto(request)
         except InvalidTokenMasksError as exc:
             raise InvalidArgument(str(exc)) from exc
-        with self._metrics.in_flight(), self._drain.in_flight():
-            submitted = self._verifier.submit_verify(
-                request.session_id,
-                request.num_committed_tokens,
-                tree,
-                request.num_successors,
-                request.return_features,
-                owner=_owner(context),
-                token_masks=token_masks,
-                draft_ns=request.draft_micros * 1000,
+        verifier = self._verifier
+        in_flight = ExitStack()
+        in_flight.enter_context(self._metrics.in_flight())
+        in_flight.enter_context(self._drain.in_flight())
+        try:
+            submitted = verifier.submit_verify(
+                call.session_id,
+                call.num_committed,
+                call.tree,
+                call.num_successors,
+                call.return_features,
+                owner=owner,
+                token_masks=call.token_masks,
+                draft_ns=call.draft_ns,
+                lookahead=call.lookahead,
             )
-            result = _wait(submitted, context)
-        return verify_result_to_proto(result)
+        except BaseException:
+            in_flight.close()
+            raise
+        submitted.add_done_callback(lambda _: in_flight.close())
+        return submitted
 
     def Release(
         self, request: verifier_pb2.ReleaseRequest, context: grpc.ServicerContext

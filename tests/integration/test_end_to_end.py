@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
-from specserve.local_cluster import LocalCluster
+from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.sampling import SamplingParams
 from specserve.v1 import (
     common_pb2,
@@ -376,3 +376,40 @@ def test_grpcurl_lists_and_calls_the_service_through_reflection(cluster: LocalCl
                 expected += event.token_ids
     assert [token for delta in deltas for token in delta["token_ids"]] == expected
     assert stats["num_generated_tokens"] == len(expected) > 0
+
+
+def test_the_verify_stream_answers_each_call_and_refuses_bad_ones_on_the_stream(cluster: LocalCluster) -> None:
+    with grpc.insecure_channel(cluster.verifier_address) as channel:
+        stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+        stub.Prefill(verifier_pb2.PrefillRequest(session_id="streamed", token_ids=[1, 2, 3]), timeout=30)
+        calls = [
+            verifier_pb2.VerifyRequest(session_id="nope", num_committed_tokens=1),
+            verifier_pb2.VerifyRequest(session_id="streamed", num_committed_tokens=3),
+        ]
+        requests = [verifier_pb2.VerifyStreamRequest(call_id=i + 1, verify=call) for i, call in enumerate(calls)]
+        answers = {answer.call_id: answer for answer in stub.VerifyStream(iter(requests), timeout=60)}
+        assert answers[1].error.code == grpc.StatusCode.NOT_FOUND.value[0]  # one call's refusal, not the stream's
+        assert answers[2].WhichOneof("outcome") == "verify" and answers[2].verify.bonus_token_id >= 0
+        assert stub.Release(verifier_pb2.ReleaseRequest(session_id="streamed"), timeout=30).released
+
+
+def test_stream_and_unary_verify_transports_give_the_same_tokens(
+    cluster: LocalCluster, target: Target, tmp_path: Path
+) -> None:
+    """A second coordinator on the same verifier and drafter, with unary Verify calls: the same greedy output."""
+    port = free_port()
+    args = ["--port", str(port), "--verifier", cluster.verifier_address, "--drafter", cluster.drafter_address]
+    args += ["--model", cluster.model, "--http-port", "0", "--verify-transport", "unary"]
+    with (tmp_path / "unary-coordinator.log").open("wb") as log:
+        unary = subprocess.Popen([sys.executable, "-m", "coordinator", *args], stderr=log)
+        try:
+            wait_serving(f"127.0.0.1:{port}", 120, unary)
+            for record in spec_bench_prompts(per_category=1, categories=("coding", "writing")):
+                text = record["turns"][0]
+                streamed, _, _ = generate(cluster.coordinator_address, text, 32)
+                called, _, stats = generate(f"127.0.0.1:{port}", text, 32)
+                assert streamed == called == target.greedy(target.chat_ids(text), 32), record["category"]
+                assert stats.num_rounds > 0
+        finally:
+            unary.terminate()
+            unary.wait(timeout=30)

@@ -32,6 +32,7 @@ from specserve.errors import DrafterFailed
 from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import TokenTree
+from specserve.verify_call import VerifyCall
 from tests.k8s_api import FakeApiServer, Pod, endpoint_slice, gone_status
 from tests.unit.test_verifier_router import FakeReplica
 
@@ -310,12 +311,12 @@ def test_the_verifier_router_acts_on_each_change_at_the_next_session() -> None:
         clock.now = 20.5
         for i in range(3):
             await router.prefill(f"n{i}", [1], SamplingParams())
-        await router.verify("s1", 1, TokenTree())
+        await router.verify(VerifyCall("s1", 1))
         assert [c for c in replicas["10.0.0.1:1"].calls if c[0] == "prefill"] == [("prefill", "s1")]
         assert ("verify", "s1") in replicas["10.0.0.1:1"].calls
         # Gone: its session moves (a NOT_FOUND there makes the round loop re-prefill it).
         snapshots.set(30.0, ready("10.0.0.2:1"))
-        await router.verify("s1", 1, TokenTree())
+        await router.verify(VerifyCall("s1", 1))
         assert ("verify", "s1") in replicas["10.0.0.2:1"].calls
 
     asyncio.run(run())
@@ -326,6 +327,7 @@ def test_the_verifier_router_acts_on_each_change_at_the_next_session() -> None:
 class FakeStream:
     wants_features = False
     takes_verified_trees = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self) -> None:
         self.closed = False

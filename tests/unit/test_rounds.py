@@ -5,11 +5,11 @@ import contextlib
 import dataclasses
 import random
 from collections.abc import Sequence
-from typing import Any
 
 import pytest
 
 from bench.inproc import InProcessDrafter, InProcessVerifier
+from coordinator import deadlines
 from coordinator.deadlines import deadline_scope
 from coordinator.ports import DraftStream
 from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy
@@ -21,6 +21,7 @@ from specserve.errors import DeadlineExceeded, DrafterFailed, ReplicaUnreachable
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
+from specserve.verify_call import VerifyCall
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
 
@@ -151,11 +152,9 @@ class TreeSizeRecorder(InProcessVerifier):
         super().__init__(Verifier(MODEL, "fp"))
         self.tree_sizes: list[int] = []
 
-    async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, *rest: Any, **options: Any
-    ) -> VerifyResult:
-        self.tree_sizes.append(len(tree))
-        return await super().verify(session_id, num_committed, tree, *rest, **options)
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        self.tree_sizes.append(len(call.tree))
+        return await super().verify(call)
 
 
 @pytest.mark.parametrize("cap", [3, 4])  # below 3 nodes the drafter finds no tree worth its cost on this model
@@ -179,11 +178,9 @@ class DraftWaitRecorder(InProcessVerifier):
         super().__init__(Verifier(MODEL, "fp"))
         self.calls: list[tuple[int, int]] = []
 
-    async def verify(
-        self, session_id: str, num_committed: int, tree: TokenTree, *rest: Any, **options: Any
-    ) -> VerifyResult:
-        self.calls.append((len(tree), options.get("draft_ns", 0)))
-        return await super().verify(session_id, num_committed, tree, *rest, **options)
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        self.calls.append((len(call.tree), call.draft_ns))
+        return await super().verify(call)
 
 
 def test_a_drafted_round_tells_the_verifier_how_long_its_tree_took() -> None:
@@ -264,19 +261,11 @@ class ForgetfulVerifier(InProcessVerifier):
         self._every = every
         self._calls = 0
 
-    async def verify(
-        self,
-        session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
-        return_features: bool = False,
-        **options: Any,
-    ) -> VerifyResult:
+    async def verify(self, call: VerifyCall) -> VerifyResult:
         self._calls += 1
         if self._calls % self._every == 0:
-            self._verifier_ref.release(session_id)
-        return await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
+            self._verifier_ref.release(call.session_id)
+        return await super().verify(call)
 
 
 def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -> None:
@@ -291,21 +280,18 @@ class TimedVerifier(ForgetfulVerifier):
     """Reports 1,000 ns for every prefill and 10 ns for every verify (a verifier's own clock, injected)."""
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
-    ) -> PrefillResult:
-        result = await super().prefill(session_id, token_ids, sampling, return_features)
-        return dataclasses.replace(result, prefill_ns=1_000)
-
-    async def verify(
         self,
         session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
         return_features: bool = False,
-        **options: Any,
-    ) -> VerifyResult:
-        result = await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
+        feature_layers: Sequence[int] = (),
+    ) -> PrefillResult:
+        result = await super().prefill(session_id, token_ids, sampling, return_features, feature_layers)
+        return dataclasses.replace(result, prefill_ns=1_000)
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        result = await super().verify(call)
         return dataclasses.replace(result, verify_ns=10)
 
 
@@ -331,23 +317,20 @@ class MortalReplica(InProcessVerifier):
             raise ReplicaUnreachable("verifier at a:1 is unreachable: Connection reset by peer")
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
-    ) -> PrefillResult:
-        self._check_alive()
-        return await super().prefill(session_id, token_ids, sampling, return_features)
-
-    async def verify(
         self,
         session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
         return_features: bool = False,
-        **options: Any,
-    ) -> VerifyResult:
+        feature_layers: Sequence[int] = (),
+    ) -> PrefillResult:
+        self._check_alive()
+        return await super().prefill(session_id, token_ids, sampling, return_features, feature_layers)
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
         self._verifies -= 1
         self._check_alive()
-        return await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
+        return await super().verify(call)
 
 
 @pytest.mark.parametrize("dies_after", [0, 4])  # while verifying the first round, or mid-stream
@@ -370,72 +353,92 @@ def test_a_replica_dying_before_the_first_prefill_moves_it() -> None:
     assert stats.num_reprefills == 1
 
 
+class ManualClock:
+    """The deadlines' clock (``coordinator.deadlines.clock``), moved by the test alone."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def deadline_clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    clock = ManualClock()
+    monkeypatch.setattr(deadlines, "clock", clock)
+    return clock
+
+
 class SlowVerifier(InProcessVerifier):
-    async def verify(
-        self,
-        session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
-        return_features: bool = False,
-        **options: Any,
-    ) -> VerifyResult:
-        await asyncio.sleep(0.05)
-        return await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
+    """Each Verify takes ``VERIFY_S`` on the deadlines' clock: a deadline passes after a set number of rounds,
+    however fast the machine runs them."""
+
+    VERIFY_S = 10.0
+
+    def __init__(self, engine: Verifier, clock: ManualClock) -> None:
+        super().__init__(engine)
+        self._clock = clock
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        self._clock.now += self.VERIFY_S
+        return await super().verify(call)
 
 
-def test_the_deadline_ends_the_request_and_releases_its_session() -> None:
+def test_the_deadline_ends_the_request_and_releases_its_session(deadline_clock: ManualClock) -> None:
     engine = Verifier(MODEL, "fp")
-    g = generation(GenerationRequest([1, 2, 3], 200), verifier=SlowVerifier(engine))
+    g = generation(GenerationRequest([1, 2, 3], 200), verifier=SlowVerifier(engine, deadline_clock))
 
     async def consume() -> int:
         streamed = 0
-        with deadline_scope(0.3):
+        with deadline_scope(3.5 * SlowVerifier.VERIFY_S):  # passed during the fourth Verify
             async for _ in g.stream():
                 streamed += 1
         return streamed
 
     with pytest.raises(DeadlineExceeded, match="deadline"):
         asyncio.run(consume())
-    assert 0 < g.stats.num_rounds < 200
+    assert 0 < g.stats.num_rounds <= 4
     assert engine.num_active_sessions == 0
 
 
 class SlowReleaseVerifier(SlowVerifier):
-    """Verifies slowly; its Release is on the wire for a moment, in which the test cancels the request."""
+    """Its Release is on the wire until the test lets it go (``on_the_wire``), and the test cancels the request
+    meanwhile."""
 
-    def __init__(self, engine: Verifier) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: Verifier, clock: ManualClock) -> None:
+        super().__init__(engine, clock)
         self.releasing = asyncio.Event()
+        self.on_the_wire = asyncio.Event()
 
     async def release(self, session_id: str) -> None:
         self.releasing.set()
-        await asyncio.sleep(0.05)
+        await self.on_the_wire.wait()
         await super().release(session_id)
 
 
-def test_a_cancel_that_lands_while_the_session_is_released_still_releases_it() -> None:
+def test_a_cancel_that_lands_while_the_session_is_released_still_releases_it(deadline_clock: ManualClock) -> None:
     """gRPC cancels the handler as the client's deadline passes, the instant the loop's own deadline fires."""
     engine = Verifier(MODEL, "fp")
 
     async def scenario() -> bool:
-        verifier = SlowReleaseVerifier(engine)
+        verifier = SlowReleaseVerifier(engine, deadline_clock)
         g = generation(GenerationRequest([1, 2, 3], 200), verifier=verifier)
 
         async def consume() -> None:
-            with deadline_scope(0.2):
+            with deadline_scope(2.5 * SlowVerifier.VERIFY_S):
                 async for _ in g.stream():
                     pass
 
         task = asyncio.ensure_future(consume())
         await verifier.releasing.wait()
-        task.cancel()
+        task.cancel()  # lands while the Release is on the wire: a release not shielded from it is cut here
+        verifier.on_the_wire.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        for _ in range(100):  # the release goes on without the request
-            if engine.num_active_sessions == 0:
-                break
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(30):  # the release goes on without the request; the guard only ends a hang
+            while engine.num_active_sessions:
+                await asyncio.sleep(0.01)
         return task.cancelled()
 
     assert asyncio.run(scenario())
@@ -548,6 +551,7 @@ class OracleStream:
 
     wants_features = False
     takes_verified_trees = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, prompt: Sequence[int], continuation: Sequence[int]) -> None:
         self._sequence = [*prompt, *continuation]

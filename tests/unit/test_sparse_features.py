@@ -33,6 +33,7 @@ from specserve.results import DraftFeedback, DraftReply, PrefillResult, Verified
 from specserve.sampling import SamplingParams
 from specserve.token_tree import ROOT, TokenTree
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
+from specserve.verify_call import VerifyCall
 from specserve.wire import draft_reply_from_proto, draft_reply_to_proto
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
@@ -58,22 +59,19 @@ class RecordingVerifier(InProcessVerifier):
         self.verify_asked: list[bool] = []
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
-    ) -> PrefillResult:
-        self.prefill_asked.append(return_features)
-        return await super().prefill(session_id, token_ids, sampling, return_features)
-
-    async def verify(  # type: ignore[override]
         self,
         session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
         return_features: bool = False,
-        **options: Any,
-    ) -> VerifyResult:
-        self.verify_asked.append(return_features)
-        result = await super().verify(session_id, num_committed, tree, num_successors, return_features, **options)
+        feature_layers: Sequence[int] = (),
+    ) -> PrefillResult:
+        self.prefill_asked.append(return_features)
+        return await super().prefill(session_id, token_ids, sampling, return_features, feature_layers)
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        self.verify_asked.append(call.return_features)
+        result = await super().verify(call)
         budget = self._budgets.pop(0) if self._budgets else None
         return dataclasses.replace(result, draft_budget_nodes=budget)
 
@@ -85,6 +83,7 @@ class WishingStream:
 
     wants_features = True
     takes_verified_trees = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, sparse: bool, wishes: Sequence[bool]) -> None:
         self.sparse_features = sparse
@@ -120,7 +119,7 @@ class OneStream:
 def generate(stream: WishingStream, verifier: RecordingVerifier, max_new_tokens: int) -> Any:
     generation = Generation(
         GenerationRequest(PROMPT, max_new_tokens),
-        verifier,  # type: ignore[arg-type]
+        verifier,
         OneStream(stream),
         CharTokenizer(),
         frozenset({-1}),
@@ -280,7 +279,7 @@ def test_in_one_process_rounds_without_a_budget_ask_no_features_and_drafted_roun
     drafter = head_drafter()
     generation = Generation(
         GenerationRequest(PROMPT, 24),
-        verifier,  # type: ignore[arg-type]
+        verifier,
         InProcessDrafter(drafter, vocab_size=VOCAB),
         CharTokenizer(),
         frozenset({-1}),

@@ -7,8 +7,9 @@ from coordinator.rounds import Generation, GenerationRequest, GenerationStats, R
 from coordinator.tree_checks import TreeLimits, tree_problem
 from draft_service.ngram_pool import InMemoryNgramPool, PoolShape
 from specserve.errors import InvalidArgument
-from specserve.results import DraftFeedback, DraftReply
+from specserve.results import DraftFeedback, DraftReply, VerifyResult
 from specserve.token_tree import DraftDistribution, TokenTree
+from specserve.verify_call import VerifyCall
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
 
@@ -72,6 +73,7 @@ class BadTreeStream:
 
     wants_features = False
     takes_verified_trees = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, tree: TokenTree) -> None:
         self.tree = tree
@@ -132,11 +134,11 @@ class RejectingVerifier(InProcessVerifier):
         super().__init__(Verifier(MODEL, "fp"))
         self.refused = 0
 
-    async def verify(self, session_id, num_committed, tree, num_successors=0, return_features=False, **options):  # type: ignore[no-untyped-def]
-        if len(tree):
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        if len(call.tree):
             self.refused += 1
             raise InvalidArgument("tree has 2 nodes; this verifier accepts at most 1")
-        return await super().verify(session_id, num_committed, tree, num_successors, return_features)
+        return await super().verify(call)
 
 
 def test_a_tree_the_verifier_rejects_is_retried_empty_and_counted_against_the_drafter() -> None:
@@ -150,7 +152,7 @@ def test_a_tree_the_verifier_rejects_is_retried_empty_and_counted_against_the_dr
 
 def test_invalid_argument_for_an_empty_tree_still_fails_the_request() -> None:
     class Refusing(InProcessVerifier):
-        async def verify(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        async def verify(self, call: VerifyCall) -> VerifyResult:
             raise InvalidArgument("bad request")
 
     g = generation(BadTreeDrafter(TokenTree()), None, Refusing(Verifier(MODEL, "fp")))

@@ -2,7 +2,6 @@
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
 
 import pytest
 
@@ -18,7 +17,7 @@ from specserve.errors import (
 )
 from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
-from specserve.token_tree import TokenTree
+from specserve.verify_call import VerifyCall
 
 
 class FakeReplica:
@@ -36,7 +35,12 @@ class FakeReplica:
         return VerifierInfo(self.address, "fp", 10, 8, 4, 100, True)
 
     async def prefill(
-        self, session_id: str, token_ids: Sequence[int], sampling: SamplingParams, return_features: bool = False
+        self,
+        session_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        return_features: bool = False,
+        feature_layers: Sequence[int] = (),
     ) -> PrefillResult:
         self._fail()
         if self.prefill_failure is not None:
@@ -44,17 +48,9 @@ class FakeReplica:
         self.calls.append(("prefill", session_id))
         return PrefillResult(0)
 
-    async def verify(
-        self,
-        session_id: str,
-        num_committed: int,
-        tree: TokenTree,
-        num_successors: int = 0,
-        return_features: bool = False,
-        **options: Any,
-    ) -> VerifyResult:
+    async def verify(self, call: VerifyCall) -> VerifyResult:
         self._fail()
-        self.calls.append(("verify", session_id))
+        self.calls.append(("verify", call.session_id))
         return VerifyResult([], [], 1, 0)
 
     async def release(self, session_id: str) -> None:
@@ -80,7 +76,7 @@ def test_sessions_stick_to_one_replica_and_spread_by_load() -> None:
     async def session(name: str) -> None:
         await router.prefill(name, [1], SamplingParams())
         for _ in range(3):
-            await router.verify(name, 1, TokenTree())
+            await router.verify(VerifyCall(name, 1))
 
     asyncio.run(session("a"))
     asyncio.run(session("b"))
@@ -100,7 +96,7 @@ def test_a_vanished_replica_moves_its_sessions() -> None:
     first = next(a for a, r in replicas.items() if r.calls)
     addresses.remove(first)
     clock.now = 10.0
-    asyncio.run(router.verify("s", 1, TokenTree()))
+    asyncio.run(router.verify(VerifyCall("s", 1)))
     other = addresses[0]
     assert replicas[other].calls == [("verify", "s")]  # NOT_FOUND there makes the round loop re-prefill
     assert router.replicas == [other]
@@ -146,10 +142,10 @@ def test_a_failed_replica_moves_the_session_and_is_skipped_until_its_backoff_end
     other = next(a for a in replicas if a != first)
     replicas[first].failure = dead(first)
     with pytest.raises(SessionMoved, match="unreachable"):
-        asyncio.run(router.verify("s", 1, TokenTree()))
+        asyncio.run(router.verify(VerifyCall("s", 1)))
     # The round loop prefills the session again: on the other replica, where every later call goes.
     asyncio.run(router.prefill("s", [1, 2], SamplingParams()))
-    asyncio.run(router.verify("s", 2, TokenTree()))
+    asyncio.run(router.verify(VerifyCall("s", 2)))
     assert replicas[other].calls == [("prefill", "s"), ("verify", "s")]
     # New sessions avoid the failed replica while it is down, even though it has fewer sessions...
     asyncio.run(router.prefill("t", [1], SamplingParams()))
@@ -170,9 +166,9 @@ def test_sessions_of_a_replica_that_failed_under_another_session_move_too() -> N
     replicas[shared].failure = dead(shared)
     victims = [sid for _, sid in replicas[shared].calls]
     with pytest.raises(SessionMoved):
-        asyncio.run(router.verify(victims[0], 1, TokenTree()))
+        asyncio.run(router.verify(VerifyCall(victims[0], 1)))
     with pytest.raises(SessionMoved, match="down"):  # not even tried: its replica is down
-        asyncio.run(router.verify(victims[1], 1, TokenTree()))
+        asyncio.run(router.verify(VerifyCall(victims[1], 1)))
     assert len(replicas[shared].calls) == 2
 
 
@@ -183,7 +179,7 @@ def test_with_no_replica_left_calls_are_unavailable() -> None:
     for address, replica in replicas.items():
         replica.failure = dead(address)
     with pytest.raises(SessionMoved):
-        asyncio.run(router.verify("s", 1, TokenTree()))
+        asyncio.run(router.verify(VerifyCall("s", 1)))
     with pytest.raises(Unavailable, match="every verifier replica") as failed:
         asyncio.run(router.prefill("s", [1], SamplingParams()))
     assert not isinstance(failed.value, SessionMoved)  # the round loop does not retry this one
@@ -199,10 +195,10 @@ def test_errors_that_are_not_a_replica_failure_keep_the_session_in_place(error: 
     first = next(a for a, r in replicas.items() if r.calls)
     replicas[first].failure = error
     with pytest.raises(type(error)) as raised:
-        asyncio.run(router.verify("s", 1, TokenTree()))
+        asyncio.run(router.verify(VerifyCall("s", 1)))
     assert not isinstance(raised.value, SessionMoved)
     replicas[first].failure = None
-    asyncio.run(router.verify("s", 1, TokenTree()))
+    asyncio.run(router.verify(VerifyCall("s", 1)))
     assert replicas[first].calls[-1] == ("verify", "s")
 
 
@@ -219,7 +215,7 @@ def test_a_draining_replica_keeps_its_sessions_while_new_ones_start_elsewhere() 
     with pytest.raises(SessionMoved, match="shutting down"):
         asyncio.run(router.prefill("u", [1], SamplingParams()))  # tried `first`, which refused it
     asyncio.run(router.prefill("u", [1], SamplingParams()))
-    asyncio.run(router.verify("s", 1, TokenTree()))
+    asyncio.run(router.verify(VerifyCall("s", 1)))
     assert replicas[first].calls == [("prefill", "s"), ("verify", "s")]  # the session it holds stays
     assert replicas[other].calls == [("prefill", "t"), ("prefill", "u")]
 

@@ -6,11 +6,13 @@ import asyncio
 from concurrent import futures
 
 import grpc
+import pytest
 
 from coordinator.grpc_clients import GrpcVerifier
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from specserve.v1 import verifier_pb2_grpc
+from specserve.verify_call import VerifyCall
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier
@@ -21,7 +23,8 @@ PROMPT = [1, 2, 3, 4]
 TREE = TokenTree([5, 6, 7], [-1, 0, 0])
 
 
-def test_successors_cross_the_wire_one_row_per_scored_position() -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["verify-stream", "unary-verify"])
+def test_successors_cross_the_wire_one_row_per_scored_position(stream: bool) -> None:
     verifier = Verifier(tiny_llama(vocab_size=VOCAB, context=128), "fp")
     verifier.prefill("local", PROMPT, SamplingParams())
     local = verifier.verify("local", len(PROMPT), TREE, num_successors=3)
@@ -34,15 +37,15 @@ def test_successors_cross_the_wire_one_row_per_scored_position() -> None:
 
     async def over_grpc() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            remote = GrpcVerifier(channel, f"127.0.0.1:{port}", timeout_s=30)
+            remote = GrpcVerifier(channel, f"127.0.0.1:{port}", timeout_s=30, stream=stream)
             info = await remote.info()
             assert info.vocab_size == VOCAB and info.vocab_fingerprint == "fp"
             await remote.prefill("remote", PROMPT, SamplingParams())
-            result = await remote.verify("remote", len(PROMPT), TREE, num_successors=3)
+            result = await remote.verify(VerifyCall("remote", len(PROMPT), TREE, num_successors=3))
             assert result.successors == local.successors
             assert result.committed == local.committed
             await remote.prefill("none", PROMPT, SamplingParams())
-            assert (await remote.verify("none", len(PROMPT), TREE)).successors == []
+            assert (await remote.verify(VerifyCall("none", len(PROMPT), TREE))).successors == []
 
     try:
         asyncio.run(over_grpc())
