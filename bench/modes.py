@@ -41,7 +41,7 @@ from draft_service.main import build_drafter
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.config import VerifierConfig
-from target_service.draft_budget import flattened
+from target_service.cost_curve import flattened
 from target_service.engine_threads import compute_on_this_thread
 from target_service.verifier import Verifier
 
@@ -63,7 +63,10 @@ SOURCE_MODES = (*(f"inproc:{source}" for source in ALL_SOURCES), "inproc:" + "+"
 # side (`distributed` itself runs the cluster's default: off where the drafter shares the verifier's CPUs).
 NO_PREDRAFT = "distributed-no-predraft"
 PREDRAFT = "distributed-predraft"
-MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, PREDRAFT, *SOURCE_MODES)
+# The distributed mode with a unary Verify call per round (the coordinator's --verify-transport unary) instead of
+# the VerifyStream: what the stream saves, measured side by side.
+UNARY_VERIFY = "distributed-unary"
+MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, PREDRAFT, UNARY_VERIFY, *SOURCE_MODES)
 
 
 def default_modes(dtype: str) -> tuple[str, ...]:
@@ -113,6 +116,9 @@ class Outcome:
     drafter_trees: int | None = None  # rounds whose tree came from the drafter; None: not observable
     predraft_hits: int | None = None  # of those, trees the drafter had drafted ahead
     predraft_hidden_ns: int | None = None  # the drafting time of those trees (hidden behind verification)
+    # The rounds' time by phase (coordinator.round_phases), summed over the rounds; None: not observable.
+    round_phase_ns: dict[str, int] | None = None
+    rounds_plain_by_cost: int | None = None  # rounds run plain because drafted rounds did not pay end to end
 
 
 class Mode(Protocol):
@@ -286,6 +292,8 @@ def _outcome_from_stats(tokens: list[int], wall_ns: int, stats: GenerationStats)
         drafter_trees=stats.num_drafter_trees,
         predraft_hits=stats.num_predraft_hits,
         predraft_hidden_ns=stats.predraft_hidden_ns,
+        round_phase_ns=stats.phase_ns,
+        rounds_plain_by_cost=stats.num_rounds_plain_by_cost,
     )
 
 
@@ -311,9 +319,11 @@ class InProcessMode:
         weights: str = "dtype",
         compile: str = "auto",
         threads: int = 0,
+        gate_drafting: bool = CoordinatorConfig().gate_drafting,
     ) -> None:
         """``flat_verify_cost``: size trees as if extra draft nodes cost nothing (``flattened``), not at the
-        curve the verifier measures here; ``weights`` and ``compile``: the verifier's --weights and --compile."""
+        curve the verifier measures here; ``weights`` and ``compile``: the verifier's --weights and --compile;
+        ``gate_drafting``: the coordinator's --gate-drafting."""
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
         self._drafter_config = DrafterConfig(sources=sources)
@@ -328,7 +338,7 @@ class InProcessMode:
             self._verifier.use_cost_curve(flattened(self._verifier.cost_curve))
         self.dtype = self._verifier.dtype  # the model's: the harness loaded it in the run's dtype
         info = verifier_info(self._verifier)
-        self._policy = round_policy(CoordinatorConfig(), info)
+        self._policy = round_policy(CoordinatorConfig(gate_drafting=gate_drafting), info)
         self._limits = prompt_limits(CoordinatorConfig(), info)
         self._tokenizer = tokenizer
         self._fingerprint = fingerprint
@@ -420,6 +430,8 @@ class DistributedMode:
             drafter_trees=stats.num_drafter_trees,
             predraft_hits=stats.num_predraft_hits,
             predraft_hidden_ns=round(stats.predraft_hidden_s * 1e9),
+            round_phase_ns={phase: round(s * 1e9) for phase, s in stats.round_phase_s.items()},
+            rounds_plain_by_cost=stats.num_rounds_plain_by_cost,
         )
 
     def reset(self) -> None:

@@ -35,6 +35,9 @@ class Record:
     drafter_trees: int | None = None  # rounds whose tree came from the drafter
     predraft_hits: int | None = None  # of those, trees drafted ahead while the verifier worked
     predraft_hidden_s: float | None = None  # drafting time of those trees, hidden behind verification
+    # The rounds' time by phase (coordinator.round_phases), summed over the rounds; None: not observable.
+    round_phase_s: dict[str, float] | None = None
+    rounds_plain_by_cost: int | None = None  # rounds run plain because drafted rounds did not pay end to end
 
 
 @dataclass(frozen=True)
@@ -108,4 +111,8 @@ def make_record(
         drafter_trees=outcome.drafter_trees,
         predraft_hits=outcome.predraft_hits,
         predraft_hidden_s=None if outcome.predraft_hidden_ns is None else outcome.predraft_hidden_ns / 1e9,
+        round_phase_s=None
+        if outcome.round_phase_ns is None
+        else {phase: ns / 1e9 for phase, ns in outcome.round_phase_ns.items()},
+        rounds_plain_by_cost=outcome.rounds_plain_by_cost,
     )

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import round_breakdown
 from .aggregate import OVERALL, Summary
 from .dataset import MT_BENCH_CATEGORIES, WORKLOADS
 from .head_identity import head_line
@@ -350,6 +351,7 @@ def markdown(
     if OVERALL in present:
         lines += ["## All figures, overall", "", *details(summaries, modes, OVERALL), ""]
     lines += workload_sections(summaries, modes)
+    lines += round_breakdown.section(records, modes)
     lines += [
         "## Outputs that differ from `baseline`",
         "",
@@ -435,5 +437,5 @@ def rerender(json_path: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    for name in sys.argv[1:] or ["bench/results/spec_bench.json"]:
+    for name in sys.argv[1:] or ["bench/out/spec_bench.json"]:
         rerender(Path(name))

@@ -42,7 +42,7 @@ from specserve.sampling import SamplingParams
 from target_service.engine_threads import serve_on_this_thread
 from target_service.model_runner import COMPILE_CHOICES, WEIGHTS_CHOICES
 
-from . import machine
+from . import machine, round_breakdown
 from .aggregate import summarize_all
 from .cluster import (
     DEFAULT_REDIS_URL,
@@ -74,6 +74,7 @@ from .modes import (
     NO_PREDRAFT,
     PLAIN_MODES,
     PREDRAFT,
+    UNARY_VERIFY,
     DistributedMode,
     EnginePlainMode,
     HfPlainMode,
@@ -104,7 +105,7 @@ from .target import (
 )
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# `make bench` finishes within 45 minutes on the 2-core reference machine (bench/README.md, "Run time").
+# `make bench` finishes within 45 minutes on the 2-core reference machine (bench/README.md, "Spec-Bench").
 DEFAULT_PROMPTS_PER_CATEGORY = 7
 
 
@@ -164,6 +165,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_false",
         help="verifiers (inproc, distributed) size trees by their cost model alone, never switching drafting off "
         "on measured throughput: compares the drafting itself",
+    )
+    parser.add_argument(
+        "--no-gate-drafting",
+        dest="gate_drafting",
+        action="store_false",
+        help="coordinators (inproc, distributed) leave drafting to the verifier's budget alone, never running a "
+        "session plain because its drafted rounds do not pay end to end (the coordinator's --no-gate-drafting)",
     )
     parser.add_argument(
         "--weights",
@@ -353,6 +361,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 args.weights,
                 args.compile,
                 args.engine_threads,
+                args.gate_drafting,
             )
         else:
             log_dir = args.out_dir / "tmp" / "cluster-logs" / name
@@ -366,6 +375,10 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 args.torch_threads,
                 log_dir,
                 verifier_args=verifier_args,
+                coordinator_args=[
+                    *([] if args.gate_drafting else ["--no-gate-drafting"]),
+                    *(["--verify-transport", "unary"] if name == UNARY_VERIFY else []),
+                ],
                 drafter_args=drafter_args,
                 cpus=pinning.services() if pinning is not None else {},
             )
@@ -465,6 +478,8 @@ def write_outputs(out_dir: Path, records: list[Record], modes: Sequence[str], me
     else:
         paths["png"].unlink(missing_ok=True)
     print("\n".join(console_summary(summaries, modes)))
+    if breakdown := round_breakdown.table(records, modes):
+        print("\nWhere a round's time goes (mean ms per round)", *breakdown, sep="\n")
     return paths
 
 
@@ -533,6 +548,7 @@ def _run(args: argparse.Namespace) -> int:
             "pinning": None if args.pinning is None else args.pinning.describe(),
             "throughput_guard": args.throughput_guard,
             "flat_verify_cost": args.flat_verify_cost,
+            "gate_drafting": args.gate_drafting,
             "weights": args.weights,
             "compile": args.compile,
             "dedicated_cores": args.dedicated_cores,

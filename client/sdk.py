@@ -66,6 +66,9 @@ class Stats:
     constraint_complete: bool = False  # with a constraint: the output completed it
     mask_s: float = 0.0  # computing the constraint's token masks on the coordinator
     prefill_s: float = 0.0  # of verify_s: the verifier prefilling the prompt (total_s - prefill_s: generating)
+    # The rounds' time by phase (drafter, draft_transport, ... loop), summed over the request's rounds.
+    round_phase_s: dict[str, float] = field(default_factory=dict)
+    num_rounds_plain_by_cost: int = 0  # rounds run plain because drafted rounds did not pay end to end
 
     @property
     def tau(self) -> float:
@@ -128,6 +131,8 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         constraint_complete=s.constraint_complete,
         mask_s=s.mask_ns / 1e9,
         prefill_s=s.prefill_ns / 1e9,
+        round_phase_s={phase: ns / 1e9 for phase, ns in s.round_phase_ns.items()},
+        num_rounds_plain_by_cost=s.num_rounds_plain_by_cost,
     )
 
 

@@ -35,6 +35,7 @@ from coordinator.admission import AdmissionController
 from coordinator.constraints.refusals import REFUSAL_REASONS
 from coordinator.constraints.spec import ConstraintKind
 from coordinator.metrics_http import serve_metrics
+from coordinator.round_phases import PHASES
 from coordinator.rounds import FinishReason, GenerationStats
 
 DECODING_KINDS = ("greedy", "sampled")
@@ -66,6 +67,13 @@ MASK_BUCKETS_S = (
     0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 )  # fmt: skip
 CONSTRAINT_KINDS = tuple(kind.value for kind in ConstraintKind)
+
+# One phase of one round (coordinator.round_phases): tens of microseconds of bookkeeping or protobuf to a verifier
+# step of hundreds of milliseconds on a CPU.
+ROUND_PHASE_BUCKETS_S = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1,
+    0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
 
 # Admission's refusals (coordinator.admission), so their series exist at zero before the first one.
 # "call_limit": a call past the server's --max-concurrent-streams + --max-queued-streams + 32 (specserve.call_limit).
@@ -172,6 +180,24 @@ class CoordinatorMetrics:
                 counter.labels(kind)
         self.reprefills = Counter(
             "specserve_reprefills", "Verifier sessions rebuilt from the committed tokens after loss", registry=r
+        )
+
+        # Where a round's time goes (coordinator.round_phases), and the rounds run plain because drafting did not pay
+        self.round_phase_seconds = Histogram(
+            "specserve_round_phase_seconds",
+            "Time of one round in one phase, one observation per round and phase: " + ", ".join(PHASES) + " (the "
+            "phases add up to the round's time)",
+            ["phase"],
+            buckets=ROUND_PHASE_BUCKETS_S,
+            registry=r,
+        )
+        for phase in PHASES:
+            self.round_phase_seconds.labels(phase)
+        self.rounds_plain_by_cost = Counter(
+            "specserve_rounds_plain_by_cost",
+            "Rounds run plain because the session's drafted rounds did not commit more tokens per second than its "
+            "plain rounds end to end, or to time a plain round (--gate-drafting)",
+            registry=r,
         )
 
         # Structured output (coordinator.constraints)
@@ -331,6 +357,10 @@ class CoordinatorMetrics:
             if count:
                 self.num_accepted_tokens_per_pos.labels(kind, str(position)).inc(count)
         self.reprefills.inc(stats.num_reprefills)
+        for times in stats.round_phase_ns:
+            for phase, ns in zip(PHASES, times, strict=True):
+                self.round_phase_seconds.labels(phase).observe(ns / 1e9)
+        self.rounds_plain_by_cost.inc(stats.num_rounds_plain_by_cost)
         if stats.constrained:
             self.num_forced_tokens.labels(kind).inc(stats.num_forced_tokens)
             complete = "true" if stats.constraint_complete else "false"

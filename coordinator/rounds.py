@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -40,7 +40,9 @@ import numpy as np
 from coordinator import deadlines
 from coordinator.constraints.compiler import CompiledGrammar
 from coordinator.constraints.grammar_state import FittedTree, GrammarState
+from coordinator.drafting_gate import DraftingGate
 from coordinator.ports import DrafterMonitor, DrafterPort, DraftStream, VerifierPort
+from coordinator.round_phases import RoundPhases, phase_totals
 from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.text import IncrementalDetokenizer, StopMatcher
 from coordinator.tree_checks import TreeLimits, tree_problem
@@ -58,6 +60,10 @@ from specserve.results import DraftFeedback, DraftReply, VerifiedTree, VerifyRes
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
+from specserve.verify_call import VerifyCall
+
+MAX_UNREPORTED_NGRAMS = 256
+"""Lookahead n-grams kept for the drafter's next report (rounds with no draft budget do not send one)."""
 
 FEW_ALLOWED = 16
 """Where a constraint allows at most this many tokens after a node, the drafter is told which (for its pre-drafts)."""
@@ -123,6 +129,9 @@ class GenerationStats:
     mask_ns: int = 0  # computing the constraint's token masks
     # Entry i: mask time of round i's tree (the metrics' histogram; not sent to the client).
     mask_ns_per_round: list[int] = field(default_factory=list)
+    # Entry i: round i's time by phase, in ``round_phases.PHASES`` order (the metrics' histograms).
+    round_phase_ns: list[tuple[int, ...]] = field(default_factory=list)
+    num_rounds_plain_by_cost: int = 0  # rounds run plain because drafted rounds did not pay end to end (or to time one)
 
     @property
     def drafter_error_logged(self) -> str:
@@ -132,6 +141,11 @@ class GenerationStats:
     @property
     def coordination_ns(self) -> int:
         return max(0, self.total_ns - self.draft_ns - self.verify_ns)
+
+    @property
+    def phase_ns(self) -> dict[str, int]:
+        """Each phase's time summed over the request's rounds (``coordinator.round_phases``)."""
+        return phase_totals(self.round_phase_ns)
 
     @property
     def tau(self) -> float:
@@ -148,6 +162,10 @@ class RoundPolicy:
     max_reprefills_per_round: int = 4
     # What the verifier accepts in a tree: each drafter tree is checked against it first (None: unchecked).
     tree_limits: TreeLimits | None = None
+    # Each session drafts only while its drafted rounds commit more tokens per second than its plain ones, end to
+    # end (``coordinator.drafting_gate``); the services' ``round_policy`` turns it on. Off: the verifier's budget
+    # alone decides.
+    gate_drafting: bool = False
 
 
 @dataclass
@@ -165,6 +183,7 @@ class Generation:
     stats: GenerationStats = field(default_factory=GenerationStats)
     # Told when the drafter sends a bad tree, so later requests can skip it (the health-checked drafter).
     drafter_monitor: DrafterMonitor | None = None
+    clock: Callable[[], int] = time.perf_counter_ns  # times each round's phases (nanoseconds)
 
     def __post_init__(self) -> None:
         self._committed = list(self.request.prompt_ids)
@@ -174,10 +193,14 @@ class Generation:
         self._draft: DraftStream | None = None
         self._unreported: list[int] = []  # committed tokens the drafter has not been told about
         self._successors: list[tuple[int, tuple[int, ...]]] = []  # last round's target top tokens
+        self._lookahead_ngrams: tuple[tuple[int, ...], ...] = ()  # the verifier's lookahead n-grams, not yet told
         self._unreported_features: list[np.ndarray] = []  # target features the drafter has not had
         self._features_wanted = False  # this round's tree came with the drafter's wish for the round's features
         self._draft_wait_ns = 0  # this round's wait for the drafter's tree (0: none asked)
         self._draft_budget: int | None = None  # the verifier's last word on how many nodes pay at its load
+        self._gate = DraftingGate() if self.policy.gate_drafting else None
+        self._phases: RoundPhases | None = None  # the round in progress's phases
+        self._asked_drafter = False  # the round in progress asked the drafter for a tree
         self._accepted_nodes: tuple[int, ...] = ()  # the verifier's accepted node indices in the drafter's tree
         self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
         self._stop = StopMatcher(self.request.stop)
@@ -244,20 +267,41 @@ class Generation:
         return TextChunk(text, shown)
 
     async def _round(self) -> TextChunk:
-        """One propose -> verify -> commit; returns the new text for the client."""
+        """One propose -> verify -> commit, its phases timed; returns the new text for the client."""
+        phases = self._phases = RoundPhases(self.clock)
+        self._asked_drafter = False
+        before = len(self._committed)
+        chunk = await self._propose_verify_commit(phases)
+        self.stats.round_phase_ns.append(times := phases.end())
+        self._phases = None
+        if self._gate is not None:
+            self._gate.observe(self._asked_drafter, len(self._committed) - before, sum(times) / 1e9)
+        return chunk
+
+    def _gated(self, max_nodes: int) -> int:
+        """``max_nodes``, or 0 where this session's drafted rounds do not pay end to end (``drafting_gate``)."""
+        if self._gate is None or max_nodes == 0 or self._draft is None or self._gate.drafts():
+            return max_nodes
+        self.stats.num_rounds_plain_by_cost += 1
+        return 0
+
+    async def _propose_verify_commit(self, phases: RoundPhases) -> TextChunk:
         remaining = self.request.max_new_tokens - self._num_new
         room = self.policy.max_session_tokens - len(self._committed) - 1
         max_nodes = max(0, min(self.stats.max_draft_tokens, remaining - 1, room))
         if self._draft_budget is not None and self._draft_budget < max_nodes:
             max_nodes = self._draft_budget
             self.stats.num_rounds_budget_off += max_nodes == 0
-        prefix = self._forced_prefix(max_nodes, remaining, room)
+        max_nodes = self._gated(max_nodes)
+        with phases.span("tree_and_masks"):
+            prefix = self._forced_prefix(max_nodes, remaining, room)
         if prefix:  # the drafter drafts after what the constraint forces next; its tree starts with it
             max_nodes = min(len(prefix) + max_nodes, self._tree_caps(remaining, room)[0])
         self._draft_wait_ns = 0
         self._features_wanted = False  # a round that asks the drafter for no tree wants no features
         tree, drafted = await self._propose(max_nodes, prefix)
-        fitted = self._fit(tree, remaining, room)
+        with phases.span("tree_and_masks"):
+            fitted = self._fit(tree, remaining, room)
         pending = self._committed[-1]
         # A drafter that pre-drafts hears of the fitted tree while the verifier works (before the next proposal).
         telling = None
@@ -276,6 +320,8 @@ class Generation:
             fitted = None  # the verifier refused the tree: the round ran with none
         drafted = drafted and bool(tree.token_ids)
         self._draft_budget = result.draft_budget_nodes
+        if result.lookahead_ngrams and self._draft is not None:  # the newest, while rounds ask for no tree
+            self._lookahead_ngrams = (*self._lookahead_ngrams, *result.lookahead_ngrams)[-MAX_UNREPORTED_NGRAMS:]
         if result.successors and self._draft is not None:
             positions = (pending, *tree.token_ids)
             self._successors = [(t, tuple(top)) for t, top in zip(positions, result.successors, strict=True)]
@@ -392,11 +438,16 @@ class Generation:
     async def _ask_drafter(self, max_nodes: int, prefix: tuple[int, ...] = ()) -> TokenTree | None:
         """Send the last round's report and get a tree; None (and the drafter dropped) on failure."""
         assert self._draft is not None
-        started = time.perf_counter_ns()
+        phases = self._phases
+        self._asked_drafter = self._asked_drafter or max_nodes > 0
+        protobuf_before = phases.protobuf_ns if phases is not None else 0
+        started = self.clock()
         timeout_s = deadlines.bounded(self.policy.draft_timeout_s)
+        drafter_ns = 0
         try:
             async with asyncio.timeout(timeout_s):
                 reply = await self._draft.propose(self._feedback(prefix), max_nodes)
+            drafter_ns = reply.draft_ns
             self._count_predraft(reply)
             self._features_wanted = reply.wants_features
         except (DrafterFailed, TimeoutError) as exc:
@@ -404,9 +455,11 @@ class Generation:
             self._drop_drafter(exc)
             return None
         finally:
-            waited_ns = time.perf_counter_ns() - started
+            waited_ns = self.clock() - started
             self.stats.draft_ns += waited_ns
             self._draft_wait_ns = waited_ns
+            if phases is not None:
+                phases.drafted(waited_ns, drafter_ns, phases.protobuf_ns - protobuf_before)
         # The draft budget counts what drafted rounds usually wait for, not the drafter's probes of its sources.
         self._draft_wait_ns = max(0, waited_ns - reply.probe_ns)
         limits = self.policy.tree_limits
@@ -414,7 +467,8 @@ class Generation:
             # The fit cuts a constrained tree to the verifier's depth; a drafter told a forced prefix cannot know
             # how deep its draft under it may go.
             limits = replace(limits, max_depth=0)
-        problem = tree_problem(reply.tree, limits, max_nodes) if limits is not None else None
+        with phases.span("tree_and_masks") if phases is not None else contextlib.nullcontext():
+            problem = tree_problem(reply.tree, limits, max_nodes) if limits is not None else None
         if problem is not None:
             # Sent on, it would make the verifier refuse the round: the round goes on with an empty tree.
             self._drafter_misbehaved(f"sent a bad tree: {problem}")
@@ -429,6 +483,12 @@ class Generation:
     @property
     def _wants_features(self) -> bool:
         return self._draft is not None and self._draft.wants_features
+
+    @property
+    def _feature_layers(self) -> tuple[int, ...]:
+        """The target layers the drafter's head reads, named in every Prefill of the session (re-prefills too:
+        the verifier keeps them with the session for its Verifies' features); empty: the final hidden state."""
+        return self._draft.feature_layers if self._draft is not None and self._draft.wants_features else ()
 
     def _asks_features(self, prompt: bool = False) -> bool:
         """Whether a Verify (``prompt``: the Prefill) asks the verifier for the target's features.
@@ -472,8 +532,10 @@ class Generation:
             features,
             accepted_node_indices=self._accepted_nodes,
             forced_prefix=forced_prefix,
+            lookahead_ngrams=self._lookahead_ngrams,
         )
         self._unreported, self._successors, self._unreported_features = [], [], []
+        self._lookahead_ngrams = ()
         self._accepted_nodes = ()
         return feedback
 
@@ -482,7 +544,9 @@ class Generation:
         for _ in range(self.policy.max_reprefills_per_round):
             asked = self._asks_features(prompt=True)
             try:
-                prefill = await self.verifier.prefill(self.session_id, self._committed, self._sampling, asked)
+                prefill = await self.verifier.prefill(
+                    self.session_id, self._committed, self._sampling, asked, self._feature_layers
+                )
             except SessionMoved:
                 self.stats.num_reprefills += 1
                 continue
@@ -504,18 +568,32 @@ class Generation:
             try:
                 if lost:
                     # The drafter already has the features of these positions: none are asked for.
-                    prefill = await self.verifier.prefill(self.session_id, self._committed, self._sampling)
+                    prefill = await self.verifier.prefill(
+                        self.session_id, self._committed, self._sampling, False, self._feature_layers
+                    )
                     self.stats.verify_ns += prefill.prefill_ns
                     self.stats.prefill_ns += prefill.prefill_ns
                     lost = False
-                # Masks travel only with constrained requests: unconstrained calls stay as they were.
-                extra: dict[str, Any] = {"token_masks": masks} if masks is not None else {}
-                if tree.token_ids and self._draft_wait_ns:  # the draft budget counts the wait for the tree
-                    extra["draft_ns"] = self._draft_wait_ns
                 asked = self._asks_features()
-                result = await self.verifier.verify(
-                    self.session_id, len(self._committed), tree, num_successors, asked, **extra
+                call = VerifyCall(
+                    self.session_id,
+                    len(self._committed),
+                    tree,
+                    num_successors,
+                    asked,
+                    masks,  # only constrained requests have masks
+                    # The draft budget counts the wait for the tree (none: a plain round).
+                    self._draft_wait_ns if tree.token_ids else 0,
+                    # Lookahead n-grams feed the drafter's pools: worth rows only while a drafter hears of them.
+                    lookahead=self._draft is not None,
                 )
+                phases = self._phases
+                protobuf_before = phases.protobuf_ns if phases is not None else 0
+                started = self.clock()
+                result = await self.verifier.verify(call)
+                if phases is not None:
+                    call_ns, protobuf_ns = self.clock() - started, phases.protobuf_ns - protobuf_before
+                    phases.verified(call_ns, protobuf_ns, result.verify_ns, result.queue_ns)
                 self.stats.verify_ns += result.verify_ns
                 self.stats.num_feature_rounds += asked
                 return result, tree

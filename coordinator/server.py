@@ -59,6 +59,8 @@ def stats_to_proto(stats: GenerationStats, request_id: str = "") -> generation_p
         constraint_complete=stats.constraint_complete,
         mask_ns=stats.mask_ns,
         prefill_ns=stats.prefill_ns,
+        round_phase_ns=stats.phase_ns,
+        num_rounds_plain_by_cost=stats.num_rounds_plain_by_cost,
     )
 
 

@@ -13,6 +13,7 @@ from prometheus_client import (
     PROCESS_COLLECTOR,
     CollectorRegistry,
     Gauge,
+    Histogram,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -23,6 +24,11 @@ from draft_service.namespace_state import NAMESPACE
 from draft_service.pools import PoolRegistry
 from draft_service.session_memory import SESSION, SessionMemory
 from draft_service.source_gate import GateCounts
+
+# One proposal in Draft: tens of microseconds for n-gram sources, milliseconds for a draft head's steps.
+PROPOSE_BUCKETS_S = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
 
 
 class _Totals(Collector):
@@ -109,6 +115,16 @@ class DrafterMetrics:
             "specserve_drafter_namespaces", "(vocabulary, pool namespace) pairs whose state is held", registry=r
         ).set_function(lambda: memory.count(NAMESPACE))
         r.register(_Totals(memory, predraft, gate))
+        self._propose_seconds = Histogram(
+            "specserve_drafter_propose_seconds",
+            "Time of one proposal in Draft, from its message to its answer: the drafter's part of a round (the "
+            "coordinator's drafter phase, plus the wait for the drafting lock)",
+            buckets=PROPOSE_BUCKETS_S,
+            registry=r,
+        )
+
+    def observe_propose(self, seconds: float) -> None:
+        self._propose_seconds.observe(seconds)
 
     def serve(self, port: int, host: str) -> None:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager
@@ -147,6 +148,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self._drafting = threading.Lock()
         self._num_waiting = 0  # proposals waiting for the drafting lock: pre-drafting yields to them
         self._waiting_lock = threading.Lock()
+        # Told each proposal's seconds in Draft, from its message to its answer (metrics; None: not observed).
+        self.observe_propose: Callable[[float], None] | None = None
 
     def _locked(self, call: Callable[[], T]) -> T:
         """``call`` under the drafting lock, ahead of any work ahead (counted as waiting while it waits)."""
@@ -240,6 +243,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 if request.WhichOneof("action") != "propose":
                     raise errors.InvalidArgument("only the first message of a Draft stream may be `start`")
                 propose = request.propose
+                received = time.perf_counter()
                 try:
                     features = ahead.take(features_from_proto(propose.features))
                 except ValueError as exc:
@@ -253,7 +257,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
                 # Off the event loop, so a draft model's forward does not stall the other sessions' streams;
                 # one at a time, because sessions share pools, successor tables and statistics.
                 reply = await asyncio.to_thread(self._propose, session, feedback, propose.max_nodes)
-                yield draft_reply_to_proto(reply)
+                answer = draft_reply_to_proto(reply)
+                if self.observe_propose is not None:
+                    self.observe_propose(time.perf_counter() - received)
+                yield answer
                 stop_ahead = threading.Event()
                 work = self.work_ahead.submit(functools.partial(self._work_ahead, session, stop_ahead))
         finally:
@@ -276,6 +283,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
             takes_verified_trees=self._drafter.predraft_outcomes > 0,
             # Its sessions say each round whether they want its features, and the draft head restarts after a gap.
             sparse_features=True,
+            feature_layers=self._drafter.feature_layers,  # an EAGLE-3 head's layers (empty: the final state)
         )
 
     async def PurgePool(

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -30,6 +30,8 @@ ITERATION_TOKENS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4
 ITERATION_SESSIONS_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # Engine queue time: sub-millisecond on an idle GPU, seconds behind long prefills or a full KV cache on a CPU.
 QUEUE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# One engine step: about a millisecond for a small model on a GPU, tens to hundreds on a CPU, more for a long prefill.
+STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _EngineState(Collector):
@@ -101,6 +103,23 @@ class VerifierMetrics:
         )
         for call in ("verify", "prefill"):
             self._queue_time.labels(call)  # both series exist from the start, at zero
+        self._step_time = Histogram(
+            "specserve_verifier_engine_step_seconds",
+            "Time of one engine step: packing its inputs, the forward, each call's acceptance and answer (a Verify's "
+            "verifier_step phase is the part of its call after its queue time)",
+            buckets=STEP_BUCKETS_S,
+            registry=r,
+        )
+        self._lookahead_rows = Counter(
+            "specserve_verifier_lookahead_rows",
+            "Jacobi lookahead rows run beside the trees (--lookahead); never committed",
+            registry=r,
+        )
+        self._lookahead_ngrams = Counter(
+            "specserve_verifier_lookahead_ngrams",
+            "n-grams the lookahead rows yielded, returned to the coordinator for the drafters' pools",
+            registry=r,
+        )
 
     def serve(self, port: int, host: str) -> None:
         """/metrics on ``host`` (the gRPC server's interface, never all of them unless it is 0.0.0.0)."""
@@ -122,5 +141,9 @@ class VerifierMetrics:
     def engine_step(self, step: EngineStep) -> None:
         self._iteration_tokens.observe(step.num_tokens)
         self._iteration_sessions.observe(step.num_sessions)
+        self._step_time.observe(step.step_s)
         for call, seconds in step.queued_s:
             self._queue_time.labels(call).observe(seconds)
+        if step.lookahead_rows:
+            self._lookahead_rows.inc(step.lookahead_rows)
+            self._lookahead_ngrams.inc(step.lookahead_ngrams)

@@ -19,6 +19,7 @@ import pytest
 from bench import run
 from bench.dataset import load_questions
 from bench.modes import FP32_BASELINE, default_modes
+from coordinator.round_phases import PHASES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -165,6 +166,24 @@ def test_speculative_counts_are_consistent(result: dict[str, Any]) -> None:
             # Coordination is the rest of the wall time (never negative).
             split = r["draft_s"] + r["verify_s"] + r["coordination_s"]
             assert split == pytest.approx(r["wall_s"]) or r["coordination_s"] == 0
+
+
+def test_the_round_loops_modes_say_where_each_rounds_time_went(result: dict[str, Any], out_dir: Path) -> None:
+    """inproc and distributed carry their rounds' phases (the distributed ones through the client's stats);
+    they add up to at most the request's wall time, and the report has the breakdown table."""
+    for mode in ("inproc", "distributed"):
+        for r in records_of(result, mode):
+            phases = r["round_phase_s"]
+            assert set(phases) == set(PHASES)
+            assert all(seconds >= 0 for seconds in phases.values())
+            assert 0 < sum(phases.values()) <= r["wall_s"]
+            assert 0 <= r["rounds_plain_by_cost"] <= r["rounds"]
+        if mode == "distributed":
+            assert any(r["round_phase_s"]["verify_transport"] > 0 for r in records_of(result, mode))
+    for r in records_of(result, "baseline"):
+        assert r["round_phase_s"] is None
+    report = (out_dir / "spec_bench.md").read_text()
+    assert "## Where a round's time goes" in report and "| `distributed` |" in report
 
 
 def test_identical_counts_match_the_records(result: dict[str, Any]) -> None:

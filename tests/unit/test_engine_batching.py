@@ -16,7 +16,8 @@ from specserve.errors import FailedPrecondition, NotFound, ResourceExhausted
 from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
-from target_service.draft_budget import CostCurve, SessionAcceptance
+from target_service.budget_policy import SessionAcceptance
+from target_service.cost_curve import CostCurve
 from target_service.verifier import PREFILL_HEADROOM_TOKENS, Verifier
 from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
 

@@ -17,7 +17,8 @@ from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.tree_builder import CPU_VERIFY_COST, VerifyCost
 from specserve.drain import Drain
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2_grpc
-from target_service.draft_budget import CostCurve, DraftBudget, flat_curve, flattened
+from target_service.budget_policy import DraftBudget
+from target_service.cost_curve import CostCurve, flat_curve, flattened
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier
