@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import redis
 
 from draft_service.capped_registry import CappedRegistry
+from draft_service.lookahead_source import LOOKAHEAD_POOL_SHAPE
 from draft_service.ngram_pool import ByteBudget, FallbackPool, InMemoryNgramPool, NgramPool, PoolShape
 from draft_service.redis_pool import RedisNgramPool, purge_namespace
 from specserve.tenancy import ANONYMOUS
@@ -31,10 +32,13 @@ class PurgeCounts:
 
 @dataclass(frozen=True)
 class _Pools:
-    """One (vocabulary, namespace)'s pool as sessions use it, and its in-memory part (the pool itself without Redis)."""
+    """One (vocabulary, namespace)'s pool as sessions use it, and its in-memory part (the pool itself without Redis);
+    and the same pair for the lookahead n-grams (``draft_service.lookahead_source``), whose shape is their own."""
 
     pool: NgramPool
     local: InMemoryNgramPool
+    lookahead: NgramPool
+    lookahead_local: InMemoryNgramPool
 
 
 DEFAULT_MAX_POOLS = 1024
@@ -88,14 +92,23 @@ class PoolRegistry:
     def __call__(self, fingerprint: str, namespace: str = "") -> NgramPool:
         return self._pools.get((fingerprint, namespace or ANONYMOUS.pool_namespace)).pool
 
+    def lookahead(self, fingerprint: str, namespace: str = "") -> NgramPool:
+        """The namespace's pool of the verifier's lookahead n-grams: kept, bounded, shared and purged as the other."""
+        return self._pools.get((fingerprint, namespace or ANONYMOUS.pool_namespace)).lookahead
+
     def _new_pools(self, key: tuple[str, str]) -> _Pools:
         local = InMemoryNgramPool(self._shape, self._max_keys, self._budget)
+        lookahead = InMemoryNgramPool(LOOKAHEAD_POOL_SHAPE, self._max_keys, self._budget)
         if self._client is None:
-            return _Pools(local, local)
-        return _Pools(FallbackPool(RedisNgramPool(self._client, redis_namespace(*key), self._shape), local), local)
+            return _Pools(local, local, lookahead, lookahead)
+        shared = RedisNgramPool(self._client, redis_namespace(*key), self._shape)
+        # Its own key prefix under the namespace's, so that one SCAN of the namespace still finds (purges) it.
+        guesses = RedisNgramPool(self._client, f"{redis_namespace(*key)}:lookahead", LOOKAHEAD_POOL_SHAPE)
+        return _Pools(FallbackPool(shared, local), local, FallbackPool(guesses, lookahead), lookahead)
 
     def _evicted(self, key: tuple[str, str], pools: _Pools) -> None:
         pools.local.retire()
+        pools.lookahead_local.retire()
         log.info("dropped the in-memory n-gram pool of %s (more than %d pools)", key, self._max_pools)
 
     def purge_memory(self, namespace: str) -> PurgeCounts:
@@ -106,9 +119,10 @@ class PoolRegistry:
         keys = [key for key in self._pools if key[1] == namespace]
         memory_keys = 0
         for key in keys:
-            local = self._pools.pop(key).local
-            memory_keys += len(local)
-            local.retire()  # sessions still open on it record nothing more into the shared budget
+            pools = self._pools.pop(key)
+            for local in (pools.local, pools.lookahead_local):
+                memory_keys += len(local)
+                local.retire()  # sessions still open on it record nothing more into the shared budget
         return PurgeCounts(memory_pools=len(keys), memory_keys=memory_keys)
 
     def purge_shared(self, namespace: str) -> int:

@@ -31,6 +31,8 @@ class VerifyResult:
     draft_budget_nodes: int | None = None
     batch_sessions: int = 1  # sessions that shared the forward
     queue_ns: int = 0  # time waiting for the engine
+    # With lookahead asked for: the n-grams the step's Jacobi lookahead rows yielded (guesses, never committed).
+    lookahead_ngrams: tuple[tuple[int, ...], ...] = ()
 
     @property
     def committed(self) -> list[int]:
@@ -65,6 +67,8 @@ class DraftFeedback:
     # The session position of ``features``' first row, counted by the drafter's session (the wire carries the
     # rows alone, a suffix); None: right after the rows reported before.
     features_start: int | None = None
+    # The n-grams the verifier's lookahead rows yielded last round (guesses for the lookahead pools).
+    lookahead_ngrams: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from specserve.errors import SpecserveError
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
+from target_service.lookahead import LookaheadWindow
 from target_service.session_cache import Session
 
 
@@ -38,6 +39,7 @@ class PrefillCall(Call):
     tokens: list[int] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     return_features: bool = False
+    feature_layers: tuple[int, ...] = ()  # the layers whose inputs are the session's features (empty: the last)
     session: Session | None = None  # built chunk by chunk, registered when complete
     features: list[torch.Tensor] = field(default_factory=list)
 
@@ -62,6 +64,8 @@ class VerifyCall(Call):
     # Per row, the one token its mask allows (-1: more than one); those rows skip the head (None: none do).
     forced_tokens: np.ndarray | None = None
     draft_ns: int = 0  # what the coordinator waited for this tree from its drafter (0: none asked)
+    lookahead: bool = False  # the caller asks for lookahead rows (run where the verifier's setting allows)
+    window: LookaheadWindow | None = None  # the session's lookahead window when this step runs it
 
     @property
     def num_tokens(self) -> int:

@@ -55,13 +55,14 @@ from specserve.packed_linear import (
 )
 from target_service.inductor_steps import InductorSteps
 from target_service.kv_arena import BLOCK_TOKENS, KVArena, bytes_per_token
+from target_service.layer_features import LayerCapture
 from target_service.llama_forward import (
     SUPPORTED_MODEL_TYPES,
     LlamaForward,
     LlamaShape,
     UnsupportedModelError,
 )
-from target_service.ragged_attention import StepPlan, attend_segments
+from target_service.ragged_attention import KERNEL_MAX_ROWS, StepPlan, attend_segments
 from target_service.static_steps import STARTUP_WINDOW, StaticSteps, windows_up_to
 
 COMPILE_CHOICES = ("auto", "off", "inductor")
@@ -82,6 +83,9 @@ __all__ = [
 class StepOutput:
     logits: torch.Tensor  # [len(score_rows), vocab] float32
     features: torch.Tensor  # [len(feature_rows), hidden] float32, after the final norm
+    # [len(layer_rows), len(layers), hidden] float32: the named layers' inputs (``layer_features``); None: none named
+    layer_features: torch.Tensor | None = None
+    layer_union: tuple[int, ...] = ()  # the layers of ``layer_features``, in order
 
 
 def _layer_weights(model: Any) -> list[torch.Tensor]:
@@ -175,9 +179,9 @@ class ModelRunner:
         elif static:
             self._static = StaticSteps(self._forward, capture=cuda, group=group)
         # Ragged steps on a CPU attend in fp32 (``ragged_attention``): a bf16 model's keys and values are kept
-        # in fp32 there, so that no layer of any step converts the whole context again (that took 7 of a
-        # 40 ms bf16 step on an AVX512 EPYC). Exact: a bf16 value is stored unchanged in fp32. The cache
-        # holds half the tokens per byte.
+        # in fp32 there, so that no layer of any step converts the whole context again (a sizeable share of a
+        # bf16 step: see docs/benchmarks.md, "Smaller figures behind rules in the code"). Exact: a bf16 value
+        # is stored unchanged in fp32. The cache holds half the tokens per byte.
         self.kv_dtype: torch.dtype = (
             torch.float32 if self.device.type == "cpu" and (inductor or not static) else self.dtype
         )
@@ -264,11 +268,20 @@ class ModelRunner:
             self.num_layers, self.num_kv_heads, self.head_dim, capacity_tokens, self.kv_dtype, self.device, scratch
         )
 
+    @property
+    def max_invariant_segment_rows(self) -> int:
+        """The most rows one segment may have and still attend each row alike whatever shares its segment: the
+        attention kernel's limit where verifies attend there (fp32 over blocks), else no limit of ours (SDPA
+        and the static steps' window round rows alike or not at any count)."""
+        return KERNEL_MAX_ROWS if self._kernel_rows is not None else 2**31 - 1
+
     def padded_rows(self, rows: int) -> int:
         """The rows a step of ``rows`` tokens runs as."""
         return bucket_for(rows, self.buckets)
 
-    def _kernel_step(self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def _kernel_step(
+        self, plan: StepPlan, input_ids: torch.Tensor, positions: torch.Tensor, capture: LayerCapture | None = None
+    ) -> torch.Tensor | None:
         """The step as one kernel call a layer (``LlamaForward.kernel_step``) where it can run so: block products
         at up to their largest bucket, and every segment attending in the kernel. None: run it layer by layer."""
         if self._kernel_rows is None or self._forward.kernel_layers is None or not self.one_call_layers:
@@ -279,7 +292,7 @@ class ModelRunner:
         if others:
             return None
         arena = plan.arena
-        return self._forward.kernel_step(input_ids, positions, arena.keys, arena.values, table, allowed)
+        return self._forward.kernel_step(input_ids, positions, arena.keys, arena.values, table, allowed, capture)
 
     @torch.inference_mode()
     def forward(
@@ -289,27 +302,35 @@ class ModelRunner:
         positions: torch.Tensor,
         score_rows: torch.Tensor,
         feature_rows: torch.Tensor,
+        layer_rows: torch.Tensor | None = None,
+        layers: tuple[int, ...] = (),
     ) -> StepOutput:
         """Run ``input_ids`` [T] at ``positions`` [T]; writes their keys and values into the plan's arena.
 
-        Returns fp32 logits at ``score_rows`` and normed hidden states at ``feature_rows`` (row indices into T).
+        Returns fp32 logits at ``score_rows`` and normed hidden states at ``feature_rows`` (row indices into T),
+        and with ``layers`` the inputs of those decoder layers at ``layer_rows``. A step that keeps layers runs
+        the eager layers (static steps and graphs return the last hidden state only): the same products at the
+        same row buckets as any eager step.
         """
         rows = input_ids.shape[0]
-        if self._static is not None and self._static.covers(plan, rows):
+        capture = LayerCapture(layers, layer_rows) if layers and layer_rows is not None else None
+        if capture is None and self._static is not None and self._static.covers(plan, rows):
             hidden = self._static(plan, input_ids, positions)
         else:
             padding = self.padded_rows(rows) - rows
             if padding:  # padding rows belong to no segment: attention gives them zeros and nothing reads them
                 input_ids = F.pad(input_ids, (0, padding))
                 positions = F.pad(positions, (0, padding))
-            one_call_layers = self._kernel_step(plan, input_ids, positions)
+            one_call_layers = self._kernel_step(plan, input_ids, positions, capture)
             if one_call_layers is not None:
                 hidden = one_call_layers
             else:
                 attend = partial(attend_segments, plan, kernel_rows=self._kernel_rows)
-                hidden = self._forward(attend, input_ids, positions)
+                hidden = self._forward(attend, input_ids, positions, capture)
         wanted = torch.cat([score_rows, feature_rows])
         normed = self._forward.norm_rows(hidden.index_select(0, wanted).float(), self._norm, self._eps)
         scored = normed[: score_rows.numel()]
         logits = self._head(scored) if scored.numel() else scored.new_zeros(0, self.vocab_size)
-        return StepOutput(logits, normed[score_rows.numel() :])
+        if capture is None:
+            return StepOutput(logits, normed[score_rows.numel() :])
+        return StepOutput(logits, normed[score_rows.numel() :], capture.stacked(), capture.layers)

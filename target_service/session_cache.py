@@ -19,8 +19,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from specserve.sampling import SamplingParams, fresh_seed
-from target_service.draft_budget import SessionAcceptance
+from target_service.budget_policy import SessionAcceptance
 from target_service.kv_arena import KVArena, Region
+from target_service.lookahead import LookaheadWindow
 from target_service.session_store import SessionStore
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ class Session:
     seed: int  # keys the sampling draws by position (keyed_noise)
     acceptance: SessionAcceptance = field(default_factory=SessionAcceptance)  # sizes its draft budget
     owner: str = ""  # who created it (caller and tenant, from the edge); only the owner may use or release it
+    lookahead: LookaheadWindow | None = None  # its Jacobi window, made at its first lookahead step
+    # The decoder layers whose inputs its features are, concatenated per row (``layer_features``); empty: the
+    # final hidden state after the norm.
+    feature_layers: tuple[int, ...] = ()
 
 
 class SessionCache:

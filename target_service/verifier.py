@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -57,21 +57,18 @@ from specserve.sampling import SamplingParams
 from specserve.token_masks import InvalidTokenMasksError, TokenMasks
 from specserve.token_tree import InvalidTreeError, TokenTree
 from target_service import step_inputs
+from target_service.budget_policy import DraftBudget
 from target_service.config import VerifierConfig
-from target_service.draft_budget import (
-    CostCurve,
-    DraftBudget,
-    ThroughputGuard,
-    flat_curve,
-    measure_context_cost,
-    measure_curve,
-)
+from target_service.cost_curve import CostCurve, flat_curve, measure_context_cost, measure_curve
 from target_service.engine_calls import Call, PrefillCall, ReleaseCall, StepWork, VerifyCall, fail, resolve
 from target_service.engine_threads import compute_on_this_thread
 from target_service.kv_arena import KVArena
+from target_service.layer_features import check_layers
+from target_service.lookahead import LookaheadWindow, check_settings, nearly_free
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
 from target_service.session_cache import PREFILL_HEADROOM_TOKENS, Session, SessionCache
+from target_service.throughput_guard import ThroughputGuard
 from target_service.tree_acceptance import accept, commit, masked_logits
 
 log = logging.getLogger(__name__)
@@ -115,6 +112,9 @@ class EngineStep:
     num_tokens: int  # tokens in the forward: each Verify's pending token and tree nodes, each prefill chunk
     # ("verify" or "prefill", seconds from submission to this step) of each call this step served first
     queued_s: tuple[tuple[str, float], ...] = ()
+    lookahead_rows: int = 0  # Jacobi lookahead rows the step ran beside the trees (in ``num_tokens`` too)
+    lookahead_ngrams: int = 0  # n-grams they yielded, returned to their callers
+    step_s: float = 0.0  # the step's time: packing, the forward, each call's acceptance and answer
 
 
 class Verifier:
@@ -143,9 +143,21 @@ class Verifier:
         compile: str = "auto",
         weights: str = "dtype",
         engine_threads: int = 0,
+        lookahead: str = "auto",
+        lookahead_window: int = 8,
+        lookahead_ngram: int = 4,
     ) -> None:
         """``engine_threads``: the torch threads the engine's steps run on (0: torch's count now). The engine
-        thread sets them for itself (``target_service.engine_threads``)."""
+        thread sets them for itself (``target_service.engine_threads``).
+
+        ``lookahead``: whether Verify calls that ask for lookahead get Jacobi rows (``target_service.lookahead``):
+        "on" wherever the step has the rows, "auto" only where the cost curve says they are nearly free, "off"
+        never; ``lookahead_window`` columns by ``lookahead_ngram`` - 1 levels, yielding n-grams of that size.
+        """
+        check_settings(lookahead, lookahead_window, lookahead_ngram)
+        self._lookahead = lookahead
+        self._lookahead_window = lookahead_window
+        self._lookahead_ngram = lookahead_ngram
         self._engine_threads = engine_threads or torch.get_num_threads()
         self._runner = ModelRunner(model, compile, weights=weights)
         self.model_name = model_name
@@ -219,6 +231,9 @@ class Verifier:
             compile=config.compile,
             weights=config.weights,
             engine_threads=config.torch_threads,
+            lookahead=config.lookahead,
+            lookahead_window=config.lookahead_window,
+            lookahead_ngram=config.lookahead_ngram,
         )
         if profile and config.profile_cost:
             verifier.profile_cost()
@@ -257,14 +272,23 @@ class Verifier:
         )
 
     def prefill(
-        self, session_id: str, token_ids: list[int], sampling: SamplingParams, return_features: bool = False
+        self,
+        session_id: str,
+        token_ids: list[int],
+        sampling: SamplingParams,
+        return_features: bool = False,
+        feature_layers: Sequence[int] = (),
     ) -> PrefillResult:
         """Create (or replace) a session holding ``token_ids``.
 
         With ``return_features``, the result holds the target's last hidden
-        state at every position but the last (whose token is pending).
+        state at every position but the last (whose token is pending); with
+        ``feature_layers`` too, that session's features (here and in its
+        Verifies) are those layers' inputs, concatenated per row
+        (``layer_features``).
         """
-        result: PrefillResult = self.submit_prefill(session_id, token_ids, sampling, return_features).result()
+        future = self.submit_prefill(session_id, token_ids, sampling, return_features, feature_layers=feature_layers)
+        result: PrefillResult = future.result()
         return result
 
     def submit_prefill(
@@ -274,6 +298,7 @@ class Verifier:
         sampling: SamplingParams,
         return_features: bool = False,
         owner: str = "",
+        feature_layers: Sequence[int] = (),
     ) -> Future[PrefillResult]:
         """Queue a prefill; cancelling the future before it completes frees what it held.
 
@@ -281,6 +306,10 @@ class Verifier:
         """
         if not session_id:
             raise InvalidArgument("session_id must not be empty")
+        try:
+            layers = check_layers(feature_layers, self._runner.num_layers)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from exc
         if not token_ids:
             raise InvalidArgument("prefill needs at least one token")
         self._check_tokens(token_ids, "prefill token")
@@ -300,7 +329,12 @@ class Verifier:
                 f"{self._arena.capacity_bytes / 2**20:.1f} MiB: raise --kv-cache-gib or send a shorter prompt"
             )
         call = PrefillCall(
-            session_id, owner, tokens=list(token_ids), sampling=sampling, return_features=return_features
+            session_id,
+            owner,
+            tokens=list(token_ids),
+            sampling=sampling,
+            return_features=return_features,
+            feature_layers=layers,
         )
         return self._submit(call)
 
@@ -313,16 +347,24 @@ class Verifier:
         return_features: bool = False,
         token_masks: TokenMasks | None = None,
         draft_ns: int = 0,
+        lookahead: bool = False,
     ) -> VerifyResult:
         """Verify ``tree`` on top of the session.
 
         ``num_successors`` > 0 also returns that many of the target's likeliest next tokens at every scored
         position (for Token Recycling); ``return_features`` its hidden states at the committed ones.
         ``token_masks`` (structured output) limits the tokens the target may pick at each scored row.
-        ``draft_ns``: how long the tree took to draft (``submit_verify``).
+        ``draft_ns``: how long the tree took to draft (``submit_verify``); ``lookahead``: also Jacobi rows.
         """
         result: VerifyResult = self.submit_verify(
-            session_id, num_committed, tree, num_successors, return_features, token_masks=token_masks, draft_ns=draft_ns
+            session_id,
+            num_committed,
+            tree,
+            num_successors,
+            return_features,
+            token_masks=token_masks,
+            draft_ns=draft_ns,
+            lookahead=lookahead,
         ).result()
         return result
 
@@ -336,11 +378,14 @@ class Verifier:
         owner: str = "",
         token_masks: TokenMasks | None = None,
         draft_ns: int = 0,
+        lookahead: bool = False,
     ) -> Future[VerifyResult]:
         """Score ``tree`` after the session's pending token and commit what acceptance keeps.
 
         ``draft_ns``: how long the coordinator waited for the tree from its drafter (0: none asked); the
-        session's next draft budget counts it (``draft_budget``).
+        session's next draft budget counts it (``draft_budget``). ``lookahead``: run the session's Jacobi
+        lookahead rows in the step where ``--lookahead`` allows, and return their n-grams (they change nothing
+        that is accepted).
         """
         try:
             tree.validate(self.vocab_size, self.limits.max_tree_nodes, self.limits.max_tree_depth)
@@ -360,6 +405,7 @@ class Verifier:
             token_masks=token_masks,
             forced_tokens=token_masks.forced_tokens(self.vocab_size) if token_masks is not None else None,
             draft_ns=max(0, draft_ns),
+            lookahead=lookahead,
         )
         return self._submit(call)
 
@@ -596,7 +642,13 @@ class Verifier:
                 )
         inputs = step_inputs.pack(work, self._arena, self.device)
         out = self._runner.forward(
-            inputs.plan, inputs.input_ids, inputs.positions, inputs.score_rows, inputs.feature_rows
+            inputs.plan,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.score_rows,
+            inputs.feature_rows,
+            inputs.layer_rows,
+            inputs.layers,
         )
         self._num_steps += 1
         sessions = len(work.verifies)
@@ -605,15 +657,25 @@ class Verifier:
         budget = self._budget.nodes_for(load) if self._guard.arm_now else 0  # the engine-wide figure, for the log
         num_segments, num_tokens = len(inputs.plan.segments), int(inputs.input_ids.numel())
         self._activity.add(num_segments, num_tokens, time.perf_counter_ns() - started, budget)
+        ngrams: dict[str, tuple[tuple[int, ...], ...]] = {}
+        lookahead_rows = 0
+        for call, _, logits in step_inputs.lookahead_rows(work, out):
+            window = call.window
+            assert window is not None
+            lookahead_rows += window.rows
+            ngrams[call.session_id] = tuple(window.advance(logits.argmax(dim=-1).tolist()))
         committed: dict[str, int] = {}
         for call, session, logits, hidden in step_inputs.verify_rows(work, out):
-            committed[call.session_id] = self._finish_verify(call, session, logits, hidden, load, sessions)
+            found = ngrams.get(call.session_id, ())
+            committed[call.session_id] = self._finish_verify(call, session, logits, hidden, load, sessions, found)
         for prefill, tokens, hidden in step_inputs.prefill_rows(work, out):
             if hidden is not None:
                 prefill.features.append(hidden)
             self._advance_prefill(prefill, tokens)
-        self._guard.observe(committed, (time.perf_counter_ns() - started) / 1e9)
-        step = EngineStep(num_segments, num_tokens, tuple(queued))
+        step_s = (time.perf_counter_ns() - started) / 1e9
+        self._guard.observe(committed, step_s)
+        yielded = sum(len(found) for found in ngrams.values())
+        step = EngineStep(num_segments, num_tokens, tuple(queued), lookahead_rows, yielded, step_s)
         for observer in self._step_observers:
             observer(step)
         return True
@@ -675,7 +737,49 @@ class Verifier:
         deferred.sort(key=lambda c: c.enqueued_ns)
         with self._cond:
             self._queue.extendleft(reversed(deferred))
+        self._plan_lookahead(work, tokens_left)
         return work
+
+    def _plan_lookahead(self, work: StepWork, tokens_left: int) -> None:
+        """Give the step's Verify calls that ask for lookahead their sessions' windows, while the step has rows.
+
+        Each window takes all its rows or none, in call order, within the token budget; under "auto" only
+        while the cost curve says the step with them costs at most ``NEARLY_FREE`` times the step without
+        (off on a CPU's curve, where every row costs).
+        """
+        if self._lookahead == "off":
+            return
+        rows = sum(call.num_tokens for call, _ in work.verifies) + sum(tokens for _, tokens in work.prefills)
+        if self._lookahead == "auto" and not nearly_free(self._budget.curve, rows, self._lookahead_window):
+            return  # not even a filling window's first level is free (a CPU's curve): no window is touched
+        for call, session in work.verifies:
+            if not call.lookahead or call.score_only:
+                continue
+            if session.lookahead is None:
+                session.lookahead = LookaheadWindow(self._lookahead_window, self._lookahead_ngram - 1)
+            window = session.lookahead
+            window.follow(session.committed)
+            extra = window.rows
+            if extra > tokens_left or (self._lookahead == "auto" and not nearly_free(self._budget.curve, rows, extra)):
+                continue
+            if not self._window_fits(call, session, extra):
+                continue
+            call.window = window
+            rows += extra
+            tokens_left -= extra
+
+    def _window_fits(self, call: VerifyCall, session: Session, extra: int) -> bool:
+        """Whether ``extra`` window rows fit the session's context and cache (never evicting anyone for them), and
+        keep the segment where its attention computes a row alike whatever shares it (``model_runner``)."""
+        window = session.lookahead
+        assert window is not None
+        slots = len(session.committed) + len(call.tree) + extra
+        furthest = len(session.committed) + window.width + window.num_levels  # the last guess's position + 1
+        if max(slots, furthest) > self.limits.max_session_tokens:
+            return False
+        if call.num_tokens + extra > self._runner.max_invariant_segment_rows:
+            return False
+        return self._arena.reserve(session.region, slots, self.limits.max_session_tokens)
 
     def _owned_by_caller(self, call: Call) -> bool:
         """False (and the call answered PermissionDenied) when the session exists and another owner created it.
@@ -740,6 +844,8 @@ class Verifier:
 
     def _start_prefill(self, call: PrefillCall) -> bool:
         call.session = self._sessions.start(call.session_id, call.tokens, call.sampling, call.owner)
+        if call.session is not None:
+            call.session.feature_layers = call.feature_layers
         return call.session is not None
 
     def _advance_prefill(self, call: PrefillCall, tokens: int) -> None:
@@ -779,8 +885,10 @@ class Verifier:
         hidden: torch.Tensor | None,
         load: int,
         batch_sessions: int,
+        lookahead_ngrams: tuple[tuple[int, ...], ...] = (),
     ) -> int:
-        """Apply the call's acceptance and answer it with the session's next draft budget at ``load``.
+        """Apply the call's acceptance and answer it with the session's next draft budget at ``load`` (and the
+        n-grams its lookahead rows yielded).
 
         Returns the tokens it committed.
         """
@@ -824,6 +932,7 @@ class Verifier:
                 draft_budget_nodes=budget,
                 batch_sessions=batch_sessions,
                 queue_ns=call.started_ns - call.enqueued_ns,
+                lookahead_ngrams=lookahead_ngrams,
             ),
         )
         return len(accepted) + 1
