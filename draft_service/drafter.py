@@ -22,9 +22,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from draft_service.capped_registry import CappedRegistry
-from draft_service.draft_head import DraftHead
+from draft_service.draft_lm import DraftLM
+from draft_service.draft_lm_source import DraftLMProposer
+from draft_service.draft_tree import EMPTY, DraftTree
 from draft_service.head_graphs import TreeGraphs
 from draft_service.head_proposer import HeadProposer, TreeShape
+from draft_service.head_types import ServingHead
+from draft_service.lookahead_source import LookaheadProposer
 from draft_service.namespace_state import NamespaceState
 from draft_service.ngram_pool import NgramPool
 from draft_service.proposers import PoolProposer, PromptLookupProposer, Proposer, TokenRecyclingProposer
@@ -32,19 +36,18 @@ from draft_service.session_memory import SESSION, UNBOUNDED, SessionMemory
 from draft_service.source_gate import GateCounts, GateHistory, SourceGate
 from draft_service.suffix_source import SuffixProposer
 from draft_service.tree_builder import (
-    EMPTY,
     AcceptanceStats,
-    DraftTree,
     TreeBuilder,
     VerifyCost,
     is_accepted_path,
     learn_from_acceptance,
     likely_outcomes,
+    source_names,
 )
 from specserve.results import DraftFeedback, DraftReply, VerifiedTree
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import ANONYMOUS
-from specserve.token_tree import ROOT, TokenTree
+from specserve.token_tree import TokenTree
 
 BYTES_PER_TOKEN = 40
 """A committed token in a Python list: an 8-byte slot and an int object (32 bytes for ids past 256)."""
@@ -52,11 +55,21 @@ BYTES_PER_TOKEN = 40
 DEFAULT_MAX_NAMESPACES = 1024
 """Most (vocabulary, pool namespace) pairs whose pools, successor tables and statistics a drafter keeps."""
 
-NGRAM_SOURCES = (PromptLookupProposer.name, PoolProposer.name, TokenRecyclingProposer.name, SuffixProposer.name)
+NGRAM_SOURCES = (
+    PromptLookupProposer.name,
+    PoolProposer.name,
+    TokenRecyclingProposer.name,
+    SuffixProposer.name,
+    LookaheadProposer.name,
+)
 ALL_SOURCES = (*NGRAM_SOURCES, HeadProposer.name)
-DEFAULT_NGRAM_SOURCES = (SuffixProposer.name, TokenRecyclingProposer.name)
+"""The sources a drafter runs from what it ships: the n-gram sources and the packaged draft head."""
+SOURCES = (*ALL_SOURCES, DraftLMProposer.name)
+"""Every source a drafter knows: ``ALL_SOURCES`` and the draft model's, which needs one (``--draft-model``)."""
+DEFAULT_NGRAM_SOURCES = (SuffixProposer.name, TokenRecyclingProposer.name, LookaheadProposer.name)
 """The n-gram sources a drafter runs unless told: the suffix source drafts what prompt lookup and the pool do (it
-reads the pool itself), with frequency-scored trees."""
+reads the pool itself), with frequency-scored trees; the lookahead source costs nothing until the verifier sends
+lookahead n-grams."""
 
 
 @dataclass
@@ -73,88 +86,6 @@ class _Predraft:
     tree: DraftTree
     draft_ns: int  # what drafting it cost, ahead of time
     gated: bool = False  # the costly sources (SourceGate) drafted it too
-
-
-def _cut(draft: DraftTree, max_nodes: int) -> DraftTree:
-    """The first ``max_nodes`` nodes (parents precede children, so any prefix is a tree)."""
-    if len(draft.tree) <= max_nodes:
-        return draft
-    tree = TokenTree(draft.tree.token_ids[:max_nodes], draft.tree.parents[:max_nodes])
-    return DraftTree(tree, draft.sources[:max_nodes], draft.scores[:max_nodes])
-
-
-def _scored(own: DraftTree, verified: VerifiedTree) -> DraftTree:
-    """``verified`` with an acceptance estimate per node, to rank its outcomes by.
-
-    A forced node is certain once its parent is accepted: its parent's score. A node of ours keeps our estimate
-    of it given its parent (its score over its parent's). Nodes are matched to ours by their path's tokens.
-    """
-    pairs = zip(own.tree.parents, own.tree.token_ids, strict=True)
-    index = {pair: node for node, pair in enumerate(pairs)}  # (our parent, token) -> our node
-    ours: list[int | None] = []  # per verified node: our node, or None
-    scores: list[float] = []
-    for node, (token, parent) in enumerate(zip(verified.tree.token_ids, verified.tree.parents, strict=True)):
-        anchor = ROOT if parent == ROOT else ours[parent]
-        mine = index.get((anchor, token)) if anchor is not None else None
-        ours.append(mine)
-        above = 1.0 if parent == ROOT else scores[parent]
-        if verified.is_forced(node):
-            scores.append(above)
-        elif mine is not None and anchor is not None:
-            own_above = 1.0 if anchor == ROOT else own.scores[anchor]
-            scores.append(above * own.scores[mine] / own_above if own_above > 0 else 0.0)
-        else:
-            scores.append(0.0)
-    return DraftTree(verified.tree, tuple(frozenset[str]() for _ in scores), tuple(scores))
-
-
-def _after(draft: DraftTree, path: Sequence[int]) -> DraftTree | None:
-    """The subtree of ``draft`` under the node ``path`` reaches, rooted there; None when it has no such node."""
-    node = _find_node(draft.tree, path)
-    if node is None:
-        return None
-    anchor = 1.0 if node == ROOT else draft.scores[node]
-    new_index = {node: ROOT}
-    kept: list[int] = []
-    for child in range(node + 1, len(draft.tree)):  # parents precede children: one pass finds the descendants
-        if draft.tree.parents[child] in new_index:
-            new_index[child] = len(kept)
-            kept.append(child)
-    tree = TokenTree(
-        tuple(draft.tree.token_ids[c] for c in kept), tuple(new_index[draft.tree.parents[c]] for c in kept)
-    )
-    scores = tuple(draft.scores[c] / anchor if anchor > 0 else 0.0 for c in kept)
-    return DraftTree(tree, tuple(draft.sources[c] for c in kept), scores)
-
-
-def _graft(prefix: Sequence[int], draft: DraftTree) -> DraftTree:
-    """``prefix`` as a chain from the root (certain nodes, credited to no source) with ``draft`` under its end."""
-    if not prefix:
-        return draft
-    k = len(prefix)
-    parents = (*range(-1, k - 1), *(k - 1 if p == ROOT else p + k for p in draft.tree.parents))
-    tree = TokenTree((*prefix, *draft.tree.token_ids), parents)
-    return DraftTree(tree, (*(frozenset[str]() for _ in prefix), *draft.sources), (*(1.0,) * k, *draft.scores))
-
-
-def _find_node(tree: TokenTree, path: Sequence[int]) -> int | None:
-    """The node that ``path`` (tokens from the root) reaches in ``tree``; ROOT for the empty path, None when
-    ``tree`` does not spell it."""
-    node = ROOT
-    children = tree.children()
-    for token in path:
-        found = next((c for c in children[node] if tree.token_ids[c] == token), None)
-        if found is None:
-            return None
-        node = found
-    return node
-
-
-def _node_at(tree: TokenTree, path: Sequence[int]) -> int:
-    """The node that ``path`` reaches in ``tree``, which spells it."""
-    node = _find_node(tree, path)
-    assert node is not None, f"the tree does not spell {list(path)}"
-    return node
 
 
 class DraftSession:
@@ -177,9 +108,9 @@ class DraftSession:
         gate: SourceGate | None = None,
     ) -> None:
         self.session_id = session_id
-        # Whether the costly sources (those drafting from the target's features: the head) earn their time.
+        # Whether the costly sources (a model of their own: the head, a draft model) earn their time.
         self._gate = gate if gate is not None else SourceGate()
-        self._gated = frozenset(proposer.name for proposer in proposers if proposer.wants_features)
+        self._gated = frozenset(proposer.name for proposer in proposers if proposer.costly or proposer.wants_features)
         self._gate_open = True  # the costly sources draft the trees of this round (and its pre-drafts)
         self._gated_s = 0.0  # their drafting time since this round's drafting began
         self._gated_nodes = 0  # and the nodes they offered
@@ -224,7 +155,7 @@ class DraftSession:
         a probe that started from one round's features after a gap drafted from too little context to be
         judged fairly. Features they will never read would be computed, sent and kept for nothing: the
         coordinator asks for them only when this says so (``DraftReply.wants_features``)."""
-        return bool(self._gated) and not self._forgotten
+        return self.wants_features and not self._forgotten
 
     @property
     def predrafts(self) -> bool:
@@ -300,13 +231,13 @@ class DraftSession:
         room = max_nodes - len(prefix)
         probe_ns = 0
         if ready is not None and prefix:  # usable only where it drafted the forced tokens too
-            under = _after(ready.tree, prefix)
+            under = ready.tree.subtree(prefix)
             ready = _Predraft(under, ready.draft_ns, ready.gated) if under is not None and len(under.tree) else None
         if room <= 0:
             ready, drafted = None, EMPTY
         elif ready is not None:
             self._predraft_counts.used += 1
-            drafted = _cut(ready.tree, room)
+            drafted = ready.tree.cut(room)
             self._drafted_gated = ready.gated
         else:
             self._gate_open = bool(self._gated) and self._gate.opens()
@@ -321,7 +252,7 @@ class DraftSession:
             else:
                 self._gate.sat_out()
             self._drafted_gated = self._gate_open and self._gated_nodes > 0
-        self._last = _graft(prefix, drafted)
+        self._last = drafted.grafted_under(prefix)
         self._prefix_len, self._drafted = len(prefix), drafted
         # With a constraint the tree verified is not this one: its outcomes come with it (``verified``).
         outcomes = [] if self._sends_verified else likely_outcomes(self._last, self._predraft_outcomes)
@@ -347,10 +278,10 @@ class DraftSession:
         if self._max_nodes <= 0:
             return  # no tree was asked for: nothing to draft ahead
         self._verified = verified
-        outcomes = likely_outcomes(_scored(self._last, verified), self._predraft_outcomes, verified.forced)
+        outcomes = likely_outcomes(self._last.estimates_for(verified), self._predraft_outcomes, verified.forced)
         pending = [(path, 0) for path in outcomes]
         if outcomes and outcomes[0]:
-            end = _node_at(verified.tree, outcomes[0])
+            end = verified.tree.node_at(outcomes[0])
             allowed = verified.allowed_next.get(end)
             if verified.is_forced(end) and (allowed is None or len(allowed) > 1):
                 pending.insert(1, (outcomes[0], 1))
@@ -370,7 +301,7 @@ class DraftSession:
         if bonus is not None:
             tree = self._draft([*context, bonus], self._max_nodes)
             elapsed = time.perf_counter_ns() - start
-            gated = self._gate_open and any(self._gated & sources for sources in tree.sources)
+            gated = self._gate_open and any(self._gated & source_names(sources) for sources in tree.sources)
             self._predrafts[(*accepted, bonus)] = _Predraft(tree, elapsed, gated)
             self._predraft_counts.drafted += 1
         return True
@@ -387,7 +318,7 @@ class DraftSession:
         """
         verified = self._verified
         tree = verified.tree if verified is not None else self._last.tree
-        node = _node_at(tree, accepted)
+        node = tree.node_at(accepted)
         offered = {tree.token_ids[c] for c in tree.children()[node]}
         allowed = verified.allowed_next.get(node) if verified is not None else None
         left = [token for token in allowed if token not in offered] if allowed is not None else None
@@ -409,7 +340,8 @@ class DraftSession:
         learn_from_acceptance(self._builder.stats, self._drafted, own)
         if not self._drafted_gated:
             return None
-        return sum(1 for node in own if self._drafted.sources[node] and self._drafted.sources[node] <= self._gated)
+        credited = (source_names(self._drafted.sources[node]) for node in own)
+        return sum(1 for names in credited if names and names <= self._gated)
 
     def _draft(self, tokens: list[int], max_nodes: int) -> DraftTree:
         return self._builder.build(self._proposals(tokens, max_nodes), max_nodes)
@@ -454,24 +386,31 @@ class Drafter:
         prompt_lookup: PromptLookupProposer | None = None,
         sources: Sequence[str] = DEFAULT_NGRAM_SOURCES,
         cost: VerifyCost | None = None,
-        draft_head: DraftHead | None = None,
+        draft_head: ServingHead | None = None,  # ours or a published EAGLE-3 head
         tree_shape: TreeShape | None = None,
         predraft_outcomes: int = 0,
         memory: SessionMemory | None = None,
         coupled_sampling: bool = True,
         max_namespaces: int = DEFAULT_MAX_NAMESPACES,
+        draft_lm: DraftLM | None = None,
+        # (vocabulary fingerprint, pool namespace) -> the lookahead n-grams' pool (None: each session's own only)
+        lookahead_pool_for: Callable[[str, str], NgramPool] | None = None,
     ) -> None:
-        unknown = set(sources) - set(ALL_SOURCES)
+        unknown = set(sources) - set(SOURCES)
         if unknown:
-            raise ValueError(f"unknown draft sources {sorted(unknown)}; choose from {', '.join(ALL_SOURCES)}")
+            raise ValueError(f"unknown draft sources {sorted(unknown)}; choose from {', '.join(SOURCES)}")
         if HeadProposer.name in sources and draft_head is None:
             raise ValueError(f"the {HeadProposer.name} source needs a draft head (weights)")
         self._head = draft_head if HeadProposer.name in sources else None
+        if DraftLMProposer.name in sources and draft_lm is None:
+            raise ValueError(f"the {DraftLMProposer.name} source needs a draft model (--draft-model)")
+        self._draft_lm = draft_lm if DraftLMProposer.name in sources else None
         self._tree_shape = tree_shape or TreeShape()
         # A GPU head grows greedy trees in captured graphs, shared by its sessions.
         head = self._head
         self._tree_graphs = TreeGraphs(head) if head is not None and head.draft_lm_head.device.type == "cuda" else None
         self._pool_for = pool_for
+        self._lookahead_pool_for = lookahead_pool_for
         self._prompt_lookup = prompt_lookup or PromptLookupProposer()
         self.sources = tuple(sources)
         self._cost = cost or VerifyCost()
@@ -487,7 +426,7 @@ class Drafter:
         # Outcomes of each tree to draft ahead for while it is verified (0: no pre-drafting). Worth it only
         # where drafting has its own cores: in one process with the verifier it would take the verifier's.
         self.predraft_outcomes = predraft_outcomes
-        # Sampled sessions' head drafts use the target's keyed noise (coupled); off: its top-k, as for greedy.
+        # Sampled sessions' head and draft-model drafts use the target's keyed noise (coupled); off: their top-k.
         self.coupled_sampling = coupled_sampling
         # Open sessions' and namespaces' bytes, bounded (--max-memory-mib): the least recently used ones' state goes.
         self.memory = memory if memory is not None else SessionMemory(max_bytes=UNBOUNDED)
@@ -501,9 +440,18 @@ class Drafter:
         return self._head is not None
 
     @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the draft head reads, concatenated per row; empty: the final hidden
+        state (also with no head)."""
+        return self._head.feature_layers if self._head is not None else ()
+
+    @property
     def vocab_fingerprint(self) -> str:
-        """The vocabulary the draft head needs; empty when only n-gram sources draft (any vocabulary)."""
-        return self._head.target_fingerprint if self._head is not None else ""
+        """The vocabulary the draft head or draft model needs; empty when only n-gram sources draft (any
+        vocabulary). Both were checked against the same target at start-up."""
+        if self._head is not None:
+            return self._head.target_fingerprint
+        return self._draft_lm.fingerprint if self._draft_lm is not None else ""
 
     def open_session(
         self,
@@ -515,7 +463,7 @@ class Drafter:
         verify_cost: VerifyCost | None = None,
         sampling: SamplingParams = GREEDY,
     ) -> DraftSession:
-        """A session for a target of ``vocab_fingerprint``; ValueError when the draft head cannot serve it.
+        """A session for a target of ``vocab_fingerprint``; ValueError when the draft head or model cannot serve it.
 
         ``vocab_size``: the target's (0: unknown); draft tokens outside it are dropped. ``pool_namespace``: the
         tenant's n-gram pool and successor table (``Tenant.pool_namespace``; empty: the anonymous tenant's).
@@ -528,6 +476,12 @@ class Drafter:
                 f"this drafter's draft head was trained for the vocabulary {self._head.target_fingerprint}, "
                 f"the session's target has {vocab_fingerprint}: start the drafter with a head for that target"
             )
+        if self._draft_lm is not None and self._draft_lm.fingerprint not in ("", vocab_fingerprint):
+            raise ValueError(
+                f"this drafter's draft model {self._draft_lm.name} has the vocabulary {self._draft_lm.fingerprint}, "
+                f"the session's target has {vocab_fingerprint}: start the drafter with a draft model of that target's "
+                "family (--draft-model)"
+            )
         namespace = pool_namespace or ANONYMOUS.pool_namespace
         pool = self._pool_for(vocab_fingerprint, namespace)
         if vocab_size > 0:
@@ -539,11 +493,20 @@ class Drafter:
             PoolProposer.name: lambda: PoolProposer(pool),
             TokenRecyclingProposer.name: lambda: TokenRecyclingProposer(state.successors),
             SuffixProposer.name: lambda: SuffixProposer(prompt_tokens, pool),
+            LookaheadProposer.name: lambda: LookaheadProposer(
+                self._lookahead_pool(vocab_fingerprint, namespace, vocab_size)
+            ),
         }
         head = self._head
         if head is not None:
             coupled = sampling if self.coupled_sampling else GREEDY
             available[HeadProposer.name] = lambda: HeadProposer(head, self._tree_shape, coupled, self._tree_graphs)
+        draft_lm = self._draft_lm
+        if draft_lm is not None:
+            lm_sampling = sampling if self.coupled_sampling else GREEDY
+            available[DraftLMProposer.name] = lambda: DraftLMProposer(
+                draft_lm, prompt_tokens, self._tree_shape, lm_sampling
+            )
         shared = state.stats(sampling.greedy)
         builder = TreeBuilder(AcceptanceStats(parent=shared), verify_cost or self._cost)
         built = {name: available[name]() for name in dict.fromkeys(self.sources)}  # a source named twice: one
@@ -563,6 +526,15 @@ class Drafter:
         )
         self.memory.opened(session)
         return session
+
+    def _lookahead_pool(self, fingerprint: str, namespace: str, vocab_size: int) -> NgramPool | None:
+        """The namespace's lookahead pool, limited to the target's vocabulary (None: none configured)."""
+        if self._lookahead_pool_for is None:
+            return None
+        pool = self._lookahead_pool_for(fingerprint, namespace)
+        if vocab_size > 0:
+            pool.limit_vocab(vocab_size)
+        return pool
 
     @property
     def num_namespaces(self) -> int:

@@ -28,6 +28,9 @@ class Proposer(Protocol):
     name: str
     # The source drafts from the target's hidden features: the coordinator must forward them.
     wants_features: bool
+    # The source runs a model of its own each round (the draft head, a draft model): the source gate weighs
+    # whether it earns the time a round waits for it (those that want features are weighed alike).
+    costly: bool
 
     def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree: ...
 
@@ -57,6 +60,7 @@ class _Stateless:
     """For sources that learn nothing from the verifier's reports."""
 
     wants_features = False
+    costly = False
 
     def observe(self, feedback: DraftFeedback) -> None:
         return None
@@ -214,6 +218,7 @@ class TokenRecyclingProposer:
 
     name = "token_recycling"
     wants_features = False
+    costly = False
 
     def __init__(self, table: SuccessorTable, widths: Sequence[int] = (3, 2, 1, 1, 1, 1)) -> None:
         self._table = table

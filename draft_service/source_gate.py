@@ -1,11 +1,11 @@
-"""Whether a session's costly draft sources (the draft head) earn the time a round waits for them.
+"""Whether a session's costly draft sources (the draft head, a draft model) earn the time a round waits for them.
 
 The n-gram sources draft in microseconds; the draft head drafts from forwards of its own, several a round,
 and the round waits for them (unless the tree was pre-drafted on an idle core). Where its drafts add fewer
 tokens per second of its time than the session commits per second of a round, every round that runs it
 commits less per second than one that does not. Worse, the verifier sizes each session's trees from what
 its drafted rounds wait for (``VerifyRequest.draft_micros``, ``DraftBudget``): a slow head there keeps every
-source's trees small, the cheap sources' too (bench/README.md, "The draft head's gate").
+source's trees small, the cheap sources' too (docs/benchmarks.md, "The draft head's gate").
 
 So per session a ``SourceGate`` weighs the costly sources each round: they run while the tokens only they
 drafted that the verifier accepted, per second of their drafting, are at least the tokens the session
@@ -18,7 +18,7 @@ budget counts. Drafts never change output: this only moves time between drafting
 
 A session alone needs its warm-up to judge the sources, and the first of those runs feeds the whole prompt's
 features, in the background while the verifier computes (on shared cores, taking its CPU). Where the head has
-not paid for a drafter's earlier sessions that warm-up buys nothing but that cost (bench/README.md, "The draft
+not paid for a drafter's earlier sessions that warm-up buys nothing but that cost (docs/benchmarks.md, "The draft
 head's record"). So every session's figures also feed the drafter's ``GateHistory``, and a new session of a
 drafter whose record says the sources do not pay starts with its warm-up done, judged on the record's figures
 until its own come in, and feeds them no features until they next run (a probe). Every

@@ -83,6 +83,7 @@ class SuffixProposer:
 
     name = "suffix"
     wants_features = False
+    costly = False
 
     def __init__(self, prompt_tokens: Sequence[int], pool: NgramPool | None = None) -> None:
         self._text: list[int] = list(prompt_tokens)  # the committed tokens

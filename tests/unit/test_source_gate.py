@@ -225,3 +225,21 @@ def test_a_gate_judges_on_the_record_until_its_session_has_figures_of_its_own() 
     gate.committed(3, gain=9)  # this session's own gain: 9 tokens per 10 ms of the record's cost: it pays
     assert gate.pays()
     assert SourceGate(clock).pays(), "nothing known anywhere: run them, to find out"
+
+
+class CalibratedSource(Source):
+    """A source whose nodes carry their draft probability, as the draft head's and a draft model's do: the tree
+    builder credits them as ``name@q<bucket>``."""
+
+    def propose(self, tokens: Sequence[int], max_nodes: int) -> TokenTree:
+        tree = super().propose(tokens, max_nodes)
+        return TokenTree(tree.token_ids, tree.parents, node_probs=(0.9,) * len(tree))
+
+
+def test_accepted_drafts_of_a_source_whose_nodes_carry_q_count_as_its_gain() -> None:
+    """The gate reads the sources behind a node's credit labels, so calibrated nodes are the source's too."""
+    clock = FakeClock()
+    head = CalibratedSource("draft_model", RIGHT, 0.002, clock, costly=True)
+    session = session_with(clock, head)
+    play(session, clock, 20, verify_s=0.005)
+    assert head.calls == 20

@@ -125,6 +125,8 @@ Deployment of one tier. Extra keys:
   serviceAccountName
   automountToken - mount the ServiceAccount's API token (the coordinator with kubernetes discovery)
   ports   - extra container ports, a list of {name, port} (the coordinator's HTTP API)
+  volumes, volumeMounts - rendered YAML lists of tier-specific Volumes and the
+            server container's VolumeMounts (the drafter's draft model; may be empty)
 */}}
 {{- define "specserve.deployment" -}}
 {{- $root := .root }}
@@ -266,6 +268,9 @@ spec:
             {{- with include "specserve.modelMount" . }}
             {{- . | trim | nindent 12 }}
             {{- end }}
+            {{- with .volumeMounts }}
+            {{- . | trim | nindent 12 }}
+            {{- end }}
             {{- with include "specserve.securityMounts" . }}
             {{- . | trim | nindent 12 }}
             {{- end }}
@@ -274,6 +279,9 @@ spec:
           emptyDir:
             sizeLimit: {{ $root.Values.scratchSizeLimit }}
         {{- with include "specserve.modelVolume" . }}
+        {{- . | trim | nindent 8 }}
+        {{- end }}
+        {{- with .volumes }}
         {{- . | trim | nindent 8 }}
         {{- end }}
         {{- with include "specserve.securityVolumes" . }}

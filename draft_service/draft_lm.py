@@ -1,0 +1,287 @@
+"""A draft language model: a small model of the target's family, run by the drafter with a KV cache per session.
+
+transformers loads the config, weights and tokenizer; the step is the verifier engine's forward in the
+drafter's own terms (the tiers share only ``specserve/``, so the drafter cannot import the engine's
+``target_service.llama_forward``): the same fused QKV and gate-up products on weights packed once
+(``specserve.packed_linear``, the block kernel where the weights are a GGUF file's llama.cpp blocks), the same
+RMSNorm and rotary embedding (``specserve.llama_ops``), the same families (Llama, Mistral, Qwen2 with its Q, K
+and V biases, Qwen3 with its per-head query and key norms). The final norm and LM head run in fp32, as the
+verifier's do.
+
+Attention reads a per-session cache (``DraftLMCache``: one in-place buffer per layer, as the draft head's) with
+a mask, so one step can run a tree level's nodes, each over the context, its ancestors and itself. Its numerics
+matter only to acceptance: every draft is a guess the verifier checks, so a draft model never changes output.
+
+The drafter serves a draft model only when it shares the target's tokenizer (``load_draft_lm`` compares their
+vocabulary fingerprints): token ids cross between them unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from draft_service.head_layer import HeadCache
+from specserve.block_weights import serial_kernels
+from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
+from specserve.model_loading import (
+    ModelNotFoundError,
+    default_cache_root,
+    load_model,
+    load_tokenizer,
+    materialize,
+    resolve_model,
+    vocab_fingerprint,
+)
+from specserve.packed_linear import (
+    PackedLinear,
+    Packing,
+    available_packing,
+    block_packing,
+    candidate_rows,
+    fp32_head_packing,
+)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+"""The families the step reproduces: those the verifier's engine drives."""
+_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+class DraftLMError(ValueError):
+    """A draft model the drafter cannot serve: missing, unreadable, of another family, or of another tokenizer."""
+
+
+class DraftLMCache:
+    """One session's keys and values, a ``HeadCache`` per layer; ``crop`` rolls every layer back at once."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [HeadCache() for _ in range(num_layers)]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (the buffers stay: the dropped positions are written over next)."""
+        for layer in self.layers:
+            layer.crop(length)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    qkv: PackedLinear
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's per-head query and key norms
+
+
+def check_supported(config: Any) -> None:
+    """Raise DraftLMError unless the step reproduces this model."""
+    model_type = getattr(config, "model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise DraftLMError(f"the drafter runs {sorted(SUPPORTED_MODEL_TYPES)} draft models; this one is {model_type!r}")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise DraftLMError("sliding-window attention layers are not supported in a draft model")
+
+
+class DraftLM:
+    """A small causal LM's weights, shared by every session; ``step`` runs rows of one session over its cache."""
+
+    def __init__(self, model: Any, name: str = "", fingerprint: str = "") -> None:
+        config = model.config
+        check_supported(config)
+        inner = model.model
+        rotary = inner.rotary_emb
+        rope_type = getattr(rotary, "rope_type", "default")
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise DraftLMError(f"the draft model's rotary type {rope_type!r} changes with the sequence length")
+        self.name = name  # where it was loaded from, for messages
+        self.fingerprint = fingerprint  # its tokenizer's vocabulary (``vocab_fingerprint``); empty: unchecked
+        head = model.get_output_embeddings().weight.detach()
+        self.device: torch.device = head.device
+        self.dtype: torch.dtype = head.dtype
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.eps = float(config.rms_norm_eps)
+        self.scaling = self.head_dim**-0.5
+        self.vocab_size = int(head.shape[0])
+        self.packing = _packing(model, self.dtype, self.device)
+        buckets = candidate_rows(self.packing)
+        self._layers = [_layer(layer, self.packing, buckets) for layer in inner.layers]
+        self.embed = inner.embed_tokens.weight.detach()
+        self._norm = inner.norm.weight.detach().float()
+        head_packing = fp32_head_packing(head)  # a GGUF model's Q8_0 head on the block kernel, as the verifier's
+        self._head = PackedLinear(head.float(), None, head_packing, candidate_rows(head_packing))
+        self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
+        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        # A CPU attends in fp32 (PyTorch's CPU SDPA is slow in bf16 for a few query rows): the cache holds fp32.
+        self._attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def new_cache(self) -> DraftLMCache:
+        return DraftLMCache(self.num_layers)
+
+    def describe(self) -> str:
+        """For the start-up log: what runs where."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.num_layers} layers on {self.device} in {dtype}, products {self.packing}"
+
+    def _kernels(self) -> contextlib.AbstractContextManager[None]:
+        # On the block kernel the drafter's thread runs the loops itself: no OpenMP team beside the verifier's.
+        return serial_kernels() if self.packing == "blocks" else contextlib.nullcontext()
+
+    def step(
+        self,
+        tokens: torch.Tensor,  # [n] token ids
+        positions: torch.Tensor,  # [n] their sequence positions
+        cache: DraftLMCache,
+        allowed: torch.Tensor | None = None,  # [n, cached + n] True where a row may attend; None: causal
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """The rows' next-token logits [n, vocab] (fp32; ``last_only``: the last row's, [1, vocab]); their keys
+        and values stay in ``cache`` after what it held."""
+        with self._kernels():
+            return self._step(tokens, positions, cache, allowed, last_only)
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DraftLMCache,
+        allowed: torch.Tensor | None,
+        last_only: bool,
+    ) -> torch.Tensor:
+        rows = tokens.shape[0]
+        cached = cache.length
+        if allowed is None and rows > 1:
+            allowed = torch.ones(rows, cached + rows, dtype=torch.bool, device=self.device)
+            allowed[:, cached:] = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
+        x = F.embedding(tokens, self.embed)
+        cos, sin = rotary_tables(positions, self._inv_freq, self._rope_scaling, x.dtype)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for layer, layer_cache in zip(self._layers, cache.layers, strict=True):
+            qkv = layer.qkv(rms_norm(x, layer.attn_norm, self.eps))
+            q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(rows, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size :].view(rows, self.num_kv_heads, self.head_dim)
+            if layer.qk_norms is not None:
+                q, k = rms_norm(q, layer.qk_norms[0], self.eps), rms_norm(k, layer.qk_norms[1], self.eps)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            dtype = self._attention_dtype
+            keys, values = layer_cache.append(k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype))
+            attended = self._attend(q.to(dtype), keys, values, allowed)
+            x = x + layer.o(attended.to(x.dtype))
+            gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        scored = x[-1:] if last_only else x
+        return self._head(rms_norm(scored.float(), self._norm, self.eps))
+
+    def _attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The rows' queries [n, heads, d] over ``keys``/``values`` [kv_heads, m, d] -> [n, heads * d].
+
+        Two batched products per layer, each key-value head with its group of query heads (head h reads
+        key-value head h // group, as transformers' ``repeat_kv``). A draft step has a few query rows: there
+        PyTorch's CPU SDPA costs many times the products themselves.
+        """
+        rows = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        grouped = q.view(rows, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
+        grouped = grouped.reshape(self.num_kv_heads, group * rows, self.head_dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)) * self.scaling  # [kv_heads, group * rows, m]
+        if allowed is not None:
+            mask = allowed.repeat(group, 1)  # rows in (group, row) order, as ``grouped``'s
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, group * rows, d]
+        out = out.view(self.num_kv_heads, group, rows, self.head_dim).permute(2, 0, 1, 3)
+        return out.reshape(rows, self.num_heads * self.head_dim)
+
+
+def _layer(layer: Any, packing: Packing, buckets: tuple[int, ...]) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    biases = [p.bias for p in projections]
+    if any(b is not None for b in biases) and not all(b is not None for b in biases):
+        raise DraftLMError("the draft model has biases on some of Q, K and V but not all")
+    if attn.o_proj.bias is not None or mlp.gate_proj.bias is not None or mlp.down_proj.bias is not None:
+        raise DraftLMError("the draft model has biases on its output or MLP projections")
+    qkv_bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
+    gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    qk_norms = (q_norm.weight.detach(), k_norm.weight.detach()) if q_norm is not None and k_norm is not None else None
+    return _Layer(
+        qkv=PackedLinear(torch.cat([p.weight.detach() for p in projections]), qkv_bias, packing, buckets),
+        o=PackedLinear(attn.o_proj.weight, None, packing, buckets),
+        gate_up=PackedLinear(gate_up, None, packing, buckets),
+        down=PackedLinear(mlp.down_proj.weight, None, packing, buckets),
+        attn_norm=layer.input_layernorm.weight.detach(),
+        mlp_norm=layer.post_attention_layernorm.weight.detach(),
+        qk_norms=qk_norms,
+    )
+
+
+def _layer_weights(model: Any) -> Iterator[torch.Tensor]:
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            yield module.weight.detach()
+
+
+def _packing(model: Any, dtype: torch.dtype, device: torch.device) -> Packing:
+    """The block kernel for an fp32 model whose layers are a GGUF file's llama.cpp blocks (a sixth of the bytes
+    read), else the packed kernel this dtype and device have (F.linear where none)."""
+    if dtype == torch.float32 and block_packing(list(_layer_weights(model))):
+        return "blocks"
+    return available_packing(dtype, device)
+
+
+def draft_dtype(device: str) -> str:
+    """fp32 on a CPU (where a GGUF draft model's blocks are read exactly, by the block kernel), bf16 on a GPU."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def load_draft_lm(spec: str, target_fingerprint: str, target_name: str, device: str = "cpu") -> DraftLM:
+    """The draft model at ``spec`` (a Hugging Face directory or a ``.gguf`` file) on ``device``.
+
+    Raises DraftLMError, saying what to do, for a path that holds no model, a checkpoint that does not load,
+    a family the step does not run, or a tokenizer other than the target's (``target_fingerprint``, of the
+    target ``target_name``): drafts are token ids, which mean the same text only under the same vocabulary.
+    """
+    try:
+        source = materialize(resolve_model(spec), default_cache_root())
+    except ModelNotFoundError as exc:
+        raise DraftLMError(f"--draft-model {spec!r}: {exc}") from exc
+    try:
+        tokenizer = load_tokenizer(source)
+    except (OSError, ValueError) as exc:
+        raise DraftLMError(f"--draft-model {spec!r}: its tokenizer does not load ({exc})") from exc
+    fingerprint = vocab_fingerprint(tokenizer)
+    if target_fingerprint and fingerprint != target_fingerprint:
+        raise DraftLMError(
+            f"the draft model {spec!r} has another tokenizer than the target {target_name!r} (vocabulary "
+            f"fingerprints {fingerprint} and {target_fingerprint}): drafts are token ids, so the two must share "
+            "one tokenizer. Point --draft-model at a small model of the target's own family (e.g. Qwen2.5-0.5B "
+            "for Qwen2.5-7B), or --target-model at the target the verifier serves, or leave --draft-model unset"
+        )
+    try:
+        model = load_model(source, device, draft_dtype(device))
+    except Exception as exc:  # a checkpoint fails in its reader's own terms (safetensors, pickle, GGUF)
+        raise DraftLMError(f"--draft-model {spec!r}: its weights do not load ({exc})") from exc
+    return DraftLM(model, spec, fingerprint)
