@@ -333,6 +333,10 @@ class _HealthCheckedStream:
     def sparse_features(self) -> bool:
         return self._inner.sparse_features  # so may this
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self._inner.feature_layers  # and this: a drafter on another head reads other layers
+
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         if self._owner.circuit_open:
             # Another session found the drafter failing: this one stops using it too.

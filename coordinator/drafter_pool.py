@@ -164,6 +164,10 @@ class _PooledStream:
     def sparse_features(self) -> bool:
         return self._inner.sparse_features
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self._inner.feature_layers
+
     async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
         try:
             reply: DraftReply = await self._inner.propose(feedback, max_nodes)

@@ -27,7 +27,7 @@ from draft_service.head_layer import HeadCache
 from draft_service.tree_growth import Level, StepOut, frontier_sizes, greedy_children, grow_levels
 
 if TYPE_CHECKING:
-    from draft_service.draft_head import DraftHead
+    from draft_service.head_types import ServingHead
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,12 @@ def context_slots(context: int) -> int:
 class Workspace:
     """Fixed buffers for trees of one shape over contexts of at most ``slots`` positions, and their graph."""
 
-    def __init__(self, head: DraftHead, depth: int, beam: int, branching: int, slots: int) -> None:
-        attention: Any = head.body.layers[0].self_attn
+    def __init__(self, head: ServingHead, depth: int, beam: int, branching: int, slots: int) -> None:
         self.device = head.draft_lm_head.device
         dtype = head.draft_lm_head.dtype
         self._head, self._depth, self._beam, self._slots = head, depth, beam, slots
         self._total = slots + sum(frontier_sizes(depth, beam, branching))  # context slots, then the tree's
-        kv = (head.config.num_key_value_heads, self._total, int(attention.head_dim))
+        kv = (head.config.num_key_value_heads, self._total, head.head_dim)
         self.keys = torch.zeros(kv, dtype=dtype, device=self.device)
         self.values = torch.zeros(kv, dtype=dtype, device=self.device)
         self.feature = torch.zeros(head.config.hidden_size, dtype=dtype, device=self.device)
@@ -116,7 +115,7 @@ class TreeGraphs:
     """One head's workspaces, by tree shape and context bucket, shared by its sessions (drafting holds one lock,
     so one tree grows at a time)."""
 
-    def __init__(self, head: DraftHead, capture: bool | None = None) -> None:
+    def __init__(self, head: ServingHead, capture: bool | None = None) -> None:
         self._head = head
         self._capture = head.draft_lm_head.device.type == "cuda" if capture is None else capture
         self._spaces: dict[tuple[int, int, int, int], Workspace] = {}

@@ -52,9 +52,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from draft_service.draft_head import DraftHead, truncate_cache
+from draft_service.draft_head import truncate_cache
 from draft_service.head_graphs import TreeGraphs
 from draft_service.head_layer import HeadCache
+from draft_service.head_types import ServingHead
 from draft_service.tree_growth import (
     Children,
     Level,
@@ -146,10 +147,11 @@ class HeadProposer:
 
     name = "draft_model"
     wants_features = True
+    costly = True
 
     def __init__(
         self,
-        head: DraftHead,
+        head: ServingHead,
         shape: TreeShape = TreeShape(),
         sampling: SamplingParams = GREEDY,
         graphs: TreeGraphs | None = None,
@@ -298,7 +300,7 @@ class HeadProposer:
             prune = placeable(budget) if self._prunes else None
             levels = grow_levels(feature, logits, depth, beam, children, step, prune)
             truncate_cache(self._cache, context)
-        return _best_subtree(on_host(levels), budget)
+        return best_subtree(on_host(levels), budget)
 
     def _level_noise(self, depth: int, first_position: int) -> torch.Tensor | None:
         """Coupled drafts: the target's keyed noise at each level's position, [depth, vocab] on the head's device
@@ -343,7 +345,7 @@ class HeadProposer:
         return out.features[0], out.logits[0]
 
 
-def _best_subtree(nodes: list[Node], budget: int) -> TokenTree:
+def best_subtree(nodes: list[Node], budget: int) -> TokenTree:
     """The ``budget`` most probable nodes, parents before children, with their probabilities."""
     drafts = (i for i in range(len(nodes)) if nodes[i].log_prob > float("-inf"))
     ranked = sorted(drafts, key=lambda i: (-nodes[i].log_prob, nodes[i].depth, i))[:budget]

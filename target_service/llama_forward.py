@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from specserve.block_weights import fused_ops_fit, layer_step, rms_norm_rows, rotary_rows
 from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
 from specserve.packed_linear import PackedLinear, Packing
+from target_service.layer_features import LayerCapture
 
 # Attention for one layer: (layer, q [T, heads, d], k and v [T, kv_heads, d], scaling) -> [T, heads, d]; it also
 # stores k and v in the KV cache. ``ragged_attention.attend_segments`` (bound to a plan) or a static step's.
@@ -185,31 +186,39 @@ class LlamaForward:
         values: Sequence[torch.Tensor],
         table: torch.Tensor,
         allowed: torch.Tensor,
+        capture: LayerCapture | None = None,
     ) -> torch.Tensor:
         """``__call__`` where every segment attends in the kernel (``ragged_attention.StepPlan.kernel_rows``: its
         ``table`` and ``allowed``) and the rows fit the block products' buckets: each layer one call of the
         kernel's module (``block_weights.layer_step``), the same operations in the same order, so the same bits.
-        ``keys`` and ``values``: the arena's, per layer."""
+        ``keys`` and ``values``: the arena's, per layer; ``capture`` keeps the named layers' inputs."""
         assert self.kernel_layers is not None, "the layers do not run as one kernel call each"
         s = self.shape
         x = F.embedding(input_ids, self.embed)
         cos, sin = rotary_tables(positions, self.inv_freq, self.rope_scaling, x.dtype)
         heads = (s.num_heads, s.num_kv_heads, s.head_dim)
         for index, (weights, shapes) in enumerate(self.kernel_layers):
+            if capture is not None:
+                capture.offer(index, x)
             x = layer_step(
                 x, weights, shapes, s.rms_norm_eps, cos, sin, keys[index], values[index], table, allowed,
                 self.scaling, heads,
             )  # fmt: skip
         return x
 
-    def __call__(self, attend: Attend, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rows ``attend`` gives no segment (padding) are computed and never read back."""
+    def __call__(
+        self, attend: Attend, input_ids: torch.Tensor, positions: torch.Tensor, capture: LayerCapture | None = None
+    ) -> torch.Tensor:
+        """Rows ``attend`` gives no segment (padding) are computed and never read back; ``capture`` keeps the
+        named layers' inputs (``layer_features``)."""
         s = self.shape
         rows = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
         cos, sin = rotary_tables(positions, self.inv_freq, self.rope_scaling, x.dtype)
         q_heads = s.num_heads
         for index, block in enumerate(self.blocks):
+            if capture is not None:
+                capture.offer(index, x)
             qkv = block.qkv(self.norm_rows(x, block.attn_norm, s.rms_norm_eps))
             qk = qkv[:, : s.q_size + s.kv_size].view(rows, s.num_heads + s.num_kv_heads, s.head_dim)
             v = qkv[:, s.q_size + s.kv_size :].view(rows, s.num_kv_heads, s.head_dim)

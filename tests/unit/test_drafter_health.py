@@ -32,6 +32,7 @@ def test_timeout_is_the_ceiling_until_measured_then_follows_the_p99_within_bound
 class FakeStream:
     wants_features = False
     takes_verified_trees = False
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, drafter: "FakeDrafter", draining: bool = False) -> None:
         self._drafter = drafter

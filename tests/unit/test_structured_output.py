@@ -272,9 +272,9 @@ def _counting_head_rows(verifier: Verifier) -> list[int]:
     counts: list[int] = []
     forward = verifier._runner.forward
 
-    def counted(plan, input_ids, positions, score_rows, feature_rows):  # type: ignore[no-untyped-def]
+    def counted(plan, input_ids, positions, score_rows, *rows):  # type: ignore[no-untyped-def]
         counts.append(int(score_rows.numel()))
-        return forward(plan, input_ids, positions, score_rows, feature_rows)
+        return forward(plan, input_ids, positions, score_rows, *rows)
 
     verifier._runner.forward = counted  # type: ignore[method-assign]
     return counts
@@ -471,6 +471,7 @@ class WatchedStream:
         self._told = 0
         self.wants_features = inner.wants_features
         self.takes_verified_trees = takes  # True: it watches each verified tree, whether or not it passes it on
+        self.feature_layers: tuple[int, ...] = ()
         self._verified: VerifiedTree | None = None
         self.rounds: list[tuple[bool, bool]] = []  # (the last path ended in a forced token, pre-drafted)
 
