@@ -1,12 +1,14 @@
 """``make train-draft``: distil the target into a draft head, train it, evaluate it, write the weights.
 
-    python -m draft_service.training [--prompts N] [--max-minutes M] ...
+    python -m draft_service.training [--prompts N] [--max-minutes M] [--device D] [--format F] ...
 
 Stages, each resumable: (1) the target answers the training prompts greedily
 and its features are stored in shards under --data-dir; (2) the head trains
 with a checkpoint in --data-dir; (3) the head is evaluated on held-out
 prompts, and the weights (bfloat16) and a metrics file are written next to
---out. A GPU is used when one is present.
+--out. Distillation and training run on --device: a GPU when one is usable,
+else the CPU. --format eagle3 trains a head in the published EAGLE-3 layout
+(``eagle3_train``) and writes it as a directory; the default is our own head.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from draft_service.draft_head import (
     read_weights,
     truncate_cache,
 )
+from draft_service.eagle3_head import Eagle3Head
 from draft_service.training.distill_data import (
     SAMPLE_TOP_K,
     DistillSettings,
@@ -46,10 +49,12 @@ from draft_service.training.distill_data import (
     load_shards,
     pad_id,
 )
-from draft_service.training.evaluate import draft_step_ms, held_out_figures
+from draft_service.training.eagle3_train import feature_layers, save_eagle3, train_eagle3
+from draft_service.training.eagle3_train import top1_agreement as eagle3_top1
+from draft_service.training.evaluate import draft_step_ms, held_out_figures, tree_acceptance
 from draft_service.training.prompt_datasets import Decontaminator, dataset_prompts, download, later_turn_prompts
 from draft_service.training.prompts import all_prompts, training_prompts
-from draft_service.training.train import TrainSettings, train
+from draft_service.training.train import TrainReport, TrainSettings, train
 from specserve.hardware import choose_dtype
 from specserve.model_loading import (
     default_cache_root,
@@ -63,11 +68,25 @@ from specserve.model_loading import (
 
 BENCH_QUESTIONS = Path("bench/data/spec_bench.jsonl")
 T = TypeVar("T")
+FORMATS = ("specserve", "eagle3")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m draft_service.training", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N: where the target distils and the head trains (default: cuda when usable, else cpu)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="specserve",
+        help="specserve: our head, one .pt file; eagle3: a head in the published EAGLE-3 layout over the "
+        "target's low, mid and high layers, a directory (config.json, model.safetensors) that vLLM, SGLang and "
+        "the drafter's draft_model source load",
+    )
     parser.add_argument("--prompts", type=int, default=7200, help="training prompts")
     parser.add_argument("--held-out", type=int, default=240, help="further prompts, never trained on, to evaluate")
     parser.add_argument(
@@ -110,7 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--learning-rate", type=float, default=TrainSettings.learning_rate, help="peak, AdamW")
     parser.add_argument("--draft-vocab", type=int, default=TrainSettings.draft_vocab_size)
-    parser.add_argument("--intermediate-size", type=int, default=1024, help="the head's MLP width")
+    parser.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=None,
+        help="the head's MLP width (default: 1024 for our head, the target's for an EAGLE-3 head)",
+    )
     parser.add_argument(
         "--ce-weight",
         type=float,
@@ -119,7 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data-dir", type=Path, default=default_cache_root() / "draft-training")
     parser.add_argument("--max-prompt-tokens", type=int, default=DistillSettings.max_prompt_tokens)
-    parser.add_argument("--out", type=Path, default=DEFAULT_DRAFT_HEAD)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"the head to write (default: {DEFAULT_DRAFT_HEAD}; with --format eagle3, a directory under "
+        "--data-dir named by the target's vocabulary)",
+    )
     parser.add_argument("--exclude", type=Path, default=BENCH_QUESTIONS, help="questions never trained on")
     parser.add_argument("--torch-threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
@@ -136,7 +166,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--learning-rate must be more than 0")
     if args.ce_weight < 0:
         parser.error("--ce-weight must be 0 or more (0 trains on the feature loss alone)")
+    if args.format == "eagle3" and args.init_from is not None:
+        parser.error("--init-from starts from one of our head files: it cannot seed --format eagle3")
+    if args.format == "eagle3" and args.compare is not None:
+        parser.error("--compare evaluates one of our head files: not with --format eagle3")
+    if args.intermediate_size is None:
+        args.intermediate_size = 1024 if args.format == "specserve" else 0  # 0: the target's
+    try:
+        args.device = training_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
+
+
+def training_device(requested: str | None) -> str:
+    """The device to distil and train on: ``requested`` (cpu, cuda, cuda:N) when this process can use it, else
+    ValueError saying what to pass instead; None: cuda when usable, else cpu.
+
+    Checked before the target loads, so a wrong flag costs seconds, not a model load.
+    """
+    usable = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested is None:
+        return "cuda" if usable else "cpu"
+    try:
+        device = torch.device(requested)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {requested}: not a device name; pass cpu, cuda or cuda:N") from exc
+    if device.type == "cpu" and device.index in (None, 0):
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"--device {requested}: training runs on cpu or cuda; pass --device cpu or --device cuda")
+    if usable == 0:
+        raise ValueError(f"--device {requested}: this process can use no CUDA device; pass --device cpu")
+    if device.index is not None and device.index >= usable:
+        choices = "cuda:0" if usable == 1 else f"cuda:0 to cuda:{usable - 1}"
+        raise ValueError(f"--device {requested}: this process sees {usable} CUDA device(s); pass {choices} or cpu")
+    return str(device)
 
 
 def check_initial_head(args: argparse.Namespace, fingerprint: str) -> None:
@@ -325,7 +390,7 @@ def split_prompts(mix: list[T], held_out: int, skip: int, prompts: int) -> tuple
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.torch_threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device
     dtype = choose_dtype(args.dtype, device)
     started = time.monotonic()
     source = materialize(resolve_model(args.model), default_cache_root())
@@ -341,15 +406,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train-draft: {exc}", file=sys.stderr)
             return 2
     held_out_prompts, train_prompts, source_of = prompt_mix(args, tokenizer)
-    greedy = DistillSettings(args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes)
+    layers = feature_layers(model.config) if args.format == "eagle3" else ()
+    greedy = DistillSettings(
+        args.max_new_tokens, args.batch_size, args.max_prompt_tokens, args.distill_minutes, layers=layers
+    )
     distill = replace(greedy, temperature=args.temperature)
     # Shards are named by batch index: anything that changes the batches gets its own directory.
     # Unskipped, greedy runs keep their old directories.
     skipped = f"@{args.skip_prompts}" if args.skip_prompts else ""
     sampled = f"-T{args.temperature:g}" if args.temperature else ""
+    named_layers = f"-L{'.'.join(map(str, layers))}" if layers else ""  # other features: other shards
     data_dir = args.data_dir / (
         f"{fingerprint}-v2-{args.held_out}+{args.prompts}p{skipped}-{args.max_new_tokens}t"
-        f"-{args.max_prompt_tokens}pt-b{args.batch_size}{sampled}"
+        f"-{args.max_prompt_tokens}pt-b{args.batch_size}{sampled}{named_layers}"
     )
     planned = dict(Counter(source_of[tuple(ids)] for ids in train_prompts))
     held_out_digest = prompts_digest(held_out_prompts)
@@ -379,7 +448,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     distilled = [ids for batch in train_batches[: len(train_paths)] for ids in batch]
     sources = dict(Counter(source_of[tuple(ids)] for ids in distilled))
-    model = model.to("cpu").float()
+    embedding = model.get_input_embeddings().weight.detach().float().cpu()
+    lm_head = model.get_output_embeddings().weight.detach().float().cpu()
+    target_config = model.config
+    if args.format == "eagle3":
+        del model  # the target's memory, on a GPU, is the head's to train in
+    else:
+        model = model.to("cpu").float()  # its step time is measured beside the head's
     sequences = load_shards(train_paths)
     held_out = load_shards(eval_paths)
     settings = TrainSettings(
@@ -390,17 +465,22 @@ def main(argv: list[str] | None = None) -> int:
         ce_weight=args.ce_weight,
         learning_rate=args.learning_rate,
         init_from=str(args.init_from or ""),
-        # Training runs on the CPU: autocast to bf16 where this CPU (not the GPU that distilled) runs it natively.
-        autocast_bf16=choose_dtype(args.dtype, "cpu").dtype == "bfloat16",
+        # Autocast to bf16 where the training device runs it natively (a GPU; a CPU with AMX or AVX512-BF16).
+        autocast_bf16=choose_dtype(args.dtype, device).dtype == "bfloat16",
         max_minutes=args.max_minutes,
     )
-    embedding = model.get_input_embeddings().weight.detach().float()
-    lm_head = model.get_output_embeddings().weight.detach().float()
     # One checkpoint directory per setting and amount of data: an ablation, or a run on more shards, starts afresh.
     key = {**asdict(settings), "train_shards": len(train_paths)}
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    if args.format == "eagle3":
+        out = args.out or args.data_dir / f"eagle3-head-{fingerprint}"
+        trained = train_eagle3(
+            sequences, embedding, lm_head, target_config, data_dir / f"eagle3-{digest}", settings, device, args.progress
+        )
+        return write_eagle3(trained, out, sequences, held_out, fingerprint, args, started)
+    args.out = args.out or DEFAULT_DRAFT_HEAD
     head, report = train(
-        sequences, embedding, lm_head, model.config, data_dir / f"head-{digest}", settings, args.progress
+        sequences, embedding, lm_head, target_config, data_dir / f"head-{digest}", settings, args.progress, device
     )
     # Both in the dtype serving picks on this CPU (the drafter's --head-dtype auto, the verifier's --dtype auto).
     serving_head, choice = in_serving_dtype(copy.deepcopy(head), args.dtype)
@@ -447,6 +527,45 @@ def main(argv: list[str] | None = None) -> int:
     size_mb = args.out.stat().st_size / 2**20
     print(json.dumps(metrics, indent=1))
     print(f"wrote {args.out} ({size_mb:.1f} MB) and {args.out.with_suffix('.json')}")
+    return 0
+
+
+def write_eagle3(
+    trained: tuple[Eagle3Head, dict[str, Any], TrainReport],
+    out: Path,
+    sequences: list[dict[str, Any]],
+    held_out: list[dict[str, Any]],
+    fingerprint: str,
+    args: argparse.Namespace,
+    started: float,
+) -> int:
+    """Evaluate the trained EAGLE-3 head on the held-out answers (teacher-forced top-1 agreement and the
+    drafter's own dynamic trees, in fp32 on the CPU) and write it to the directory ``out`` with its figures."""
+    head, config, report = trained
+    tree = tree_acceptance(head, held_out)
+    metrics: dict[str, Any] = {
+        "target": args.model,
+        "target_fingerprint": fingerprint,
+        "format": "eagle3",
+        "feature_layers": list(head.feature_layers),
+        "device": args.device,
+        "data": {
+            "train_prompts": len(sequences),
+            "held_out_prompts": len(held_out),
+            "train_positions": sum(int(s["tokens"].shape[0]) for s in sequences),
+        },
+        "training": asdict(report),
+        "held_out": {
+            "answer_positions": sum(int(s["tokens"].shape[0]) - int(s["prompt_length"]) for s in held_out),
+            "top1_agreement": round(eagle3_top1(head, held_out), 4),
+            "tree": {**asdict(tree), "acceptance_length": round(tree.acceptance_length, 3)},
+        },
+        "total_minutes": round((time.monotonic() - started) / 60, 1),
+    }
+    save_eagle3(head, config, out)
+    (out / "training.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    print(json.dumps(metrics, indent=1))
+    print(f"wrote the EAGLE-3 head {out} (serve it: --draft-head-path {out})")
     return 0
 
 

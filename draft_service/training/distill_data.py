@@ -12,7 +12,8 @@ where it stopped.
 
 A shard holds a list of sequences, each a dict:
     tokens   int32 [n]        prompt and response token ids
-    features float16 [n, d]   f_t for every position
+    features float16 [n, d]   f_t for every position (with ``layers``: the named
+                              layers' inputs, [n, len(layers) * d])
     argmax   int32 [n]        the target's greedy next token after position t
                               (equal to tokens[t + 1] in a greedy answer)
     prompt_length int
@@ -42,6 +43,9 @@ class DistillSettings:
     max_prompt_tokens: int = 320  # longer prompts are skipped: they would pad a whole batch
     max_minutes: float = 60.0  # no new training shard is started after this long
     temperature: float = 0.0  # 0: greedy answers; above 0: sampled ones (the labels stay the greedy tokens)
+    # The target layers whose inputs are stored as the features, concatenated (an EAGLE-3 head's low, mid and
+    # high layers); empty: the final hidden state after the norm (our head's f_t).
+    layers: tuple[int, ...] = ()
 
 
 def encode_chat(tokenizer: Any, text: str) -> list[int]:
@@ -142,6 +146,7 @@ def distil_batch(
     pad_id: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    layers: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """The target's answer to each prompt with its feature and greedy token at every position.
 
@@ -151,6 +156,12 @@ def distil_batch(
     token, the one a drafter serving greedy decoding must guess. Sampled
     answers give a prompt further, different contexts: a second pass over
     prompts that were already distilled greedily is new data.
+
+    With ``layers`` (an EAGLE-3 head's), a position's stored feature is the
+    residual stream entering each of those decoder layers, concatenated
+    (transformers' ``hidden_states[k]``, as the verifier returns them), so the
+    forwards also return their hidden states; the greedy tokens still come
+    from the final hidden state.
 
     One pass does it all: a left-padded prefill, then one batched decode step
     per token. A hook on the final norm keeps each step's features, so no
@@ -165,7 +176,7 @@ def distil_batch(
     pick = _Picker(temperature, generator)
     tap = _FinalNormTap(model)
     try:
-        return _distil(model, tap, prompts, max_new_tokens, eos_ids, pad_id, pick)
+        return _distil(model, tap, prompts, max_new_tokens, eos_ids, pad_id, pick, layers)
     finally:
         tap.close()
 
@@ -178,6 +189,7 @@ def _distil(
     eos_ids: frozenset[int],
     pad_id: int,
     pick: _Picker,
+    layers: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     device = next(model.parameters()).device
     input_ids, mask = _left_pad(prompts, pad_id)
@@ -185,9 +197,15 @@ def _distil(
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # each row from 0, as when served alone
     cache = _preallocated_cache(model, input_ids.shape[1] + max_new_tokens)
     out = model(
-        input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, logits_to_keep=1
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        logits_to_keep=1,
+        output_hidden_states=bool(layers),
     )
-    prompt_features = tap.take()
+    prompt_final = tap.take()
+    prompt_features = _stored(out, prompt_final, layers)
     width = input_ids.shape[1]
     lm_head = model.get_output_embeddings().weight
     rows = len(prompts)
@@ -223,15 +241,17 @@ def _distil(
             attention_mask=mask,
             position_ids=position[:, None],
             past_key_values=cache,
+            output_hidden_states=bool(layers),
         )
-        features = tap.take()[:, -1].to("cpu", torch.float16)
+        features = _stored(out, tap.take(), layers)[:, -1].to("cpu", torch.float16)
         answer_features[slots[running], step] = features[running]
         best, next_tokens = pick(out.logits[:, -1])
     result = []
     for row, prompt in enumerate(prompts):
         features = prompt_features[row, width - len(prompt) :]
-        # The target's greedy token after each prompt position but the last, from the kept features.
-        prompt_argmax = (features[:-1].to(lm_head.dtype) @ lm_head.T).argmax(dim=-1).to("cpu", torch.int32)
+        final = prompt_final[row, width - len(prompt) :]
+        # The target's greedy token after each prompt position but the last, from its final hidden states.
+        prompt_argmax = (final[:-1].to(lm_head.dtype) @ lm_head.T).argmax(dim=-1).to("cpu", torch.int32)
         answer = answers[row]
         result.append(
             {
@@ -244,6 +264,14 @@ def _distil(
             }
         )
     return result
+
+
+def _stored(out: Any, final: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+    """The features a forward stores: ``final`` (the final norm's output), or the inputs of ``layers``
+    concatenated [batch, positions, len(layers) * hidden]."""
+    if not layers:
+        return final
+    return torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
 
 
 class _Picker:
@@ -314,7 +342,14 @@ def generate_shards(
                 shard_started = time.monotonic()
                 generator = torch.Generator().manual_seed(index)  # a resumed run samples the same answers
                 shard = distil_batch(
-                    model, prompts, settings.max_new_tokens, eos_ids, pad_id, settings.temperature, generator
+                    model,
+                    prompts,
+                    settings.max_new_tokens,
+                    eos_ids,
+                    pad_id,
+                    settings.temperature,
+                    generator,
+                    settings.layers,
                 )
                 done_tokens += sum(int(row["tokens"].shape[0]) - int(row["prompt_length"]) + 1 for row in shard)
                 tmp = path.with_suffix(".tmp")

@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from draft_service.draft_head import DraftHead, truncate_cache
 from draft_service.head_layer import HeadCache
 from draft_service.head_proposer import HeadProposer, TreeShape
+from draft_service.head_types import ServingHead
 from specserve.results import DraftFeedback
 from specserve.token_tree import ROOT, TokenTree
 
@@ -127,7 +128,7 @@ def accepted_length(tree: TokenTree, truth: Sequence[int]) -> int:
 
 @torch.inference_mode()
 def tree_acceptance(
-    head: DraftHead, sequences: Sequence[dict[str, Any]], positions: int = 400, shape: TreeShape | None = None
+    head: ServingHead, sequences: Sequence[dict[str, Any]], positions: int = 400, shape: TreeShape | None = None
 ) -> TreeEvaluation:
     """The drafter's dynamic trees from sampled answer positions, walked along the target's greedy answer."""
     shape = shape or TreeShape()

@@ -149,11 +149,11 @@ def unrolled(
     cache = DynamicCache() if steps > 1 else None
     outputs = [head(features, next_tokens, attention_mask=mask, past_key_values=cache)]
     width = features.shape[1]
-    positions = torch.arange(width)[None].expand(features.shape[0], -1)
+    positions = torch.arange(width, device=features.device)[None].expand(features.shape[0], -1)
     for step in range(2, steps + 1):
         previous = outputs[-1].features
         own = torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1)
-        attend = additive_mask(unroll_mask(width, step), own.dtype)
+        attend = additive_mask(unroll_mask(width, step).to(own.device), own.dtype)
         outputs.append(head(own, next_tokens, position_ids=positions, attention_mask=attend, past_key_values=cache))
     return outputs
 
@@ -164,8 +164,8 @@ def losses(head: DraftHead, batch: dict[str, torch.Tensor], settings: TrainSetti
     if noise and settings.feature_noise > 0:
         features = features + (torch.rand_like(features) * 2 - 1) * settings.feature_noise
     valid = batch["mask"].bool()
-    positions = torch.arange(features.shape[1])[None]
-    total = torch.zeros(())
+    positions = torch.arange(features.shape[1], device=features.device)[None]
+    total = torch.zeros((), device=features.device)
     accuracy: list[float] = []
     feature_losses: list[float] = []
     outputs = unrolled(head, features, batch["next_tokens"], batch["mask"], settings.unroll_steps)
@@ -202,8 +202,10 @@ def train(
     out_dir: Path,
     settings: TrainSettings = TrainSettings(),
     progress: bool | None = None,
+    device: str = "cpu",
 ) -> tuple[DraftHead, TrainReport]:
-    """Train (or continue training) a head; the checkpoint lives in ``out_dir``."""
+    """Train (or continue training) a head on ``device``; the checkpoint lives in ``out_dir``. The head comes
+    back on the CPU, where it is evaluated and saved."""
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_path = out_dir / "checkpoint.pt"
     vocab_size = int(embedding.shape[0])
@@ -225,6 +227,8 @@ def train(
     head = DraftHead(config, embedding, lm_head, draft_vocab)
     if initial is not None:
         load_state(head, initial, Path(settings.init_from))
+    where = torch.device(device)
+    head = head.to(where)
     optimizer = torch.optim.AdamW(head.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
     spans = windows(sequences, settings.window)
     steps_per_epoch = math.ceil(len(spans) / settings.batch_size)
@@ -266,7 +270,8 @@ def train(
             random.Random(settings.seed + epoch).shuffle(order)  # the same order when resumed
             chosen = order[offset * settings.batch_size : (offset + 1) * settings.batch_size]
             batch = make_batch(sequences, [spans[i] for i in chosen], settings.window, label_index)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.autocast_bf16):
+            batch = {name: tensor.to(where) for name, tensor in batch.items()}
+            with torch.autocast(where.type, dtype=torch.bfloat16, enabled=settings.autocast_bf16):
                 last = losses(head, batch, settings, noise=True)
             # The schedule runs to the end of the epochs or of the time budget, whichever comes first.
             done = max(step / total_steps, minutes() / settings.max_minutes)
@@ -285,7 +290,7 @@ def train(
             if minutes() >= settings.max_minutes:
                 break
     save()
-    head.eval()
+    head = head.to("cpu").eval()
     report = TrainReport(
         steps=step,
         epochs_done=step / steps_per_epoch,

@@ -53,6 +53,8 @@ VALUE_SETS: dict[str, list[Path]] = {
     "production": [CHART / "examples" / "values-production.yaml"],
     "gpu": [CHART / "examples" / "values-gpu.yaml"],
     "variants": [FIXTURES / "values-variants.yaml"],
+    "draft-model": [CHART / "examples" / "values-draft-model.yaml"],
+    "eagle3-head": [CHART / "examples" / "values-eagle3-head.yaml"],
 }
 # Objects the values refer to but the chart does not create (made by the platform team).
 EXTERNAL_NAMES: dict[str, set[str]] = {
@@ -67,6 +69,8 @@ EXTERNAL_NAMES: dict[str, set[str]] = {
     },
     "gpu": set(),
     "variants": {"specserve-runtime", "draft-models", "hf-token", "specserve-redis-url", "llm-tls"},
+    "draft-model": {"specserve-models"},
+    "eagle3-head": {"specserve-models"},
 }
 
 Obj = dict[str, Any]
@@ -694,6 +698,27 @@ def test_variants_render_keda_service_account_and_init_container(rendered: dict[
         assert spec["automountServiceAccountToken"] is False, tier
 
 
+def test_drafters_mount_their_draft_head_and_draft_model_read_only_from_claims(
+    rendered: dict[str, list[Obj]],
+) -> None:
+    """`drafter.draftHead` and `drafter.draftModel`: the flag names a path under the claim's read-only mount."""
+    for value_set, flag, volume, mount in [
+        ("eagle3-head", "--draft-head-path", "draft-head", "/draft-head"),
+        ("draft-model", "--draft-model", "draft-model", "/draft-model"),
+    ]:
+        spec = pod_template(named(rendered[value_set], "Deployment", f"{RELEASE}-drafter"))["spec"]
+        args = spec["containers"][0]["args"]
+        paths = [a.split("=", 1)[1] for a in args if a.startswith(f"{flag}=")]
+        assert len(paths) == 1 and paths[0].startswith(mount + "/"), (value_set, args)
+        claim = next(v["persistentVolumeClaim"] for v in spec["volumes"] if v["name"] == volume)
+        assert claim == {"claimName": "specserve-models", "readOnly": True}, value_set
+        mounted = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == volume)
+        assert mounted["mountPath"] == mount and mounted["readOnly"] is True, value_set
+    default = pod_template(named(rendered["default"], "Deployment", f"{RELEASE}-drafter"))["spec"]
+    assert not [a for a in default["containers"][0]["args"] if a.startswith("--draft-head-path=")]
+    assert "draft-head" not in {v["name"] for v in default["volumes"]}
+
+
 # ------------------------------------------------------- trust boundaries --
 
 
@@ -867,6 +892,7 @@ def test_large_and_fractional_numbers_reach_the_flags_intact(helm: str, tmp_path
         ("auth.apiKeys.existingSecret=keys,auth.apiKeys.tenants.acme.share_ngram_pool=true", "existingSecret"),
         ("tls.enabled=true", "tls.enabled needs a certificate for the"),
         ("tls.enabled=true,tls.certManager.enabled=true", "issuerRef.name is required"),
+        ("drafter.draftHead.pvc.claimName=heads", "drafter.draftHead.path is required"),
     ],
 )
 def test_bad_values_are_refused(helm: str, setting: str, message: str) -> None:
