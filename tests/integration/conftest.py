@@ -24,6 +24,10 @@ FP32_VERIFIER = ["--dtype", "float32"]
 # rarely pays, and rounds would draft nothing); without the throughput guard, no timed probe turns drafting off
 # (3 s of every 11: a short request could fall inside one). Then every round drafts, which tests of drafting need.
 EVERY_ROUND_DRAFTS = [*FP32_VERIFIER, "--no-profile-cost", "--no-throughput-guard"]
+# The coordinator's half of the same: its drafting gate turns a session's drafting off when drafted rounds commit
+# fewer tokens per second than plain ones, which on a loaded 2-core machine depends on timing. Tests of drafting
+# pass this to their coordinator; the gate has its own tests (tests/unit/test_drafting_gate.py, the bench smoke).
+EVERY_ROUND_DRAFTS_COORDINATOR = ["--no-gate-drafting"]
 
 
 def spec_bench_prompts(per_category: int = 1, categories: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -96,6 +100,12 @@ def cluster(cluster_redis_url: str | None, tmp_path_factory: pytest.TempPathFact
     # for) must stay token-identical too, as where the drafter has hardware of its own.
     cluster.extra_drafter_args = ["--predraft-outcomes", str(DrafterConfig().predraft_outcomes)]
     # Tests here kill the drafter and restart it: a short backoff has the coordinator use it again within seconds.
-    cluster.extra_coordinator_args = ["--drafter-backoff-ms", "500", "--drafter-max-backoff-ms", "2000"]
+    cluster.extra_coordinator_args = [
+        *EVERY_ROUND_DRAFTS_COORDINATOR,
+        "--drafter-backoff-ms",
+        "500",
+        "--drafter-max-backoff-ms",
+        "2000",
+    ]
     with cluster as c:
         yield c

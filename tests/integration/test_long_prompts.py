@@ -10,7 +10,7 @@ import pytest
 
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from tests.integration.conftest import EVERY_ROUND_DRAFTS, Target, spec_bench_prompts
+from tests.integration.conftest import EVERY_ROUND_DRAFTS, EVERY_ROUND_DRAFTS_COORDINATOR, Target, spec_bench_prompts
 from tests.integration.test_end_to_end import generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,7 +41,7 @@ def head_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs)
     cluster.extra_verifier_args = EVERY_ROUND_DRAFTS
     cluster.extra_drafter_args = ["--sources", "draft_model"]
-    cluster.extra_coordinator_args = ["--verifier-timeout-s", "600"]
+    cluster.extra_coordinator_args = [*EVERY_ROUND_DRAFTS_COORDINATOR, "--verifier-timeout-s", "600"]
     with cluster as c:
         # The coordinator serves before the drafter has loaded: wait until requests draft.
         wait_serving(c.drafter_address, 600)

@@ -23,7 +23,7 @@ import pytest
 from client import GenerationParams, SpecserveClient, Stats
 from specserve.auth.keys import key_entry, new_key
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
-from tests.integration.conftest import EVERY_ROUND_DRAFTS
+from tests.integration.conftest import EVERY_ROUND_DRAFTS, EVERY_ROUND_DRAFTS_COORDINATOR
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs, http_port=free_port())
     cluster.extra_verifier_args = EVERY_ROUND_DRAFTS
     # A drafter that is not up yet when the first request comes is skipped briefly, not for the default 5 s.
-    cluster.extra_coordinator_args = ["--api-keys-file", str(keys), "--drafter-backoff-ms", "500"]
+    cluster.extra_coordinator_args = [
+        *EVERY_ROUND_DRAFTS_COORDINATOR,
+        "--api-keys-file",
+        str(keys),
+        "--drafter-backoff-ms",
+        "500",
+    ]
     with cluster:
         served = Served(cluster, logs)
         served.wait_drafting()

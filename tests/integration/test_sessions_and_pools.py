@@ -14,7 +14,7 @@ import redis
 from client import GenerationParams, SpecserveClient, Stats, TextChunk
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
-from tests.integration.conftest import EVERY_ROUND_DRAFTS, FP32_VERIFIER, Target
+from tests.integration.conftest import EVERY_ROUND_DRAFTS, EVERY_ROUND_DRAFTS_COORDINATOR, FP32_VERIFIER, Target
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -84,7 +84,11 @@ def pool_cluster(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFac
     # No throughput guard: its timed A/B of drafting against none (8 s, then a 3 s probe) would decide whether a
     # 2-second request drafts at all, by when it starts; this measures what the pool teaches.
     cluster.extra_verifier_args = EVERY_ROUND_DRAFTS
-    cluster.extra_coordinator_args = ["--drafter-backoff-ms", "200"]  # a restarted drafter is used again soon
+    cluster.extra_coordinator_args = [
+        *EVERY_ROUND_DRAFTS_COORDINATOR,
+        "--drafter-backoff-ms",
+        "200",
+    ]  # a restarted drafter is used again soon
     # Drafts from the shared pool alone: what a request gains is what the pool holds, nothing else.
     cluster.extra_drafter_args = ["--sources", "ngram_pool"]
     with cluster:
