@@ -66,14 +66,17 @@ PREDRAFT = "distributed-predraft"
 # The distributed mode with a unary Verify call per round (the coordinator's --verify-transport unary) instead of
 # the VerifyStream: what the stream saves, measured side by side.
 UNARY_VERIFY = "distributed-unary"
-MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, PREDRAFT, UNARY_VERIFY, *SOURCE_MODES)
+# The `distributed` cluster itself with every request's speculation off: plain decoding through the three
+# processes, what a user who turns speculation off gets (same processes, same cores, only the requests differ).
+SPECULATION_OFF = "distributed-off"
+MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, PREDRAFT, UNARY_VERIFY, SPECULATION_OFF, *SOURCE_MODES)
 
 
 def default_modes(dtype: str) -> tuple[str, ...]:
-    """``baseline``, ``baseline-eager``, ``hf-pld``, ``inproc`` and ``distributed``; with ``baseline-fp32`` when
-    ``dtype`` is not fp32."""
+    """``baseline``, ``baseline-eager``, ``hf-pld``, ``inproc``, ``distributed`` and ``distributed-off``; with
+    ``baseline-fp32`` when ``dtype`` is not fp32."""
     extra = (FP32_BASELINE,) if dtype != FLOAT32 else ()
-    return (BASELINE, EAGER_BASELINE, *extra, *COMPARED_MODES)
+    return (BASELINE, EAGER_BASELINE, *extra, *COMPARED_MODES, SPECULATION_OFF)
 
 
 def cluster_modes(names: Sequence[str]) -> list[str]:
@@ -391,16 +394,24 @@ class DistributedMode:
     learns = True
 
     def __init__(
-        self, address: str, dtype: str, reset_pool: Callable[[], None] | None = None, name: str = "distributed"
+        self,
+        address: str,
+        dtype: str,
+        reset_pool: Callable[[], None] | None = None,
+        name: str = "distributed",
+        speculation: str = "auto",
     ) -> None:
         self.name = name
         self.dtype = dtype
+        self.speculation = speculation
         self._client = SpecserveClient(address, timeout_s=600.0)
         self._reset_pool = reset_pool
 
     def run(self, prompt: Prompt) -> Outcome:
         s = prompt.sampling
-        params = GenerationParams(prompt.max_new_tokens, s.temperature, s.top_p, s.top_k, s.seed)
+        params = GenerationParams(
+            prompt.max_new_tokens, s.temperature, s.top_p, s.top_k, s.seed, speculation=self.speculation
+        )
         tokens: list[int] = []
         stats: Stats | None = None
         start = time.perf_counter_ns()

@@ -74,6 +74,7 @@ from .modes import (
     NO_PREDRAFT,
     PLAIN_MODES,
     PREDRAFT,
+    SPECULATION_OFF,
     UNARY_VERIFY,
     DistributedMode,
     EnginePlainMode,
@@ -332,6 +333,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
     """The modes named by ``--modes`` (``fp32``: the target in float32); the stack stops the cluster and closes
     the modes."""
     modes: list[Mode] = []
+    clusters: dict[str, tuple[str, Callable[[], None] | None]] = {}  # mode name -> (address, pool reset)
     for name in args.modes:
         mode: Mode
         if name in (BASELINE, EAGER_BASELINE, FP32_BASELINE):
@@ -363,34 +365,49 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 args.engine_threads,
                 args.gate_drafting,
             )
+        elif name == SPECULATION_OFF or (name == "distributed" and name in clusters):
+            # The distributed cluster, shared: speculation on and off differ only in the requests.
+            if "distributed" not in clusters:
+                clusters["distributed"] = start_mode_cluster(args, target, "distributed", pool, stack)
+            address, reset = clusters["distributed"]
+            off = name == SPECULATION_OFF
+            mode = DistributedMode(address, target.dtype, None if off else reset, name, "off" if off else "auto")
         else:
-            log_dir = args.out_dir / "tmp" / "cluster-logs" / name
-            verifier_args, drafter_args = service_args(args, name, target.dtype)
-            pinning: Pinning | None = args.pinning
-            # Each distributed mode learns into a pool of its own: one must not draft from the other's outputs.
-            own_pool = pool if name == "distributed" else other_database(pool, name)
-            cluster = start_cluster(
-                target.name,
-                own_pool,
-                args.torch_threads,
-                log_dir,
-                verifier_args=verifier_args,
-                coordinator_args=[
-                    *([] if args.gate_drafting else ["--no-gate-drafting"]),
-                    *(["--verify-transport", "unary"] if name == UNARY_VERIFY else []),
-                ],
-                drafter_args=drafter_args,
-                cpus=pinning.services() if pinning is not None else {},
-            )
-            stack.callback(cluster.stop)
-            reset = pool_reset(own_pool, target.fingerprint, args.keep_pool)
-            mode = DistributedMode(cluster.coordinator_address, target.dtype, reset, name=name)
+            clusters[name] = start_mode_cluster(args, target, name, pool, stack)
+            address, reset = clusters[name]
+            mode = DistributedMode(address, target.dtype, reset, name=name)
         if args.pinning is not None:  # in-process modes on the verifier's CPUs, the client on the others
             in_process = not isinstance(mode, DistributedMode)
             mode = PinnedMode(mode, args.pinning.verifier if in_process else args.pinning.others)
         stack.callback(mode.close)
         modes.append(mode)
     return modes
+
+
+def start_mode_cluster(
+    args: argparse.Namespace, target: Target, name: str, pool: PoolBackend, stack: ExitStack
+) -> tuple[str, Callable[[], None] | None]:
+    """Start distributed mode ``name``'s three processes; their coordinator's address and pool reset."""
+    log_dir = args.out_dir / "tmp" / "cluster-logs" / name
+    verifier_args, drafter_args = service_args(args, name, target.dtype)
+    pinning: Pinning | None = args.pinning
+    # Each distributed mode learns into a pool of its own: one must not draft from the other's outputs.
+    own_pool = pool if name == "distributed" else other_database(pool, name)
+    cluster = start_cluster(
+        target.name,
+        own_pool,
+        args.torch_threads,
+        log_dir,
+        verifier_args=verifier_args,
+        coordinator_args=[
+            *([] if args.gate_drafting else ["--no-gate-drafting"]),
+            *(["--verify-transport", "unary"] if name == UNARY_VERIFY else []),
+        ],
+        drafter_args=drafter_args,
+        cpus=pinning.services() if pinning is not None else {},
+    )
+    stack.callback(cluster.stop)
+    return cluster.coordinator_address, pool_reset(own_pool, target.fingerprint, args.keep_pool)
 
 
 def uses_head(modes: Sequence[str], drafter_sources: Sequence[str] = DrafterConfig().sources) -> bool:

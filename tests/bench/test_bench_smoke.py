@@ -168,6 +168,14 @@ def test_speculative_counts_are_consistent(result: dict[str, Any]) -> None:
             assert split == pytest.approx(r["wall_s"]) or r["coordination_s"] == 0
 
 
+def test_speculation_off_runs_plain_rounds_through_the_same_cluster(result: dict[str, Any]) -> None:
+    """distributed-off asks the distributed cluster for plain decoding: no drafts, one token a round."""
+    for r in records_of(result, "distributed-off"):
+        assert r["draft_tokens"] == 0 and r["accepted_tokens"] == 0
+        assert r["committed"] == r["rounds"]
+    assert len(records_of(result, "distributed-off")) == len(records_of(result, "distributed"))
+
+
 def test_the_round_loops_modes_say_where_each_rounds_time_went(result: dict[str, Any], out_dir: Path) -> None:
     """inproc and distributed carry their rounds' phases (the distributed ones through the client's stats);
     they add up to at most the request's wall time, and the report has the breakdown table."""
