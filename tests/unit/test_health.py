@@ -105,7 +105,9 @@ def test_the_sync_servicer_caps_watches() -> None:
             asyncio.run(until(lambda: health.watches.open == 2))
             assert next(stub.Watch(REQUEST, timeout=30)).status == SERVING
     finally:
-        server.stop(None)
+        # Bounded: stop(None) waits for the shutdown with no limit, and once (under make test's two workers) it
+        # never returned; a shutdown that hangs now fails this test instead of stalling the suite.
+        assert server.stop(0).wait(30), "the server did not shut down within 30 s"
 
 
 def test_the_limit_counts_and_refuses_past_it() -> None:
