@@ -462,9 +462,9 @@ class Verifier:
     def profile_cost(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5) -> CostCurve:
         """Measure this engine's cost curve on a scratch session and size draft budgets with it.
 
-        Five repeats a point rather than two: on a 2-core AMX Xeon, five profiles of one verifier put
-        c(16)/c(1) within 0.10-0.15 of each other at five repeats and 0.13-0.33 at two (once 1.63 against
-        about 1.33), for about 2 s more at start-up; the curve sizes every tree this verifier checks.
+        Five repeats a point rather than two: the curve sizes every tree this verifier checks, and two repeats
+        leave its ratios noisy enough to mis-size them, for a few seconds more at start-up (docs/benchmarks.md,
+        "Smaller figures behind rules in the code").
         """
         sizes = tuple(n for n in sizes if n <= self.limits.max_batch_tokens)
         context, long_context = PROFILE_CONTEXTS
@@ -497,7 +497,7 @@ class Verifier:
         assert first is not None
         for cached in (*scratch.keys, *scratch.values):
             # The long context's other slots: zeros time as keys do (attention reads every one alike), where a
-            # prefill of them would cost seconds at a start on a 2-core CPU.
+            # prefill of them would lengthen every start on a small CPU.
             cached[:, first.start + context : first.start + long_context].zero_()
         curve = measure_curve(run, sizes, repeats)
         if long_context > context:
@@ -538,9 +538,9 @@ class Verifier:
 
         For a process that holds several verifiers (the benchmarks' in-process modes): every thread that has
         computed keeps an OpenMP team, and with more team threads than CPUs libgomp puts every worker to sleep
-        between parallel regions, which slowed plain decoding from 31-37 to 24 tok/s on a 2-core EPYC
-        (``target_service.engine_threads``). A thread's team ends with it, so parked verifiers cost the
-        running one nothing. A service holds one verifier and never parks it.
+        between parallel regions, which slows plain decoding by a quarter to a third (``target_service.engine_threads``;
+        docs/benchmarks.md, "One OpenMP team by default"). A thread's team ends with it, so parked verifiers cost
+        the running one nothing. A service holds one verifier and never parks it.
         """
         with self._cond:
             if self._stopping or self._parked:
