@@ -15,7 +15,7 @@ from specserve.errors import DrafterFailed
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 from target_service.verifier import Verifier
 
 
@@ -41,17 +41,14 @@ class InProcessVerifier:
     async def info(self) -> VerifierInfo:
         return verifier_info(self._verifier)
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
         return await asyncio.wrap_future(
             self._verifier.submit_prefill(
-                session_id, list(token_ids), sampling, return_features, feature_layers=feature_layers
+                call.session_id,
+                list(call.token_ids),
+                call.sampling,
+                call.return_features,
+                feature_layers=call.feature_layers,
             )
         )
 

@@ -21,7 +21,7 @@ from specserve.results import DraftFeedback, DraftReply, PrefillResult, Verified
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.tenancy import current_tenant
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 from specserve.wire import (
     cost_from_proto,
     cost_to_proto,
@@ -156,20 +156,13 @@ class GrpcVerifier:
             verify_cost=cost_from_proto(r.verify_cost),
         )
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
         request = verifier_pb2.PrefillRequest(
-            session_id=session_id,
-            token_ids=token_ids,
-            sampling=sampling_to_proto(sampling),
-            return_features=return_features,
-            feature_layers=feature_layers,
+            session_id=call.session_id,
+            token_ids=call.token_ids,
+            sampling=sampling_to_proto(call.sampling),
+            return_features=call.return_features,
+            feature_layers=call.feature_layers,
         )
         try:
             response = await self._stub.Prefill(

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import GREEDY, SamplingParams
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,9 @@ class VerifierInfo:
 class VerifierPort(Protocol):
     async def info(self) -> VerifierInfo: ...
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
-        """Create the session (with the target's features at the cached positions when asked); its features,
-        here and in its Verifies, are the inputs of ``feature_layers`` concatenated (empty: the final state)."""
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
+        """Create the session ``call`` names, with the target's features at the cached positions when it asks
+        (``specserve.verify_call`` says what each field asks)."""
         ...
 
     async def verify(self, call: VerifyCall) -> VerifyResult:

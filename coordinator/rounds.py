@@ -60,7 +60,7 @@ from specserve.results import DraftFeedback, DraftReply, VerifiedTree, VerifyRes
 from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 
 MAX_UNREPORTED_NGRAMS = 256
 """Lookahead n-grams kept for the drafter's next report (rounds with no draft budget do not send one)."""
@@ -490,6 +490,12 @@ class Generation:
         the verifier keeps them with the session for its Verifies' features); empty: the final hidden state."""
         return self._draft.feature_layers if self._draft is not None and self._draft.wants_features else ()
 
+    def _session_prefill(self, return_features: bool) -> SessionPrefill:
+        """The Prefill that (re)creates the verifier session from the tokens committed so far."""
+        return SessionPrefill(
+            self.session_id, tuple(self._committed), self._sampling, return_features, self._feature_layers
+        )
+
     def _asks_features(self, prompt: bool = False) -> bool:
         """Whether a Verify (``prompt``: the Prefill) asks the verifier for the target's features.
 
@@ -544,9 +550,7 @@ class Generation:
         for _ in range(self.policy.max_reprefills_per_round):
             asked = self._asks_features(prompt=True)
             try:
-                prefill = await self.verifier.prefill(
-                    self.session_id, self._committed, self._sampling, asked, self._feature_layers
-                )
+                prefill = await self.verifier.prefill(self._session_prefill(return_features=asked))
             except SessionMoved:
                 self.stats.num_reprefills += 1
                 continue
@@ -568,9 +572,7 @@ class Generation:
             try:
                 if lost:
                     # The drafter already has the features of these positions: none are asked for.
-                    prefill = await self.verifier.prefill(
-                        self.session_id, self._committed, self._sampling, False, self._feature_layers
-                    )
+                    prefill = await self.verifier.prefill(self._session_prefill(return_features=False))
                     self.stats.verify_ns += prefill.prefill_ns
                     self.stats.prefill_ns += prefill.prefill_ns
                     lost = False

@@ -36,8 +36,7 @@ from coordinator.discovery import Replica
 from coordinator.ports import VerifierInfo, VerifierPort
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.results import PrefillResult, VerifyResult
-from specserve.sampling import SamplingParams
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 
 _DNS_SCHEME = "dns:///"
 T = TypeVar("T")
@@ -203,17 +202,8 @@ class StickyVerifierRouter:
                 self._down_until[address] = self._clock() + self._down_s
         raise self._no_replica()
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
-        return await self._call(
-            session_id, True, lambda r: r.prefill(session_id, token_ids, sampling, return_features, feature_layers)
-        )
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
+        return await self._call(call.session_id, True, lambda r: r.prefill(call))
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
         return await self._call(call.session_id, False, lambda r: r.verify(call))

@@ -1,11 +1,32 @@
-"""One Verify as a value: what the coordinator asks the verifier to do with a session's tree."""
+"""The coordinator's calls of the verifier as values: a session's Prefill, and a Verify of its tree."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import TokenTree
+
+
+@dataclass(frozen=True)
+class SessionPrefill:
+    """Create (or replace) the verifier session ``session_id`` holding ``token_ids``.
+
+    One value instead of a long argument list, as VerifyCall: the round loop builds it and the router, the gRPC
+    client and the in-process adapter pass it on as it is, so an option is added in one place. Tuples, not
+    lists, so that the value cannot change under a call that holds it. Not target_service's ``PrefillCall``:
+    that is the engine's queue entry for a prefill (its future, owner and progress), private to that tier.
+    """
+
+    session_id: str
+    # The session's tokens: all but the last are cached; the last is pending (the root of its next Verify).
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams  # the session's, seed included: its Verifies sample with it
+    return_features: bool = False  # also the target's features at the cached positions
+    # The target layers whose inputs, concatenated per row, are the session's features here and in its Verifies
+    # (empty: the final hidden state); the verifier keeps them with the session.
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

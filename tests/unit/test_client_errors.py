@@ -13,8 +13,9 @@ from coordinator.grpc_clients import GrpcDrafter, GrpcDraftStream, GrpcVerifier
 from coordinator.verifier_router import StickyVerifierRouter
 from specserve.drain import DRAINING_METADATA
 from specserve.errors import DrafterFailed, ReplicaUnreachable, SpecserveError, Unavailable
-from specserve.results import DraftFeedback
+from specserve.results import DraftFeedback, PrefillResult
 from specserve.sampling import SamplingParams
+from specserve.verify_call import SessionPrefill
 
 ADDRESS = "10.1.2.3:50051"
 PEER_TEXT = "Socket closed; debug_error_string = {grpc_status:14}"
@@ -133,7 +134,7 @@ class DeadReplica:
     def __init__(self, address: str) -> None:
         self.address = address
 
-    async def prefill(self, *args: object, **kwargs: object) -> object:
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
         raise ReplicaUnreachable("a verifier replica is unreachable", detail=f"verifier at {self.address}: refused")
 
 
@@ -144,7 +145,7 @@ def test_when_every_verifier_replica_is_down_the_client_is_not_told_their_addres
     async def prefill_until_none_is_left() -> Unavailable:
         for _ in addresses:
             try:
-                await router.prefill("s", [1, 2], SamplingParams())
+                await router.prefill(SessionPrefill("s", (1, 2), SamplingParams()))
             except Unavailable as exc:
                 last = exc
         return last

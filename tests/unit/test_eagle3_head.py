@@ -39,7 +39,7 @@ from specserve.results import DraftFeedback
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from specserve.v1 import verifier_pb2_grpc
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 from target_service.metrics import VerifierMetrics
 from target_service.model_runner import ModelRunner, StepOutput
 from target_service.ragged_attention import Segment, StepPlan
@@ -384,7 +384,9 @@ def test_over_grpc_the_drafter_names_its_heads_layers_and_the_verifier_returns_t
                 assert stream.feature_layers == (1, 2, 4)
                 await stream.close()
                 remote = GrpcVerifier(to_verifier, f"127.0.0.1:{port}", timeout_s=30, stream=False)
-                prefill = await remote.prefill("s", prompt, SamplingParams(), True, stream.feature_layers)
+                prefill = await remote.prefill(
+                    SessionPrefill("s", tuple(prompt), SamplingParams(), True, stream.feature_layers)
+                )
                 assert prefill.features is not None and prefill.features.shape == (len(prompt) - 1, 3 * HIDDEN)
                 call = VerifyCall("s", len(prompt), TokenTree.chain([2]), return_features=True)
                 result = await remote.verify(call)

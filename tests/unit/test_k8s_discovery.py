@@ -32,7 +32,7 @@ from specserve.errors import DrafterFailed
 from specserve.results import DraftFeedback, DraftReply
 from specserve.sampling import GREEDY, SamplingParams
 from specserve.token_tree import TokenTree
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 from tests.k8s_api import FakeApiServer, Pod, endpoint_slice, gone_status
 from tests.unit.test_verifier_router import FakeReplica
 
@@ -300,17 +300,17 @@ def test_the_verifier_router_acts_on_each_change_at_the_next_session() -> None:
     async def run() -> None:
         clock.now = 1.0
         snapshots.set(1.0, ready("10.0.0.1:1"))
-        await router.prefill("s1", [1], SamplingParams())
+        await router.prefill(SessionPrefill("s1", (1,), SamplingParams()))
         # A second replica turns ready: the very next new session goes there (it has none).
         snapshots.set(10.0, ready("10.0.0.1:1"), ready("10.0.0.2:1"))
         clock.now = 10.25
-        await router.prefill("s2", [1], SamplingParams())
+        await router.prefill(SessionPrefill("s2", (1,), SamplingParams()))
         assert ("prefill", "s2") in replicas["10.0.0.2:1"].calls
         # The first starts terminating: its session finishes there, every new one goes to the second.
         snapshots.set(20.0, terminating("10.0.0.1:1"), ready("10.0.0.2:1"))
         clock.now = 20.5
         for i in range(3):
-            await router.prefill(f"n{i}", [1], SamplingParams())
+            await router.prefill(SessionPrefill(f"n{i}", (1,), SamplingParams()))
         await router.verify(VerifyCall("s1", 1))
         assert [c for c in replicas["10.0.0.1:1"].calls if c[0] == "prefill"] == [("prefill", "s1")]
         assert ("verify", "s1") in replicas["10.0.0.1:1"].calls

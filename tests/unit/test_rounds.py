@@ -21,7 +21,7 @@ from specserve.errors import DeadlineExceeded, DrafterFailed, ReplicaUnreachable
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
 
@@ -279,15 +279,8 @@ def test_lost_verifier_session_is_rebuilt_without_losing_or_repeating_tokens() -
 class TimedVerifier(ForgetfulVerifier):
     """Reports 1,000 ns for every prefill and 10 ns for every verify (a verifier's own clock, injected)."""
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
-        result = await super().prefill(session_id, token_ids, sampling, return_features, feature_layers)
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
+        result = await super().prefill(call)
         return dataclasses.replace(result, prefill_ns=1_000)
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
@@ -316,16 +309,9 @@ class MortalReplica(InProcessVerifier):
         if self._verifies < 0:
             raise ReplicaUnreachable("verifier at a:1 is unreachable: Connection reset by peer")
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
         self._check_alive()
-        return await super().prefill(session_id, token_ids, sampling, return_features, feature_layers)
+        return await super().prefill(call)
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
         self._verifies -= 1

@@ -30,10 +30,9 @@ from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.source_gate import GateHistory
 from specserve.drain import Drain
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
-from specserve.sampling import SamplingParams
 from specserve.token_tree import ROOT, TokenTree
 from specserve.v1 import drafter_pb2, drafter_pb2_grpc
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 from specserve.wire import draft_reply_from_proto, draft_reply_to_proto
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
@@ -58,16 +57,9 @@ class RecordingVerifier(InProcessVerifier):
         self.prefill_asked: list[bool] = []
         self.verify_asked: list[bool] = []
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
-        self.prefill_asked.append(return_features)
-        return await super().prefill(session_id, token_ids, sampling, return_features, feature_layers)
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
+        self.prefill_asked.append(call.return_features)
+        return await super().prefill(call)
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
         self.verify_asked.append(call.return_features)

@@ -1,7 +1,6 @@
 """Session affinity over verifier replicas (fake replicas recording their calls)."""
 
 import asyncio
-from collections.abc import Sequence
 
 import pytest
 
@@ -17,7 +16,7 @@ from specserve.errors import (
 )
 from specserve.results import PrefillResult, VerifyResult
 from specserve.sampling import SamplingParams
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 
 
 class FakeReplica:
@@ -34,18 +33,11 @@ class FakeReplica:
     async def info(self) -> VerifierInfo:
         return VerifierInfo(self.address, "fp", 10, 8, 4, 100, True)
 
-    async def prefill(
-        self,
-        session_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        return_features: bool = False,
-        feature_layers: Sequence[int] = (),
-    ) -> PrefillResult:
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
         self._fail()
         if self.prefill_failure is not None:
             raise self.prefill_failure
-        self.calls.append(("prefill", session_id))
+        self.calls.append(("prefill", call.session_id))
         return PrefillResult(0)
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
@@ -74,7 +66,7 @@ def test_sessions_stick_to_one_replica_and_spread_by_load() -> None:
     router = StickyVerifierRouter(lambda: addresses, connect)
 
     async def session(name: str) -> None:
-        await router.prefill(name, [1], SamplingParams())
+        await router.prefill(SessionPrefill(name, (1,), SamplingParams()))
         for _ in range(3):
             await router.verify(VerifyCall(name, 1))
 
@@ -92,7 +84,7 @@ def test_a_vanished_replica_moves_its_sessions() -> None:
     addresses = ["a:1", "b:1"]
     replicas: dict[str, FakeReplica] = {}
     router = StickyVerifierRouter(lambda: addresses, lambda a: replicas.setdefault(a, FakeReplica(a)), 5.0, clock)
-    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     first = next(a for a, r in replicas.items() if r.calls)
     addresses.remove(first)
     clock.now = 10.0
@@ -105,7 +97,7 @@ def test_a_vanished_replica_moves_its_sessions() -> None:
 def test_no_replica_is_unavailable_and_dns_errors_keep_known_replicas() -> None:
     router = StickyVerifierRouter(lambda: [], FakeReplica)
     with pytest.raises(Unavailable, match="no verifier replica"):
-        asyncio.run(router.prefill("s", [1], SamplingParams()))
+        asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
 
     clock = Clock()
     calls = {"n": 0}
@@ -137,23 +129,23 @@ def test_a_failed_replica_moves_the_session_and_is_skipped_until_its_backoff_end
     router = StickyVerifierRouter(
         lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)), 1000.0, clock, down_s=5.0
     )
-    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     first = next(a for a, r in replicas.items() if r.calls)
     other = next(a for a in replicas if a != first)
     replicas[first].failure = dead(first)
     with pytest.raises(SessionMoved, match="unreachable"):
         asyncio.run(router.verify(VerifyCall("s", 1)))
     # The round loop prefills the session again: on the other replica, where every later call goes.
-    asyncio.run(router.prefill("s", [1, 2], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("s", (1, 2), SamplingParams())))
     asyncio.run(router.verify(VerifyCall("s", 2)))
     assert replicas[other].calls == [("prefill", "s"), ("verify", "s")]
     # New sessions avoid the failed replica while it is down, even though it has fewer sessions...
-    asyncio.run(router.prefill("t", [1], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("t", (1,), SamplingParams())))
     assert ("prefill", "t") in replicas[other].calls
     # ...and after the backoff the next one probes it again.
     replicas[first].failure = None
     clock.now = 6.0
-    asyncio.run(router.prefill("u", [1], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("u", (1,), SamplingParams())))
     assert ("prefill", "u") in replicas[first].calls
 
 
@@ -161,7 +153,7 @@ def test_sessions_of_a_replica_that_failed_under_another_session_move_too() -> N
     replicas: dict[str, FakeReplica] = {}
     router = StickyVerifierRouter(lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)))
     for name in ("s", "t", "u"):
-        asyncio.run(router.prefill(name, [1], SamplingParams()))
+        asyncio.run(router.prefill(SessionPrefill(name, (1,), SamplingParams())))
     shared = next(a for a, r in replicas.items() if len(r.calls) == 2)
     replicas[shared].failure = dead(shared)
     victims = [sid for _, sid in replicas[shared].calls]
@@ -175,23 +167,23 @@ def test_sessions_of_a_replica_that_failed_under_another_session_move_too() -> N
 def test_with_no_replica_left_calls_are_unavailable() -> None:
     replicas: dict[str, FakeReplica] = {}
     router = StickyVerifierRouter(lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)))
-    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     for address, replica in replicas.items():
         replica.failure = dead(address)
     with pytest.raises(SessionMoved):
         asyncio.run(router.verify(VerifyCall("s", 1)))
     with pytest.raises(Unavailable, match="every verifier replica") as failed:
-        asyncio.run(router.prefill("s", [1], SamplingParams()))
+        asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     assert not isinstance(failed.value, SessionMoved)  # the round loop does not retry this one
     with pytest.raises(Unavailable, match="every verifier replica"):
-        asyncio.run(router.prefill("t", [1], SamplingParams()))
+        asyncio.run(router.prefill(SessionPrefill("t", (1,), SamplingParams())))
 
 
 @pytest.mark.parametrize("error", [DeadlineExceeded("deadline"), InvalidArgument("bad tree"), Unavailable("INTERNAL")])
 def test_errors_that_are_not_a_replica_failure_keep_the_session_in_place(error: Exception) -> None:
     replicas: dict[str, FakeReplica] = {}
     router = StickyVerifierRouter(lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)))
-    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     first = next(a for a, r in replicas.items() if r.calls)
     replicas[first].failure = error
     with pytest.raises(type(error)) as raised:
@@ -207,14 +199,14 @@ def test_a_draining_replica_keeps_its_sessions_while_new_ones_start_elsewhere() 
     router = StickyVerifierRouter(
         lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)), 1000.0, Clock(), down_s=5.0
     )
-    asyncio.run(router.prefill("s", [1], SamplingParams()))
+    asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     first = next(a for a, r in replicas.items() if r.calls)
     other = next(a for a in replicas if a != first)
     replicas[first].prefill_failure = ReplicaDraining(f"verifier at {first} is shutting down")
-    asyncio.run(router.prefill("t", [1], SamplingParams()))  # the least loaded: pinned to `other`
+    asyncio.run(router.prefill(SessionPrefill("t", (1,), SamplingParams())))  # the least loaded: pinned to `other`
     with pytest.raises(SessionMoved, match="shutting down"):
-        asyncio.run(router.prefill("u", [1], SamplingParams()))  # tried `first`, which refused it
-    asyncio.run(router.prefill("u", [1], SamplingParams()))
+        asyncio.run(router.prefill(SessionPrefill("u", (1,), SamplingParams())))  # tried `first`, which refused it
+    asyncio.run(router.prefill(SessionPrefill("u", (1,), SamplingParams())))
     asyncio.run(router.verify(VerifyCall("s", 1)))
     assert replicas[first].calls == [("prefill", "s"), ("verify", "s")]  # the session it holds stays
     assert replicas[other].calls == [("prefill", "t"), ("prefill", "u")]
@@ -225,5 +217,5 @@ def test_with_every_replica_draining_a_new_session_is_refused_with_the_replicas_
     replica.prefill_failure = ReplicaDraining("verifier at a:1 is shutting down: retry")
     router = StickyVerifierRouter(lambda: ["a:1"], lambda a: replica, 1000.0, Clock(), down_s=5.0)
     with pytest.raises(Unavailable, match="shutting down") as refused:
-        asyncio.run(router.prefill("s", [1], SamplingParams()))
+        asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     assert not isinstance(refused.value, SessionMoved)

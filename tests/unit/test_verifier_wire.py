@@ -12,7 +12,7 @@ from coordinator.grpc_clients import GrpcVerifier
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from specserve.v1 import verifier_pb2_grpc
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer
 from target_service.verifier import Verifier
@@ -40,11 +40,11 @@ def test_successors_cross_the_wire_one_row_per_scored_position(stream: bool) -> 
             remote = GrpcVerifier(channel, f"127.0.0.1:{port}", timeout_s=30, stream=stream)
             info = await remote.info()
             assert info.vocab_size == VOCAB and info.vocab_fingerprint == "fp"
-            await remote.prefill("remote", PROMPT, SamplingParams())
+            await remote.prefill(SessionPrefill("remote", tuple(PROMPT), SamplingParams()))
             result = await remote.verify(VerifyCall("remote", len(PROMPT), TREE, num_successors=3))
             assert result.successors == local.successors
             assert result.committed == local.committed
-            await remote.prefill("none", PROMPT, SamplingParams())
+            await remote.prefill(SessionPrefill("none", tuple(PROMPT), SamplingParams()))
             assert (await remote.verify(VerifyCall("none", len(PROMPT), TREE))).successors == []
 
     try:
