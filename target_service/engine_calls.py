@@ -8,7 +8,6 @@ result or with the caller's own error.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,7 +29,9 @@ class Call:
     session_id: str
     owner: str = ""
     future: Future[Any] = field(default_factory=Future)
-    enqueued_ns: int = field(default_factory=time.perf_counter_ns)
+    # When the call was queued, on the verifier's clock: ``Verifier._submit`` stamps it, so every time the engine
+    # measures from it (queue time, verify_ns, the admission timeout) reads one clock, a test's fake one included.
+    enqueued_ns: int = 0
     started_ns: int = 0  # first step that served it
 
 

@@ -146,6 +146,7 @@ class Verifier:
         lookahead: str = "auto",
         lookahead_window: int = 8,
         lookahead_ngram: int = 4,
+        clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         """``engine_threads``: the torch threads the engine's steps run on (0: torch's count now). The engine
         thread sets them for itself (``target_service.engine_threads``).
@@ -153,7 +154,14 @@ class Verifier:
         ``lookahead``: whether Verify calls that ask for lookahead get Jacobi rows (``target_service.lookahead``):
         "on" wherever the step has the rows, "auto" only where the cost curve says they are nearly free, "off"
         never; ``lookahead_window`` columns by ``lookahead_ngram`` - 1 levels, yielding n-grams of that size.
+
+        ``clock``: nanoseconds, read for every time the engine measures: when a call is queued, its queue time,
+        each step's time, the prefill and verify times it answers, the admission timeout and the activity log.
+        One clock for all of them, so a test can inject a fake one and assert those figures exactly, with no
+        sleeps (``time.perf_counter_ns`` by default: monotonic, the finest resolution). Waits on real events
+        (``wait_idle``, the engine's idle naps) stay on real time: they are not measurements.
         """
+        self._clock = clock
         check_settings(lookahead, lookahead_window, lookahead_ngram)
         self._lookahead = lookahead
         self._lookahead_window = lookahead_window
@@ -197,7 +205,7 @@ class Verifier:
         self._num_steps = 0
         self._in_step: set[str] = set()  # sessions with a call in the step being built: never evicted
         self._step_calls: list[Call] = []
-        self._activity = _ActivityLog()
+        self._activity = _ActivityLog(clock)
         self._guard = ThroughputGuard() if throughput_guard else _NeverProbe()
         self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
         self._step_observers: list[Callable[[EngineStep], None]] = []
@@ -207,11 +215,19 @@ class Verifier:
         self._started.result()  # the step's graphs are captured or compiled on the engine thread, before any call
 
     @classmethod
-    def from_config(cls, model: Any, vocab_fingerprint: str, config: VerifierConfig, profile: bool = True) -> Verifier:
+    def from_config(
+        cls,
+        model: Any,
+        vocab_fingerprint: str,
+        config: VerifierConfig,
+        profile: bool = True,
+        clock: Callable[[], int] = time.perf_counter_ns,
+    ) -> Verifier:
         """A verifier over an already loaded ``model`` with the limits ``config`` sets.
 
         ``profile`` measures the engine's cost curve first (a few seconds), which sizes the draft budget;
         main.py keeps the measured curve in the model cache and passes profile=False when it has one.
+        ``clock``: what the engine measures its times with (``__init__``); services keep the default.
         """
         verifier = cls(
             model,
@@ -234,6 +250,7 @@ class Verifier:
             lookahead=config.lookahead,
             lookahead_window=config.lookahead_window,
             lookahead_ngram=config.lookahead_ngram,
+            clock=clock,
         )
         if profile and config.profile_cost:
             verifier.profile_cost()
@@ -560,6 +577,7 @@ class Verifier:
         with self._cond:
             if self._stopping:
                 raise Unavailable("the verifier is shutting down; retry on another replica")
+            call.enqueued_ns = self._clock()
             self._queue.append(call)
             self._cond.notify()
             if self._parked:
@@ -590,9 +608,9 @@ class Verifier:
         """Capture (CUDA graphs) or compile (inductor) the step's shapes now, not in a request's round."""
         if not (self._runner.captures_steps or self._runner.compiles_steps):
             return
-        started = time.perf_counter()
+        started = self._clock()
         shapes = self._runner.prepare_steps(self._arena, self.limits.max_batch_tokens, self.limits.max_session_tokens)
-        took = time.perf_counter() - started
+        took = (self._clock() - started) / 1e9
         if self._runner.captures_steps:
             log.info("captured %d step shapes as CUDA graphs in %.1f s", shapes, took)
         else:
@@ -632,7 +650,7 @@ class Verifier:
         work = self._take_work()
         if not work.verifies and not work.prefills:
             return False
-        started = time.perf_counter_ns()
+        started = self._clock()
         queued: list[tuple[str, float]] = []
         for call in [c for c, _ in work.verifies] + [c for c, _ in work.prefills]:
             if not call.started_ns:
@@ -656,7 +674,7 @@ class Verifier:
         load = round(self._recent_sessions)
         budget = self._budget.nodes_for(load) if self._guard.arm_now else 0  # the engine-wide figure, for the log
         num_segments, num_tokens = len(inputs.plan.segments), int(inputs.input_ids.numel())
-        self._activity.add(num_segments, num_tokens, time.perf_counter_ns() - started, budget)
+        self._activity.add(num_segments, num_tokens, self._clock() - started, budget)
         ngrams: dict[str, tuple[tuple[int, ...], ...]] = {}
         lookahead_rows = 0
         for call, _, logits in step_inputs.lookahead_rows(work, out):
@@ -672,7 +690,7 @@ class Verifier:
             if hidden is not None:
                 prefill.features.append(hidden)
             self._advance_prefill(prefill, tokens)
-        step_s = (time.perf_counter_ns() - started) / 1e9
+        step_s = (self._clock() - started) / 1e9
         self._guard.observe(committed, step_s)
         yielded = sum(len(found) for found in ngrams.values())
         step = EngineStep(num_segments, num_tokens, tuple(queued), lookahead_rows, yielded, step_s)
@@ -734,7 +752,10 @@ class Verifier:
                 work.prefills.append((prefill, chunk))
                 tokens_left -= chunk
                 deferred.append(prefill)  # stays queued until its last chunk is done
-        deferred.sort(key=lambda c: c.enqueued_ns)
+        # Back in arrival order: the queue's own (``_submit`` appends under the lock), not the calls' stamps, which
+        # tie under a clock that has not moved (a test's fake one) where arrival order still holds.
+        arrival = {call: i for i, call in enumerate(queued)}
+        deferred.sort(key=arrival.__getitem__)
         with self._cond:
             self._queue.extendleft(reversed(deferred))
         self._plan_lookahead(work, tokens_left)
@@ -830,7 +851,7 @@ class Verifier:
             return self._in_step | {call.session_id for call in self._queue}
 
     def _wait_or_fail(self, call: Call, deferred: list[Call]) -> None:
-        waited = time.perf_counter_ns() - call.enqueued_ns
+        waited = self._clock() - call.enqueued_ns
         if waited < self._admission_timeout_ns:
             deferred.append(call)
             return
@@ -867,7 +888,7 @@ class Verifier:
             rows = torch.cat(call.features) if call.features else torch.zeros(0, self.hidden_size)
             features = _float16(rows)
         call.features = []
-        resolve(call, PrefillResult(time.perf_counter_ns() - call.enqueued_ns, features))
+        resolve(call, PrefillResult(self._clock() - call.enqueued_ns, features))
 
     def _abandon(self, call: Call, error: SpecserveError | None) -> None:
         """Give up a call; a prefill in progress frees its memory."""
@@ -919,7 +940,7 @@ class Verifier:
         k = min(call.num_successors, self.vocab_size)
         successors = logits.topk(k, dim=-1).indices.tolist() if k > 0 else []
         rows = [0, *(node + 1 for node in acceptance.path)]
-        now = time.perf_counter_ns()
+        now = self._clock()
         resolve(
             call,
             VerifyResult(
@@ -959,9 +980,10 @@ class _NeverProbe:
 class _ActivityLog:
     """Sums over engine steps, logged every ``every_s`` while the engine works: what an operator watches."""
 
-    def __init__(self, every_s: float = 10.0) -> None:
+    def __init__(self, clock: Callable[[], int] = time.perf_counter_ns, every_s: float = 10.0) -> None:
+        self._clock = clock
         self._every_ns = int(every_s * 1e9)
-        self._since = time.perf_counter_ns()
+        self._since = clock()
         self._steps = self._segments = self._tokens = self._busy_ns = self._budget = 0
 
     def add(self, segments: int, tokens: int, step_ns: int, budget: int) -> None:
@@ -970,7 +992,7 @@ class _ActivityLog:
         self._tokens += tokens
         self._busy_ns += step_ns
         self._budget += budget
-        now = time.perf_counter_ns()
+        now = self._clock()
         if now - self._since >= self._every_ns:
             n = self._steps
             log.info(
@@ -984,7 +1006,7 @@ class _ActivityLog:
                 self._busy_ns / n / 1e6,
                 self._budget / n,
             )
-            self.__init__(self._every_ns / 1e9)  # type: ignore[misc]
+            self.__init__(self._clock, self._every_ns / 1e9)  # type: ignore[misc]
 
 
 def _float16(rows: torch.Tensor) -> np.ndarray:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from concurrent.futures import Future
 
 import pytest
@@ -18,7 +17,7 @@ from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.budget_policy import SessionAcceptance
 from target_service.cost_curve import CostCurve
-from target_service.verifier import PREFILL_HEADROOM_TOKENS, Verifier
+from target_service.verifier import PREFILL_HEADROOM_TOKENS, EngineStep, Verifier
 from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
 
 VOCAB = 48
@@ -201,12 +200,20 @@ def test_a_call_cancelled_while_queued_leaves_the_queue_and_holds_no_cache() -> 
         assert futures[0].cancel()
     assert verifier.wait_idle()
     assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
-    # Cancelled half-way through a chunked prefill (31 steps): the partial session is freed too.
-    partial = verifier.submit_prefill("half", [3] * 500, SamplingParams())
-    while verifier.stats().num_steps < 3:
-        time.sleep(0.001)
-    assert partial.cancel()
+    # Cancelled half-way through a chunked prefill (31 steps), by the engine's own step observer after its third
+    # step (no polling, no race with the prefill's end): the partial session is freed too.
+    partial: list[Future[object]] = []
+    cancelled: list[bool] = []
+
+    def cancel_after_the_third_step(_: EngineStep) -> None:
+        if not cancelled and verifier.stats().num_steps >= 3:
+            cancelled.append(partial[0].cancel())
+
+    verifier.observe_steps(cancel_after_the_third_step)
+    with verifier.paused():  # the future is in hand before the first step
+        partial.append(verifier.submit_prefill("half", [3] * 500, SamplingParams()))  # type: ignore[arg-type]
     assert verifier.wait_idle()
+    assert cancelled == [True]
     assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
     verifier.close()
 

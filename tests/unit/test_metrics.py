@@ -5,8 +5,6 @@ Admission's series (running, waiting, queue time, rejections) are checked in tes
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from coordinator.metrics import CoordinatorMetrics
@@ -136,8 +134,22 @@ def test_latencies_and_errors_land_in_their_buckets() -> None:
     assert value("specserve_drafter_failures_total") == 1
 
 
+class FakeClock:
+    """Nanoseconds that move only when the test moves them: the verifier's times are then exact, whatever the load."""
+
+    def __init__(self) -> None:
+        self.now_ns = 0
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, seconds: float) -> None:
+        self.now_ns += round(seconds * 1e9)
+
+
 def test_verifier_observes_every_engine_step_once() -> None:
-    verifier = Verifier(tiny_llama(vocab_size=48, seed=3), "fp", max_tree_nodes=8, kv_cache_bytes=2**20)
+    clock = FakeClock()
+    verifier = Verifier(tiny_llama(vocab_size=48, seed=3), "fp", max_tree_nodes=8, kv_cache_bytes=2**20, clock=clock)
     metrics = VerifierMetrics()
     value = metrics.registry.get_sample_value
     assert value("specserve_verifier_kv_cache_usage_perc") is None  # no engine yet: the model is loading
@@ -145,12 +157,13 @@ def test_verifier_observes_every_engine_step_once() -> None:
     try:
         verifier.prefill("a", [1, 2, 3, 4, 5], GREEDY)  # a step of 4 tokens (the last one stays pending)
         verifier.prefill("b", [1, 2, 3], GREEDY)  # a step of 2
+        assert verifier.wait_idle()  # the second step has read its end time: the clock may move now
         with verifier.paused():
             first = verifier.submit_verify("a", 5, TokenTree.chain([6, 7, 8]))  # pending token + 3 nodes
             second = verifier.submit_verify("b", 3, TokenTree())  # pending token alone
-            time.sleep(0.05)  # both wait for the engine at least this long
-        first.result(timeout=30)
-        second.result(timeout=30)
+            clock.advance(0.03)  # both wait for the engine exactly this long
+        assert (first.result(timeout=30).queue_ns, second.result(timeout=30).queue_ns) == (30_000_000, 30_000_000)
+        assert verifier.wait_idle()  # the step's observers (the metrics) run after it has answered its calls
         assert value("specserve_verifier_iteration_tokens_total_count") == 3
         assert value("specserve_verifier_iteration_tokens_total_sum") == 4 + 2 + 5
         assert value("specserve_verifier_iteration_sessions_sum") == 1 + 1 + 2
@@ -158,7 +171,13 @@ def test_verifier_observes_every_engine_step_once() -> None:
         queue = "specserve_verifier_request_queue_time_seconds"
         assert value(f"{queue}_count", {"call": "prefill"}) == 2
         assert value(f"{queue}_count", {"call": "verify"}) == 2
-        assert (value(f"{queue}_sum", {"call": "verify"}) or 0) >= 0.1
+        assert value(f"{queue}_sum", {"call": "prefill"}) == 0  # each prefill's step began as it was queued
+        assert value(f"{queue}_sum", {"call": "verify"}) == 0.03 + 0.03
+        assert value(f"{queue}_bucket", {"call": "verify", "le": "0.025"}) == 0
+        assert value(f"{queue}_bucket", {"call": "verify", "le": "0.05"}) == 2
+        step = "specserve_verifier_engine_step_seconds"
+        assert value(f"{step}_count") == 3
+        assert value(f"{step}_sum") == 0  # the clock stood still inside every step
         stats = verifier.stats()
         assert value("specserve_verifier_kv_cache_usage_perc") == stats.kv_used_bytes / stats.kv_capacity_bytes > 0
         assert value("specserve_verifier_kv_cache_capacity_bytes") == stats.kv_capacity_bytes
