@@ -3,8 +3,8 @@
 The fuzz sends over 1,000 public requests (hypothesis, derandomized) to the real coordinator, drafter and
 verifier, in concurrent batches of 8: arbitrary and special-token text, chats of any roles and sizes, every
 kind of bad number, stop lists, and raw bytes that are not a valid request. The event-loop test sends a 4 MB
-prompt and a 100,000-message chat while a greedy stream runs and compares that stream's gaps with its own
-gaps without them. Both share one cluster (one start-up).
+prompt and a 100,000-message chat while a greedy stream and health checks run, and checks by order and count
+(never by duration) that both went on throughout. Both share one cluster (one start-up).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,7 +39,7 @@ MAX_CHAT_MESSAGES = 8  # small, so a chat "at the limit" is a cheap prefill
 GENERATE = "/specserve.v1.GenerationService/Generate"
 DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 BATCH = 8
-STALL_CAP_S = 5.0  # longest health check allowed while a huge request is refused (a loop blocked by it: far longer)
+WAIT_BOUND_S = 120.0  # a failure bound for what the background threads are awaited to do, never a pass condition
 EXAMPLES = 130
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>system\n", "<repo_name>"]
@@ -204,17 +204,33 @@ def test_fuzzed_requests_get_documented_statuses_and_leave_nothing_behind(edge_c
 
 
 class Intervals:
-    """(start, end) times of things a background thread repeats: stream chunk gaps or health-check calls."""
+    """(start, end) times of things a background thread repeats: stream chunk gaps or health-check calls.
+
+    The test waits on them (``wait_for``) rather than sleeping: each new span wakes it.
+    """
 
     def __init__(self) -> None:
         self.spans: list[tuple[float, float]] = []
+        self._added = threading.Condition()
 
     def add(self, start: float, end: float) -> None:
-        self.spans.append((start, end))
+        with self._added:
+            self.spans.append((start, end))
+            self._added.notify_all()
+
+    def wait_for(self, done: Callable[[list[tuple[float, float]]], bool]) -> bool:
+        """Wait until ``done(spans)`` holds; False if it did not within WAIT_BOUND_S (the test then fails)."""
+        with self._added:
+            return self._added.wait_for(lambda: done(self.spans), timeout=WAIT_BOUND_S)
 
     def within(self, start: float, end: float) -> list[float]:
-        """Durations of the spans that overlap [start, end]."""
+        """Durations of the spans that overlap [start, end] (printed, never asserted)."""
         return [b - a for a, b in list(self.spans) if b >= start and a <= end]
+
+    def ended_inside(self, start: float, end: float, begun_inside: bool = False) -> int:
+        """How many spans ended strictly inside (start, end): chunks that arrived, checks that were answered
+        (with ``begun_inside``: only the checks sent inside it too)."""
+        return len([1 for a, b in list(self.spans) if start < b < end and (a > start or not begun_inside)])
 
 
 class Background:
@@ -265,7 +281,7 @@ class Background:
             start = time.perf_counter()
             health.Check(health_pb2.HealthCheckRequest(), timeout=60)
             self.pings.add(start, time.perf_counter())
-            time.sleep(0.01)
+            self._stop.wait(0.01)  # a pace (about 100 checks a second), not a wait for anything to happen
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -286,12 +302,14 @@ def describe(values: list[float]) -> str:
 def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCluster) -> None:
     """While a 4 MB prompt is tokenized (seconds) and a 100k-message chat refused, the event loop keeps serving.
 
-    Asserted: while the 4 MB prompt is tokenized, the coordinator's health-check latency (its event loop's
-    responsiveness) at the 99th percentile grows by at most 50 ms, and no check waits 1 s (tokenizing on the
-    loop froze it for the whole encode, 2.6 s and more); the chat is refused within 1 s; the running stream
-    keeps getting chunks. The stream's chunk gaps are printed: on a
-    loaded 2-core machine the verifier's rounds themselves vary by hundreds of ms, so they are not asserted
-    to 50 ms.
+    Asserted by order and count, never by duration (a loaded 2-core machine stretches every duration): both are
+    refused with their own messages (the prompt after it was tokenized, the chat on its count); while the 4 MB
+    prompt was in flight, health checks sent after it were answered before it (a health check is answered by
+    the coordinator's event loop alone) and the running stream got chunks; after both, the stream and the health
+    checks go on; no stream failed. What makes this hold is proved exactly in the unit tests, on events:
+    tokenizing happens in a worker thread while another request streams to its end, a prompt too long is refused
+    on a count of chunks without one large encoding, and a chat's count is checked before any of its messages is
+    read (tests/unit/test_frontend.py, tests/unit/test_prompts.py). The latencies are printed for a reader.
     """
     big_prompt = ("The quick brown fox jumps over the lazy dog. " * 100_000)[:4_000_000]
     big_chat = generation_pb2.GenerateRequest(max_new_tokens=1)
@@ -307,13 +325,10 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
         grpc.insecure_channel(edge_cluster.coordinator_address) as channel,
         Background(edge_cluster.coordinator_address) as background,
     ):
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (
-            len(background.gaps.spans) < 8 or time.perf_counter() - background.gaps.spans[0][0] < 2.0
-        ):
-            time.sleep(0.2)
-        baseline_start = background.gaps.spans[0][0] if background.gaps.spans else time.perf_counter() - 1
-        baseline_end = time.perf_counter()
+        # A baseline, counted: the stream under way and the loop answering health checks.
+        assert background.gaps.wait_for(lambda spans: len(spans) >= 8), background.errors
+        assert background.pings.wait_for(lambda spans: len(spans) >= 20)
+        baseline_start, baseline_end = background.gaps.spans[0][0], time.perf_counter()
         for name, raw in big_requests.items():
             start = time.perf_counter()
             code, details, _ = send(channel, raw)
@@ -324,28 +339,20 @@ def test_a_huge_prompt_and_chat_do_not_stall_other_streams(edge_cluster: LocalCl
             if name == "4 MB prompt":
                 assert "exceeds the model's context" in details  # tokenized, then refused
             else:
-                assert f"the chat has 100000 messages; at most {MAX_CHAT_MESSAGES}" in details
-                assert end - start < 1.0  # refused on the count: 100k messages froze the loop for 2 s before
-        time.sleep(0.5)
+                assert f"the chat has 100000 messages; at most {MAX_CHAT_MESSAGES}" in details  # on the count
+        # Both go on after the refusals: a chunk that arrived, and a health check sent and answered, since then.
+        assert background.gaps.wait_for(lambda spans: spans[-1][1] > end), background.errors
+        assert background.pings.wait_for(lambda spans: spans[-1][0] > end)
     assert not background.errors, background.errors
-    base_pings = background.pings.within(baseline_start, baseline_end)
-    base_gaps = background.gaps.within(baseline_start, baseline_end)
     print(
-        f"baseline ({baseline_end - baseline_start:.1f} s): stream gaps {describe(base_gaps)}; "
-        f"health checks {describe(base_pings)}"
+        f"baseline ({baseline_end - baseline_start:.1f} s): "
+        f"stream gaps {describe(background.gaps.within(baseline_start, baseline_end))}; "
+        f"health checks {describe(background.pings.within(baseline_start, baseline_end))}"
     )
-    assert len(base_pings) >= 20
     for name, (start, end) in windows.items():
-        pings = background.pings.within(start, end)
-        gaps = background.gaps.within(start, end)
+        gaps, pings = background.gaps.within(start, end), background.pings.within(start, end)
         print(f"during the {name} ({end - start:.1f} s): stream gaps {describe(gaps)}; health checks {describe(pings)}")
-        assert pings, name
-        # A loop that tokenized on itself would freeze for the whole window (tens of seconds for 4 MB). One check
-        # in 30 s may still take over a second: this test's own threads share two cores with the three services
-        # (CI once saw one 1.6 s check in a 60 s window, the stream's chunks stalled 1.8 s at once, p99 16 ms).
-        assert max(pings) < STALL_CAP_S, name
-        assert len([ping for ping in pings if ping >= 1.0]) <= (end - start) // 30, name
-        if len(pings) >= 50:  # a window of a few health checks (the refused chat: 0.1 s) has no p99 to speak of
-            assert quantile(pings, 0.99) - quantile(base_pings, 0.99) <= 0.050, name
     start, end = windows["4 MB prompt"]
-    assert background.gaps.within(start, end), "the stream got no chunk while the 4 MB prompt was tokenized"
+    answered = background.pings.ended_inside(start, end, begun_inside=True)
+    assert answered > 0, "no health check sent while the 4 MB prompt was in flight was answered before it"
+    assert background.gaps.ended_inside(start, end) > 0, "the stream got no chunk while the 4 MB prompt was in flight"

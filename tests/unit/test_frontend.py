@@ -6,7 +6,8 @@ import asyncio
 import contextvars
 import io
 import json
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -75,14 +76,18 @@ LIMITS = PromptLimits(max_new_tokens=100, max_session_tokens=64)
 CALL = CallInfo("req-1", "grpc", Tenant("acme"))
 
 
-def frontend(chunks: list[str], metrics: RecordingMetrics | None = None) -> tuple[GenerationFrontend, list[Any]]:
+def frontend(
+    chunks: list[str],
+    metrics: RecordingMetrics | None = None,
+    tokenize: Callable[..., dict[str, list[int]]] = tokenizer,
+) -> tuple[GenerationFrontend, list[Any]]:
     made: list[Any] = []
 
     def new_generation(request: GenerationRequest) -> Any:
         made.append(ScriptedGeneration(request, chunks))
         return made[-1]
 
-    backend = GenerationBackend(tokenizer, LIMITS, new_generation)
+    backend = GenerationBackend(tokenize, LIMITS, new_generation)
     return GenerationFrontend("smollm2", AdmissionController(), metrics, backend), made
 
 
@@ -224,3 +229,82 @@ def test_the_log_line_holds_the_details_the_client_is_not_told(log_lines: Any) -
     assert line["error"] == "a verifier replica is unreachable"
     assert line["error_detail"] == "verifier at 10.0.0.9:50051: Connection reset"
     assert line["drafter_error"] == "drafter at 10.0.0.7:50052: RPC already finished"
+
+
+HOLD_BOUND_S = 30.0  # a failure bound, never a pass condition: how long the held prompt waits for the test
+
+
+class HeldTokenizer:
+    """One token per character, counting its calls; the prompt ``held`` stays in the tokenizer until ``release``.
+
+    ``released`` says how the held prompt left: True when the test let it go, False when it gave up waiting
+    (the test could not run: whatever tokenized it blocked the event loop the test runs on).
+    """
+
+    def __init__(self, held: str) -> None:
+        self.held = held
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.released: bool | None = None
+        self.calls = 0
+
+    def __call__(self, text: str, **_: object) -> dict[str, list[int]]:
+        self.calls += 1
+        if text == self.held:
+            self.entered.set()
+            self.released = self.release.wait(timeout=HOLD_BOUND_S)
+        return tokenizer(text)
+
+
+def test_a_prompt_in_the_tokenizer_holds_up_no_other_stream() -> None:
+    """Tokenizing runs in a worker thread, so the event loop serves other requests meanwhile (a 4 MB prompt
+    takes the tokenizer seconds). Proved by order, not by timing: the held prompt leaves the tokenizer only
+    when the test lets it, and the test lets it only after another request has streamed to its end."""
+    held = HeldTokenizer("x" * 40)
+    front, made = frontend(["a", "b"], tokenize=held)
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        slow = asyncio.create_task(consume(front.generate(EdgeRequest(prompt=held.held, max_new_tokens=4), CALL)))
+        try:
+            assert await asyncio.to_thread(held.entered.wait, HOLD_BOUND_S), "the held prompt never reached a worker"
+            other = await consume(front.generate(EdgeRequest(prompt="hi", max_new_tokens=4), CALL))
+        finally:
+            held.release.set()
+        return other, await slow
+
+    other, slow = asyncio.run(run())
+    assert held.released is True  # let go by the test, which ran while the prompt was in the tokenizer
+    assert [len(g.request.prompt_ids) for g in made] == [2, 40]  # the other request's generation came first
+    for events in (other, slow):
+        assert [e.text for e in events[:-1]] == ["a", "b"] and isinstance(events[-1], GenerationStats)
+
+
+async def consume(stream: AsyncIterator[TextChunk | GenerationStats]) -> list[Any]:
+    return [event async for event in stream]
+
+
+def test_a_chat_over_the_message_limit_is_refused_on_its_count_alone() -> None:
+    """The count is checked before anything that reads the messages (roles, sizes, the template, the tokenizer)
+    and before the request waits for a slot: a 100,000-message chat costs the event loop nothing but its length.
+    Every message here has a bad role, so a check that read one would refuse with another message."""
+    held, decisions = HeldTokenizer(""), AdmissionDecisions()
+    made: list[Any] = []
+    backend = GenerationBackend(held, LIMITS, made.append)
+    front = GenerationFrontend("smollm2", AdmissionController(observer=decisions), None, backend)
+    chat = (ChatTurn("wizard", "hi"),) * (LIMITS.max_chat_messages + 1)
+    with pytest.raises(InvalidArgument, match=f"^the chat has {len(chat)} messages; at most 1024 are allowed"):
+        collect(front, EdgeRequest(chat=chat, max_new_tokens=8))
+    assert (held.calls, decisions.seen, made) == (0, [], [])
+
+
+class AdmissionDecisions:
+    """What admission decided, in order: a request refused before it asked for a slot leaves nothing here."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def admitted(self, queue_s: float) -> None:
+        self.seen.append("admitted")
+
+    def rejected(self, reason: str) -> None:
+        self.seen.append(f"rejected:{reason}")

@@ -53,9 +53,13 @@ def refused(response: Any, param: str) -> str:
         (CHAT_PATH, {"max_tokens": -5}, "max_tokens", "between 1 and 256"),
         (CHAT_PATH, {"max_tokens": 257}, "max_tokens", "between 1 and 256"),
         (CHAT_PATH, {"max_completion_tokens": 0}, "max_completion_tokens", "between 1 and 256"),
+        (CHAT_PATH, {"max_completion_tokens": -5}, "max_completion_tokens", "between 1 and 256"),
+        (CHAT_PATH, {"max_tokens": 10**9}, "max_tokens", "got 1000000000"),
+        (CHAT_PATH, {"max_completion_tokens": 10**9}, "max_completion_tokens", "got 1000000000"),
         (CHAT_PATH, {"max_tokens": 300, "max_completion_tokens": 300}, "max_tokens", "got 300"),
         (COMPLETIONS_PATH, {"max_tokens": -5}, "max_tokens", "between 1 and 256"),
         (COMPLETIONS_PATH, {"max_tokens": 1000}, "max_tokens", "got 1000"),
+        (COMPLETIONS_PATH, {"max_tokens": 10**9}, "max_tokens", "got 1000000000"),
         (CHAT_PATH, {"temperature": -1}, "temperature", "between 0.001 and 100"),
         (COMPLETIONS_PATH, {"temperature": 1000}, "temperature", "got 1000"),
         (CHAT_PATH, {"top_p": 1.5}, "top_p", "[0, 1]"),
@@ -159,6 +163,22 @@ def chat(content: str, **extra: Any) -> dict[str, Any]:
 def test_the_issue_max_tokens_minus_five(http: TestClient) -> None:
     message = refused(http.post(CHAT_PATH, json=chat("Hi", max_tokens=-5)), "max_tokens")
     assert message == "max_tokens must be between 1 and 32 (this server's limit), got -5"
+
+
+@pytest.mark.parametrize("value", [-5, 0, 33, 10**9])
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [(CHAT_PATH, "max_tokens"), (CHAT_PATH, "max_completion_tokens"), (COMPLETIONS_PATH, "max_tokens")],
+)
+def test_a_token_limit_out_of_range_is_refused_under_the_name_sent(
+    http: TestClient, path: str, name: str, value: int
+) -> None:
+    """Whichever of the two names a chat caller used (OpenAI's newer ``max_completion_tokens`` or the older
+    ``max_tokens``), the message and ``param`` are that one's, with the server's limit and the value sent."""
+    body = chat("Hi", **{name: value}) if path == CHAT_PATH else {**COMPLETION, name: value}
+    assert refused(http.post(path, json=body), name) == (
+        f"{name} must be between 1 and 32 (this server's limit), got {value}"
+    )
 
 
 @pytest.mark.parametrize("name", ["max_tokens", "max_completion_tokens"])

@@ -144,3 +144,33 @@ def test_a_huge_prompt_is_refused_on_a_chunked_count_that_never_exceeds_the_exac
     assert raised.value.num_tokens == at_least
     # One that may fit is tokenized exactly.
     assert encoder.encode_sync(text, None, max_tokens=exact) == smollm2_tokenizer(text)["input_ids"]
+
+
+class RecordingBackend:
+    """A fast tokenizer's backend that records the length of every text it is asked to encode."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sizes: list[int] = []
+
+    def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+        self.sizes += [len(text) for text in texts]
+        return self.inner.encode_batch(texts, **kwargs)
+
+
+def test_a_prompt_too_long_is_refused_without_ever_holding_its_whole_encoding(smollm2_tokenizer: Any) -> None:
+    """Encoding a 4 MB prompt in one piece makes a million-token encoding whose ids, listed or freed, hold the GIL
+    (and so every stream on the event loop) for a tenth of a second and more; a prompt too long for the context
+    is refused on a count of chunks no longer than COUNT_CHUNK_CHARS (plus the stretch to a space), each freed
+    before the next. Checked on what the tokenizer is given, not on how long it takes."""
+    from coordinator.prompts import COUNT_CHUNK_CHARS
+
+    encoder = PromptEncoder(smollm2_tokenizer)
+    recording = RecordingBackend(encoder._backend)
+    encoder._backend = recording
+    text = ("The quick brown fox jumps over the lazy dog. " * 20_000)[: 8 * COUNT_CHUNK_CHARS]
+    with pytest.raises(PromptTooLong, match="the prompt has at least"):
+        encoder.encode_sync(text, None, max_tokens=8000)
+    assert sum(recording.sizes) == len(text)  # every character counted once, in pieces
+    assert len(recording.sizes) >= 8
+    assert max(recording.sizes) <= COUNT_CHUNK_CHARS + COUNT_CHUNK_CHARS // 4
