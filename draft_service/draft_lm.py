@@ -1,12 +1,10 @@
 """A draft language model: a small model of the target's family, run by the drafter with a KV cache per session.
 
-transformers loads the config, weights and tokenizer; the step is the verifier engine's forward in the
-drafter's own terms (the tiers share only ``specserve/``, so the drafter cannot import the engine's
-``target_service.llama_forward``): the same fused QKV and gate-up products on weights packed once
-(``specserve.packed_linear``, the block kernel where the weights are a GGUF file's llama.cpp blocks), the same
-RMSNorm and rotary embedding (``specserve.llama_ops``), the same families (Llama, Mistral, Qwen2 with its Q, K
-and V biases, Qwen3 with its per-head query and key norms). The final norm and LM head run in fp32, as the
-verifier's do.
+transformers loads the config, weights and tokenizer; the layers are ``specserve.llama_decoder``'s, the ones the
+verifier's engine runs (the tiers share only ``specserve/``): the same fused QKV and gate-up products on weights
+packed once (``specserve.packed_linear``, the block kernel where the weights are a GGUF file's llama.cpp blocks),
+the same RMSNorm and rotary embedding, the same families (Llama, Mistral, Qwen2 with its Q, K and V biases, Qwen3
+with its per-head query and key norms). The final norm and LM head run in fp32, as the verifier's do.
 
 Attention reads a per-session cache (``DraftLMCache``: one in-place buffer per layer, as the draft head's) with
 a mask, so one step can run a tree level's nodes, each over the context, its ancestors and itself. Its numerics
@@ -20,15 +18,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from draft_service.head_layer import HeadCache
 from specserve.block_weights import serial_kernels
-from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
+from specserve.llama_decoder import LlamaDecoder, UnsupportedModelError, check_supported
+from specserve.llama_ops import rms_norm
 from specserve.model_loading import (
     ModelNotFoundError,
     default_cache_root,
@@ -46,10 +43,6 @@ from specserve.packed_linear import (
     candidate_rows,
     fp32_head_packing,
 )
-
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-"""The families the step reproduces: those the verifier's engine drives."""
-_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 
 
 class DraftLMError(ValueError):
@@ -76,63 +69,31 @@ class DraftLMCache:
         return sum(layer.nbytes for layer in self.layers)
 
 
-@dataclass(frozen=True)
-class _Layer:
-    qkv: PackedLinear
-    o: PackedLinear
-    gate_up: PackedLinear
-    down: PackedLinear
-    attn_norm: torch.Tensor
-    mlp_norm: torch.Tensor
-    qk_norms: tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's per-head query and key norms
-
-
-def check_supported(config: Any) -> None:
-    """Raise DraftLMError unless the step reproduces this model."""
-    model_type = getattr(config, "model_type", "")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise DraftLMError(f"the drafter runs {sorted(SUPPORTED_MODEL_TYPES)} draft models; this one is {model_type!r}")
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise DraftLMError("sliding-window attention layers are not supported in a draft model")
-
-
 class DraftLM:
     """A small causal LM's weights, shared by every session; ``step`` runs rows of one session over its cache."""
 
     def __init__(self, model: Any, name: str = "", fingerprint: str = "") -> None:
-        config = model.config
-        check_supported(config)
-        inner = model.model
-        rotary = inner.rotary_emb
-        rope_type = getattr(rotary, "rope_type", "default")
-        if rope_type not in _STATIC_ROPE_TYPES:
-            raise DraftLMError(f"the draft model's rotary type {rope_type!r} changes with the sequence length")
         self.name = name  # where it was loaded from, for messages
         self.fingerprint = fingerprint  # its tokenizer's vocabulary (``vocab_fingerprint``); empty: unchecked
         head = model.get_output_embeddings().weight.detach()
         self.device: torch.device = head.device
         self.dtype: torch.dtype = head.dtype
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        self.eps = float(config.rms_norm_eps)
-        self.scaling = self.head_dim**-0.5
         self.vocab_size = int(head.shape[0])
-        self.packing = _packing(model, self.dtype, self.device)
-        buckets = candidate_rows(self.packing)
-        self._layers = [_layer(layer, self.packing, buckets) for layer in inner.layers]
-        self.embed = inner.embed_tokens.weight.detach()
-        self._norm = inner.norm.weight.detach().float()
+        try:
+            check_supported(model)  # before ``_packing`` reads the layers' weights
+            self.packing = _packing(model, self.dtype, self.device)
+            self._decoder = LlamaDecoder(model, self.packing, candidate_rows(self.packing))
+        except UnsupportedModelError as exc:
+            raise DraftLMError(f"the drafter cannot run this draft model: {exc}") from exc
+        self._norm = self._decoder.norm.float()
         head_packing = fp32_head_packing(head)  # a GGUF model's Q8_0 head on the block kernel, as the verifier's
         self._head = PackedLinear(head.float(), None, head_packing, candidate_rows(head_packing))
-        self._inv_freq = rotary.inv_freq.detach().float().to(self.device)
-        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         # A CPU attends in fp32 (PyTorch's CPU SDPA is slow in bf16 for a few query rows): the cache holds fp32.
         self._attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
 
     @property
     def num_layers(self) -> int:
-        return len(self._layers)
+        return len(self._decoder.blocks)
 
     def new_cache(self) -> DraftLMCache:
         return DraftLMCache(self.num_layers)
@@ -172,28 +133,19 @@ class DraftLM:
         if allowed is None and rows > 1:
             allowed = torch.ones(rows, cached + rows, dtype=torch.bool, device=self.device)
             allowed[:, cached:] = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
-        x = F.embedding(tokens, self.embed)
-        cos, sin = rotary_tables(positions, self._inv_freq, self._rope_scaling, x.dtype)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        for layer, layer_cache in zip(self._layers, cache.layers, strict=True):
-            qkv = layer.qkv(rms_norm(x, layer.attn_norm, self.eps))
-            q = qkv[:, :q_size].view(rows, self.num_heads, self.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(rows, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size :].view(rows, self.num_kv_heads, self.head_dim)
-            if layer.qk_norms is not None:
-                q, k = rms_norm(q, layer.qk_norms[0], self.eps), rms_norm(k, layer.qk_norms[1], self.eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            dtype = self._attention_dtype
-            keys, values = layer_cache.append(k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype))
-            attended = self._attend(q.to(dtype), keys, values, allowed)
-            x = x + layer.o(attended.to(x.dtype))
-            gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+        dtype, layer_dtype = self._attention_dtype, self._decoder.dtype
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+            """Appends the layer's keys and values to the session's cache, then attends over all of it."""
+            keys, values = cache.layers[index].append(k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype))
+            return self._attend(q.to(dtype), keys, values, allowed, scaling).to(layer_dtype)
+
+        x = self._decoder(attend, tokens, positions)
         scored = x[-1:] if last_only else x
-        return self._head(rms_norm(scored.float(), self._norm, self.eps))
+        return self._head(rms_norm(scored.float(), self._norm, self._decoder.shape.rms_norm_eps))
 
     def _attend(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None, scaling: float
     ) -> torch.Tensor:
         """The rows' queries [n, heads, d] over ``keys``/``values`` [kv_heads, m, d] -> [n, heads * d].
 
@@ -201,40 +153,18 @@ class DraftLM:
         key-value head h // group, as transformers' ``repeat_kv``). A draft step has a few query rows: there
         PyTorch's CPU SDPA costs many times the products themselves.
         """
-        rows = q.shape[0]
-        group = self.num_heads // self.num_kv_heads
-        grouped = q.view(rows, self.num_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
-        grouped = grouped.reshape(self.num_kv_heads, group * rows, self.head_dim)
-        scores = torch.bmm(grouped, keys.transpose(1, 2)) * self.scaling  # [kv_heads, group * rows, m]
+        shape = self._decoder.shape
+        rows, kv_heads, head_dim = q.shape[0], shape.num_kv_heads, shape.head_dim
+        group = shape.num_heads // kv_heads
+        grouped = q.view(rows, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        grouped = grouped.reshape(kv_heads, group * rows, head_dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)) * scaling  # [kv_heads, group * rows, m]
         if allowed is not None:
             mask = allowed.repeat(group, 1)  # rows in (group, row) order, as ``grouped``'s
             scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [kv_heads, group * rows, d]
-        out = out.view(self.num_kv_heads, group, rows, self.head_dim).permute(2, 0, 1, 3)
-        return out.reshape(rows, self.num_heads * self.head_dim)
-
-
-def _layer(layer: Any, packing: Packing, buckets: tuple[int, ...]) -> _Layer:
-    attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    biases = [p.bias for p in projections]
-    if any(b is not None for b in biases) and not all(b is not None for b in biases):
-        raise DraftLMError("the draft model has biases on some of Q, K and V but not all")
-    if attn.o_proj.bias is not None or mlp.gate_proj.bias is not None or mlp.down_proj.bias is not None:
-        raise DraftLMError("the draft model has biases on its output or MLP projections")
-    qkv_bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
-    gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    qk_norms = (q_norm.weight.detach(), k_norm.weight.detach()) if q_norm is not None and k_norm is not None else None
-    return _Layer(
-        qkv=PackedLinear(torch.cat([p.weight.detach() for p in projections]), qkv_bias, packing, buckets),
-        o=PackedLinear(attn.o_proj.weight, None, packing, buckets),
-        gate_up=PackedLinear(gate_up, None, packing, buckets),
-        down=PackedLinear(mlp.down_proj.weight, None, packing, buckets),
-        attn_norm=layer.input_layernorm.weight.detach(),
-        mlp_norm=layer.post_attention_layernorm.weight.detach(),
-        qk_norms=qk_norms,
-    )
+        out = out.view(kv_heads, group, rows, head_dim).permute(2, 0, 1, 3)
+        return out.reshape(rows, shape.q_size)
 
 
 def _layer_weights(model: Any) -> Iterator[torch.Tensor]:
