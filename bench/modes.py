@@ -23,7 +23,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -323,13 +323,15 @@ class InProcessMode:
         compile: str = "auto",
         threads: int = 0,
         gate_drafting: bool = CoordinatorConfig().gate_drafting,
+        drafter_config: DrafterConfig | None = None,
     ) -> None:
         """``flat_verify_cost``: size trees as if extra draft nodes cost nothing (``flattened``), not at the
         curve the verifier measures here; ``weights`` and ``compile``: the verifier's --weights and --compile;
-        ``gate_drafting``: the coordinator's --gate-drafting."""
+        ``gate_drafting``: the coordinator's --gate-drafting; ``drafter_config``: the drafter's settings (its
+        tree shape, ...) as the distributed drafter parses its --drafter-arg words, ``sources`` replacing its own."""
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
-        self._drafter_config = DrafterConfig(sources=sources)
+        self._drafter_config = replace(drafter_config or DrafterConfig(), sources=sources)
         self._head = head
         # What runs the draft head's products (``DraftHead.products``), for reports; None without a head.
         self.head_products = head.products if head is not None else None

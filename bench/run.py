@@ -224,7 +224,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=[],
         metavar="ARGS",
         help="appended to the distributed drafter's command line, split like a shell does; repeatable, e.g. "
-        "--drafter-arg='--sources prompt_lookup,ngram_pool' (in-process modes: name their sources, inproc:a+b)",
+        "--drafter-arg='--tree-depth 3'; the in-process modes take the same settings, except their sources "
+        "(name those in the mode: inproc:a+b)",
     )
     parser.add_argument(
         "--warm-pool",
@@ -364,6 +365,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 args.compile,
                 args.engine_threads,
                 args.gate_drafting,
+                args.drafter_config,  # --drafter-arg: the same drafter settings as the distributed modes'
             )
         elif name == SPECULATION_OFF or (name == "distributed" and name in clusters):
             # The distributed cluster, shared: speculation on and off differ only in the requests.

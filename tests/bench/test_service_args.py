@@ -6,6 +6,8 @@ Parses arguments only; starts nothing and needs no GPU (``--device cuda`` is che
 from __future__ import annotations
 
 from bench import load, run
+from bench.modes import InProcessMode
+from tests.conftest import tiny_llama
 
 
 def value_of(words: list[str], flag: str) -> str:
@@ -40,3 +42,13 @@ def test_bench_load_puts_the_verifier_and_drafter_on_its_device() -> None:
     assert value_of(verifier, "--device") == "cuda" and value_of(verifier, "--dtype") == "bfloat16"
     assert value_of(drafter, "--device") == "cpu"  # a --drafter-arg saying otherwise wins
     assert load.service_args(load.parse_args([]))[1] == ["--device", "cpu"]
+
+
+def test_the_in_process_modes_draft_with_the_drafter_settings_the_distributed_drafter_gets() -> None:
+    """A tree shape given with --drafter-arg shapes ``inproc``'s trees too (two modes, one comparison); the
+    mode's own sources still win over the words' (``inproc:a+b`` names them)."""
+    args = run.parse_args(["--modes", "inproc:suffix", "--drafter-arg=--tree-depth 2 --tree-beam 1 --sources suffix"])
+    model = tiny_llama(vocab_size=64, seed=3, layers=2, context=128)
+    mode = InProcessMode(model, None, "fp", frozenset({0}), ("prompt_lookup",), drafter_config=args.drafter_config)
+    config = mode._drafter_config
+    assert (config.tree_depth, config.tree_beam, config.sources) == (2, 1, ("prompt_lookup",))
