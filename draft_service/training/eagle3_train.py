@@ -21,24 +21,20 @@ from __future__ import annotations
 
 import json
 import math
-import random
-import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from draft_service.eagle3_head import CONFIG_FILE, Eagle3Config, Eagle3Head
+from draft_service.training.loop import optimise, read_checkpoint
 from draft_service.training.train import (
     IGNORE,
     TrainReport,
     TrainSettings,
-    _lr_factor,
     build_draft_vocab,
     label_index_for,
     unroll_mask,
@@ -238,16 +234,9 @@ def train_eagle3(
     report). The checkpoint lives in ``out_dir``; ``settings.init_from`` is not supported here."""
     if settings.init_from:
         raise ValueError("--init-from starts from one of our head files; it cannot seed an EAGLE-3 head")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = out_dir / "checkpoint.pt"
     vocab_size = int(embedding.shape[0])
     torch.manual_seed(settings.seed)
-    checkpoint = torch.load(checkpoint_path, weights_only=True) if checkpoint_path.exists() else None
-    if checkpoint is not None and checkpoint["settings"] != asdict(settings):
-        raise ValueError(
-            f"{checkpoint_path} was written with other settings ({checkpoint['settings']}); "
-            "remove it or train into another directory"
-        )
+    checkpoint = read_checkpoint(out_dir, settings)
     if checkpoint is not None:
         draft_vocab = checkpoint["draft_vocab"]
     else:
@@ -256,78 +245,28 @@ def train_eagle3(
     where = torch.device(device)
     head = head.to(where)
     head.inv_freq = head.inv_freq.to(where)
-    optimizer = torch.optim.AdamW(
-        [p for p in head.parameters() if p.requires_grad],
-        lr=settings.learning_rate,
-        weight_decay=settings.weight_decay,
-    )
-    spans = windows(sequences, settings.window)
-    steps_per_epoch = math.ceil(len(spans) / settings.batch_size)
-    total_steps = steps_per_epoch * settings.epochs
-    step, spent = 0, 0.0
-    if checkpoint is not None:
-        head.load_state_dict(checkpoint["head"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        spent, step = float(checkpoint["minutes"]), int(checkpoint["step"])
-    resumed_from = step
     label_index = label_index_for(draft_vocab, vocab_size)
-    started = time.monotonic()
 
-    def minutes() -> float:
-        """Training time over all runs into this checkpoint."""
-        return spent + (time.monotonic() - started) / 60
+    def batch_loss(chosen: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        return batch_losses(head, sequences, chosen, settings, label_index, where)
 
-    def save() -> None:
-        state = {
-            "settings": asdict(settings),
-            "draft_vocab": draft_vocab,
-            "head": head.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "minutes": minutes(),
-            "step": step,
-        }
-        torch.save(state, checkpoint_path.with_suffix(".tmp"))
-        checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
-
-    last: dict[str, Any] = {"loss": torch.tensor(math.nan), "accuracy_by_step": []}
-    head.train()
-    disable = None if progress is None else not progress
-    with tqdm(total=total_steps, initial=step, unit="step", desc="train eagle3", disable=disable) as bar:
-        while step < total_steps:
-            epoch, offset = divmod(step, steps_per_epoch)
-            order = list(range(len(spans)))
-            random.Random(settings.seed + epoch).shuffle(order)  # the same order when resumed
-            chosen = [spans[i] for i in order[offset * settings.batch_size : (offset + 1) * settings.batch_size]]
-            with torch.autocast(where.type, dtype=torch.bfloat16, enabled=settings.autocast_bf16):
-                last = batch_losses(head, sequences, chosen, settings, label_index, where)
-            done = max(step / total_steps, minutes() / settings.max_minutes)
-            for group in optimizer.param_groups:
-                group["lr"] = settings.learning_rate * _lr_factor(done)
-            optimizer.zero_grad(set_to_none=True)
-            last["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            bar.update()
-            accuracy = "/".join(f"{a:.2f}" for a in last["accuracy_by_step"])
-            bar.set_postfix(loss=f"{float(last['loss'].detach()):.3f}", acc=accuracy)
-            if step % settings.checkpoint_every == 0:
-                save()
-            if minutes() >= settings.max_minutes:
-                break
-    save()
+    spans = windows(sequences, settings.window)
+    result = optimise(
+        head, batch_loss, spans, settings, out_dir, checkpoint, draft_vocab, where, progress, desc="train eagle3"
+    )
     head = head.to("cpu").eval()
     head.inv_freq = head.inv_freq.to("cpu")
+    last = result.last
     by_step = list(last["accuracy_by_step"])
     report = TrainReport(
-        steps=step,
-        epochs_done=step / steps_per_epoch,
-        minutes=minutes(),
+        steps=result.steps,
+        epochs_done=result.steps / result.steps_per_epoch,
+        minutes=result.minutes,
         final_loss=float(last["loss"].detach()),
         final_feature_loss=0.0,  # no feature loss in EAGLE-3
         final_token_accuracy=by_step[0] if by_step else math.nan,
         final_accuracy_by_step=by_step,
-        resumed_from_step=resumed_from,
+        resumed_from_step=result.resumed_from,
     )
     return head, config, report
 

@@ -13,20 +13,18 @@ directory continues from it.
 from __future__ import annotations
 
 import math
-import random
-import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig, HeadOutput, load_state, read_weights
+from draft_service.training.loop import optimise, read_checkpoint
 from specserve.tree_masks import additive_mask
 
 IGNORE = -100
@@ -206,16 +204,9 @@ def train(
 ) -> tuple[DraftHead, TrainReport]:
     """Train (or continue training) a head on ``device``; the checkpoint lives in ``out_dir``. The head comes
     back on the CPU, where it is evaluated and saved."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_path = out_dir / "checkpoint.pt"
     vocab_size = int(embedding.shape[0])
     torch.manual_seed(settings.seed)
-    checkpoint = torch.load(checkpoint_path, weights_only=True) if checkpoint_path.exists() else None
-    if checkpoint is not None and checkpoint["settings"] != asdict(settings):
-        raise ValueError(
-            f"{checkpoint_path} was written with other settings ({checkpoint['settings']}); "
-            "remove it or train into another directory"
-        )
+    checkpoint = read_checkpoint(out_dir, settings)
     initial = read_weights(Path(settings.init_from)) if settings.init_from and checkpoint is None else None
     if checkpoint is not None:
         draft_vocab = checkpoint["draft_vocab"]
@@ -229,84 +220,24 @@ def train(
         load_state(head, initial, Path(settings.init_from))
     where = torch.device(device)
     head = head.to(where)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=settings.learning_rate, weight_decay=settings.weight_decay)
-    spans = windows(sequences, settings.window)
-    steps_per_epoch = math.ceil(len(spans) / settings.batch_size)
-    total_steps = steps_per_epoch * settings.epochs
-    step, spent = 0, 0.0
-    if checkpoint is not None:
-        head.load_state_dict(checkpoint["head"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        spent = float(checkpoint["minutes"])
-        step = int(checkpoint["step"])
-    resumed_from = step
     label_index = label_index_for(draft_vocab, vocab_size)
 
-    def save() -> None:
-        state = {
-            "settings": asdict(settings),
-            "draft_vocab": draft_vocab,
-            "head": head.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "minutes": minutes(),
-            "step": step,
-        }
-        torch.save(state, checkpoint_path.with_suffix(".tmp"))
-        checkpoint_path.with_suffix(".tmp").replace(checkpoint_path)
+    def batch_loss(chosen: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        batch = make_batch(sequences, chosen, settings.window, label_index)
+        return losses(head, {name: tensor.to(where) for name, tensor in batch.items()}, settings, noise=True)
 
-    started = time.monotonic()
-
-    def minutes() -> float:
-        """Training time over all runs into this checkpoint."""
-        return spent + (time.monotonic() - started) / 60
-
-    last: dict[str, Any] = {"loss": torch.tensor(float("nan")), "feature_loss": math.nan, "accuracy": math.nan}
-    head.train()
-    disable = None if progress is None else not progress
-    with tqdm(total=total_steps, initial=step, unit="step", desc="train", disable=disable) as bar:
-        while step < total_steps:
-            epoch, offset = divmod(step, steps_per_epoch)
-            order = list(range(len(spans)))
-            random.Random(settings.seed + epoch).shuffle(order)  # the same order when resumed
-            chosen = order[offset * settings.batch_size : (offset + 1) * settings.batch_size]
-            batch = make_batch(sequences, [spans[i] for i in chosen], settings.window, label_index)
-            batch = {name: tensor.to(where) for name, tensor in batch.items()}
-            with torch.autocast(where.type, dtype=torch.bfloat16, enabled=settings.autocast_bf16):
-                last = losses(head, batch, settings, noise=True)
-            # The schedule runs to the end of the epochs or of the time budget, whichever comes first.
-            done = max(step / total_steps, minutes() / settings.max_minutes)
-            for group in optimizer.param_groups:
-                group["lr"] = settings.learning_rate * _lr_factor(done)
-            optimizer.zero_grad(set_to_none=True)
-            last["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            bar.update()
-            accuracy = "/".join(f"{a:.2f}" for a in last["accuracy_by_step"])
-            bar.set_postfix(loss=f"{float(last['loss'].detach()):.3f}", acc=accuracy)
-            if step % settings.checkpoint_every == 0:
-                save()
-            if minutes() >= settings.max_minutes:
-                break
-    save()
+    spans = windows(sequences, settings.window)
+    result = optimise(head, batch_loss, spans, settings, out_dir, checkpoint, draft_vocab, where, progress)
     head = head.to("cpu").eval()
+    last = result.last
     report = TrainReport(
-        steps=step,
-        epochs_done=step / steps_per_epoch,
-        minutes=minutes(),
+        steps=result.steps,
+        epochs_done=result.steps / result.steps_per_epoch,
+        minutes=result.minutes,
         final_loss=float(last["loss"].detach()),
-        final_feature_loss=float(last["feature_loss"]),
-        final_token_accuracy=float(last["accuracy"]),
+        final_feature_loss=float(last.get("feature_loss", math.nan)),
+        final_token_accuracy=float(last.get("accuracy", math.nan)),
         final_accuracy_by_step=list(last.get("accuracy_by_step", [])),
-        resumed_from_step=resumed_from,
+        resumed_from_step=result.resumed_from,
     )
     return head, report
-
-
-def _lr_factor(done: float, warmup: float = 0.02) -> float:
-    """Linear warm-up over the first ``warmup`` of training, then cosine decay to 10%."""
-    if done < warmup:
-        return (done + 1e-3) / (warmup + 1e-3)
-    decayed = min(1.0, (done - warmup) / (1 - warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * decayed))
