@@ -62,6 +62,11 @@ class DraftBudget:
         self._tried = prior_tried
         self._cache: dict[tuple[int, float, float, int], int] = {}
 
+    def reprice(self, curve: CostCurve) -> None:
+        """Size budgets with ``curve`` from now on, keeping what was learnt of acceptance."""
+        self.curve = curve
+        self._cache.clear()
+
     @property
     def alpha(self) -> float:
         """Estimated probability that the next draft token on a path is accepted."""

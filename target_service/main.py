@@ -88,12 +88,12 @@ def build_verifier(config: VerifierConfig) -> Verifier:
 
 def _curve_key(model_name: str, verifier: Verifier, config: VerifierConfig) -> str:
     """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget, the step's form."""
-    import torch
-
     from specserve.hardware import cpu_model
+    from target_service.engine_threads import compute_threads
 
-    parts = [model_name, verifier.dtype, str(verifier.device), cpu_model(), str(torch.get_num_threads())]
-    parts += [str(config.max_batch_tokens), verifier.step_form]
+    parts = [model_name, verifier.dtype, str(verifier.device), cpu_model(), str(compute_threads())]
+    # "engine-thread": timed where steps run; curves kept before that timed the serving thread and are stale.
+    parts += [str(config.max_batch_tokens), verifier.step_form, "engine-thread"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -67,10 +67,12 @@ from target_service.layer_features import check_layers
 from target_service.lookahead import LookaheadWindow, check_settings, nearly_free
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
+from target_service.served_costs import ServedCosts
 from target_service.session_cache import PREFILL_HEADROOM_TOKENS, Session, SessionCache
 from target_service.throughput_guard import ThroughputGuard
 from target_service.tree_acceptance import accept, commit, masked_logits
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 __all__ = ["PREFILL_HEADROOM_TOKENS", "EngineStats", "EngineStep", "Verifier", "VerifierLimits"]
@@ -186,6 +188,7 @@ class Verifier:
         self._arena: KVArena = self._runner.new_arena(kv_cache_bytes // self._runner.kv_bytes_per_token)
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self._budget = DraftBudget(cost_curve or flat_curve(), max_tree_nodes)
+        self._served = ServedCosts(self._budget.curve)  # the curve corrected by served steps
         self._admission_timeout_ns = int(admission_timeout_s * 1e9)
         self._sessions = SessionCache(
             self._arena,
@@ -196,6 +199,8 @@ class Verifier:
             busy=self._busy_sessions,
         )
         self._queue: deque[Call] = deque()
+        # Work that must run on the engine thread between steps (``_on_engine_thread``): the cost profile.
+        self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._cond = threading.Condition()
         self._stopping = False
         self._parking = False  # park(): the engine thread ends once it has no work
@@ -479,10 +484,20 @@ class Verifier:
     def profile_cost(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 5) -> CostCurve:
         """Measure this engine's cost curve on a scratch session and size draft budgets with it.
 
+        Measured on the engine thread, between steps: the curve prices the engine's steps, and a thread with
+        another OpenMP team or another torch thread count (the serving thread runs torch on one where the engine
+        owns the cores) times other costs, flatter over rows than the steps it prices (docs/benchmarks.md,
+        "The cost curve, timed where steps run").
         Five repeats a point rather than two: the curve sizes every tree this verifier checks, and two repeats
         leave its ratios noisy enough to mis-size them, for a few seconds more at start-up (docs/benchmarks.md,
         "Smaller figures behind rules in the code").
         """
+        curve = self._on_engine_thread(lambda: self._measure_cost(sizes, repeats))
+        self.use_cost_curve(curve)
+        return curve
+
+    def _measure_cost(self, sizes: tuple[int, ...], repeats: int) -> CostCurve:
+        """``profile_cost``'s measurement, on the thread that calls it."""
         sizes = tuple(n for n in sizes if n <= self.limits.max_batch_tokens)
         context, long_context = PROFILE_CONTEXTS
         long_context = max(context, min(long_context, self.limits.max_session_tokens - max(sizes)))
@@ -525,13 +540,13 @@ class Verifier:
                 repeats,
             )
             curve = replace(curve, context=context, per_row_context_s=slope)
-        self.use_cost_curve(curve)
         return curve
 
     def use_cost_curve(self, curve: CostCurve) -> None:
         """Size draft budgets with ``curve`` (measured by ``profile_cost``, now or on an earlier start)."""
         with self._cond:
             self._budget = DraftBudget(curve, self.limits.max_tree_nodes)
+            self._served = ServedCosts(curve)
         ratios = ", ".join(f"{n}: {r:.2f}" for n, r in curve.ratios().items())
         log.info(
             "cost curve c(n)/c(1) {%s}; c(1) = %.1f ms over %d cached tokens, %.2f ms per extra session, "
@@ -579,12 +594,28 @@ class Verifier:
                 raise Unavailable("the verifier is shutting down; retry on another replica")
             call.enqueued_ns = self._clock()
             self._queue.append(call)
-            self._cond.notify()
-            if self._parked:
-                self._parked = False
-                self._thread = threading.Thread(target=self._resume, name="verifier-engine", daemon=True)
-                self._thread.start()
+            self._wake()
         return call.future
+
+    def _on_engine_thread(self, work: Callable[[], T]) -> T:
+        """Run ``work`` on the engine thread between two steps and return what it returns (or raise what it
+        raised). What it times is then what the engine's steps cost: the thread's OpenMP team, its torch threads
+        (the serving thread runs torch on one where the engine owns the cores), its step forms."""
+        future: Future[T] = Future()
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("the verifier is shutting down; retry on another replica")
+            self._tasks.append((work, future))
+            self._wake()
+        return future.result()
+
+    def _wake(self) -> None:
+        """Tell the engine thread there is work, starting a new one if it was parked (under ``_cond``)."""
+        self._cond.notify()
+        if self._parked:
+            self._parked = False
+            self._thread = threading.Thread(target=self._resume, name="verifier-engine", daemon=True)
+            self._thread.start()
 
     # ---- the engine thread ----
 
@@ -621,8 +652,8 @@ class Verifier:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
-                while (not self._queue or self._paused) and not self._stopping:
-                    if self._parking and not self._queue:
+                while (not (self._queue or self._tasks) or self._paused) and not self._stopping:
+                    if self._parking and not self._queue and not self._tasks:
                         self._parking, self._parked = False, True
                         return
                     self._cond.wait(timeout=5.0)
@@ -631,8 +662,18 @@ class Verifier:
                 if self._stopping:
                     pending = list(self._queue)
                     self._queue.clear()
+                    tasks = list(self._tasks)
+                    self._tasks.clear()
                     break
                 self._busy = True
+                task = self._tasks.popleft() if self._tasks else None
+            if task is not None:
+                work, done = task
+                try:
+                    done.set_result(work())
+                except BaseException as exc:  # the caller raises it; the engine goes on
+                    done.set_exception(exc)
+                continue
             try:
                 if not self._step():
                     with self._cond:  # everything waits for memory: nap until a call arrives or a moment passes
@@ -644,6 +685,8 @@ class Verifier:
                         self._abandon(call, Unavailable(f"the verifier failed this step ({type(exc).__name__}); retry"))
         for call in pending:
             fail(call, Unavailable("the verifier is shutting down; retry on another replica"))
+        for _, done in tasks:
+            done.set_exception(Unavailable("the verifier is shutting down"))
 
     def _step(self) -> bool:
         """Run one step; False when there was nothing it could run."""
@@ -692,6 +735,11 @@ class Verifier:
             self._advance_prefill(prefill, tokens)
         step_s = (self._clock() - started) / 1e9
         self._guard.observe(committed, step_s)
+        if len(work.verifies) == 1 and not work.prefills and not lookahead_rows:
+            call, _ = work.verifies[0]
+            corrected = self._served.observe(num_tokens, call.num_committed, step_s)
+            if corrected is not None:  # a size's served steps moved its price: budgets follow
+                self._budget.reprice(corrected)
         yielded = sum(len(found) for found in ngrams.values())
         step = EngineStep(num_segments, num_tokens, tuple(queued), lookahead_rows, yielded, step_s)
         for observer in self._step_observers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -285,4 +286,35 @@ def test_the_start_up_profile_measures_what_a_cached_token_adds_to_a_row(monkeyp
     curve = verifier.profile_cost(sizes=(1, 2, 4, 8), repeats=1)
     assert timed == [(n, c) for n in (1, 2, 4, 8) for c in (128, 512 - 8)]
     assert (curve.context, curve.per_row_context_s) == (128, 2.5e-6) and verifier.cost_curve == curve
+    verifier.close()
+
+
+def test_the_start_up_profile_times_on_the_engine_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The curve prices the engine's steps, so its timings run where the steps run: on the engine thread (its
+    OpenMP team and torch threads), not on the thread that asked for the profile."""
+    threads: list[str] = []
+
+    def measure(run, sizes, repeats):  # type: ignore[no-untyped-def]
+        run(1, 1)
+        threads.append(threading.current_thread().name)
+        return CostCurve((1, 2), (1e-3, 2e-3))
+
+    monkeypatch.setattr("target_service.verifier.measure_curve", measure)
+    monkeypatch.setattr("target_service.verifier.measure_context_cost", lambda *args: 0.0)
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8)
+    curve = verifier.profile_cost(sizes=(1, 2), repeats=1)
+    assert threads == ["verifier-engine"] and verifier.cost_curve == curve
+    verifier.close()
+
+
+def test_work_on_the_engine_thread_raises_in_its_caller_and_the_engine_goes_on() -> None:
+    verifier = Verifier(MODEL, "fp", max_tree_nodes=8)
+
+    def broken() -> None:
+        raise RuntimeError("profiling failed")
+
+    with pytest.raises(RuntimeError, match="profiling failed"):
+        verifier._on_engine_thread(broken)
+    verifier.prefill("s", [1, 2, 3], SamplingParams())  # still serving
+    assert verifier.verify("s", 3, TokenTree()).committed
     verifier.close()
