@@ -54,7 +54,8 @@ from draft_service.training.eagle3_train import top1_agreement as eagle3_top1
 from draft_service.training.evaluate import draft_step_ms, held_out_figures, tree_acceptance
 from draft_service.training.prompt_datasets import Decontaminator, dataset_prompts, download, later_turn_prompts
 from draft_service.training.prompts import all_prompts, training_prompts
-from draft_service.training.train import TrainReport, TrainSettings, train
+from draft_service.training.settings import TrainReport, TrainSettings
+from draft_service.training.train import train
 from specserve.hardware import choose_dtype
 from specserve.model_loading import (
     default_cache_root,

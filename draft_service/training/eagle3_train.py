@@ -31,10 +31,9 @@ from safetensors.torch import save_file
 
 from draft_service.eagle3_head import CONFIG_FILE, Eagle3Config, Eagle3Head
 from draft_service.training.loop import optimise, read_checkpoint
+from draft_service.training.settings import TrainReport, TrainSettings
 from draft_service.training.train import (
     IGNORE,
-    TrainReport,
-    TrainSettings,
     build_draft_vocab,
     label_index_for,
     unroll_mask,

@@ -17,13 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-if TYPE_CHECKING:
-    from draft_service.training.train import TrainSettings
+from draft_service.training.settings import TrainSettings
 
 CHECKPOINT_FILE = "checkpoint.pt"
 

@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_service.training.distill_data import distil_batch
 from draft_service.training.eagle3_train import feature_layers, train_eagle3
-from draft_service.training.train import TrainSettings, train
+from draft_service.training.settings import TrainSettings
+from draft_service.training.train import train
 from specserve.model_loading import default_cache_root, load_model, materialize, resolve_model
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,45 +24,10 @@ from transformers import DynamicCache
 
 from draft_service.draft_head import DraftHead, DraftHeadConfig, HeadOutput, load_state, read_weights
 from draft_service.training.loop import optimise, read_checkpoint
+from draft_service.training.settings import TrainReport, TrainSettings
 from specserve.tree_masks import additive_mask
 
 IGNORE = -100
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    draft_vocab_size: int = 8192
-    intermediate_size: int = 0  # 0: the target's
-    window: int = 384  # positions per training example (longer sequences are cut)
-    batch_size: int = 8
-    learning_rate: float = 5e-4
-    weight_decay: float = 0.0
-    ce_weight: float = 0.1
-    feature_noise: float = 0.05
-    epochs: int = 24
-    # Training-time test (EAGLE-3, HASS): the head also learns from its own predicted features, as it drafts.
-    unroll_steps: int = 1  # 1: teacher-forced only (EAGLE-1); k: k draft steps per position
-    max_minutes: float = 30.0
-    # The head's matmuls in bfloat16 (torch.autocast), weights and optimiser state in fp32, for CPUs that run
-    # bf16 natively (AMX, AVX512-BF16); losses and accuracy are computed in fp32.
-    autocast_bf16: bool = False
-    checkpoint_every: int = 100
-    seed: int = 0
-    # A head file to start from (its weights and draft vocabulary) instead of a fresh head: more epochs for a
-    # head whose run stopped at its time budget. "" starts afresh.
-    init_from: str = ""
-
-
-@dataclass
-class TrainReport:
-    steps: int
-    epochs_done: float
-    minutes: float
-    final_loss: float
-    final_feature_loss: float
-    final_token_accuracy: float  # training batches, teacher-forced, depth 1
-    final_accuracy_by_step: list[float]  # training batches, each unrolled draft step
-    resumed_from_step: int
 
 
 def build_draft_vocab(sequences: Sequence[dict[str, Any]], size: int, vocab_size: int) -> torch.Tensor:
@@ -198,12 +162,13 @@ def train(
     lm_head: torch.Tensor,
     target_config: Any,
     out_dir: Path,
-    settings: TrainSettings = TrainSettings(),
+    settings: TrainSettings | None = None,
     progress: bool | None = None,
     device: str = "cpu",
 ) -> tuple[DraftHead, TrainReport]:
     """Train (or continue training) a head on ``device``; the checkpoint lives in ``out_dir``. The head comes
-    back on the CPU, where it is evaluated and saved."""
+    back on the CPU, where it is evaluated and saved (``settings`` None: the defaults)."""
+    settings = settings or TrainSettings()
     vocab_size = int(embedding.shape[0])
     torch.manual_seed(settings.seed)
     checkpoint = read_checkpoint(out_dir, settings)

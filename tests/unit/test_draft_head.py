@@ -15,7 +15,8 @@ from draft_service.draft_head import DraftHead, DraftHeadConfig, DraftHeadError,
 from draft_service.training.distill_data import distil_batch
 from draft_service.training.evaluate import accepted_length, chain_acceptance, top1_agreement, tree_acceptance
 from draft_service.training.prompts import all_prompts, training_prompts
-from draft_service.training.train import TrainSettings, build_draft_vocab, train, unroll_mask, unrolled
+from draft_service.training.settings import TrainSettings
+from draft_service.training.train import build_draft_vocab, train, unroll_mask, unrolled
 from specserve.token_tree import TokenTree
 from tests.conftest import plain_greedy, tiny_llama
 

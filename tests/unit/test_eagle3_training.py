@@ -23,7 +23,7 @@ from draft_service.training.eagle3_train import (
     train_eagle3,
     unrolled_logits,
 )
-from draft_service.training.train import TrainSettings
+from draft_service.training.settings import TrainSettings
 from specserve.model_loading import vocab_fingerprint
 from specserve.sampling import SamplingParams
 from tests.conftest import plain_decode, tiny_llama

@@ -18,7 +18,8 @@ from draft_service.drafter import Drafter, PredraftCounts
 from draft_service.head_proposer import FeatureLog, HeadProposer, TreeShape
 from draft_service.ngram_pool import InMemoryNgramPool
 from draft_service.training.distill_data import distil_batch
-from draft_service.training.train import TrainSettings, train
+from draft_service.training.settings import TrainSettings
+from draft_service.training.train import train
 from draft_service.tree_builder import AcceptanceStats, TreeBuilder, VerifyCost, credit_label
 from specserve.keyed_noise import PositionNoise
 from specserve.probs import target_probs
