@@ -45,6 +45,7 @@ rates. A probe that lands nothing doubles the wait for the next (up to
 from __future__ import annotations
 
 from target_service.cost_curve import CostCurve
+from target_service.served_costs import ServedCosts
 
 
 class DraftBudget:
@@ -57,15 +58,20 @@ class DraftBudget:
 
     def __init__(self, curve: CostCurve, max_nodes: int, prior_accepted: float = 3.0, prior_tried: float = 5.0) -> None:
         self.curve = curve
+        self._served = ServedCosts(curve)  # ``curve`` as measured, corrected by served steps
         self.max_nodes = max_nodes
         self._accepted = prior_accepted
         self._tried = prior_tried
         self._cache: dict[tuple[int, float, float, int], int] = {}
 
-    def reprice(self, curve: CostCurve) -> None:
-        """Size budgets with ``curve`` from now on, keeping what was learnt of acceptance."""
-        self.curve = curve
-        self._cache.clear()
+    def observe_step(self, tokens: int, context: int, seconds: float) -> None:
+        """One served step of one session scoring ``tokens`` over ``context`` cached tokens took ``seconds``:
+        where it moves a size's price (``served_costs``), budgets are sized with the corrected curve from now on,
+        keeping what was learnt of acceptance."""
+        corrected = self._served.observe(tokens, context, seconds)
+        if corrected is not None:
+            self.curve = corrected
+            self._cache.clear()
 
     @property
     def alpha(self) -> float:

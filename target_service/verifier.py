@@ -67,7 +67,6 @@ from target_service.layer_features import check_layers
 from target_service.lookahead import LookaheadWindow, check_settings, nearly_free
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan
-from target_service.served_costs import ServedCosts
 from target_service.session_cache import PREFILL_HEADROOM_TOKENS, Session, SessionCache
 from target_service.throughput_guard import ThroughputGuard
 from target_service.tree_acceptance import accept, commit, masked_logits
@@ -188,7 +187,6 @@ class Verifier:
         self._arena: KVArena = self._runner.new_arena(kv_cache_bytes // self._runner.kv_bytes_per_token)
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self._budget = DraftBudget(cost_curve or flat_curve(), max_tree_nodes)
-        self._served = ServedCosts(self._budget.curve)  # the curve corrected by served steps
         self._admission_timeout_ns = int(admission_timeout_s * 1e9)
         self._sessions = SessionCache(
             self._arena,
@@ -546,7 +544,6 @@ class Verifier:
         """Size draft budgets with ``curve`` (measured by ``profile_cost``, now or on an earlier start)."""
         with self._cond:
             self._budget = DraftBudget(curve, self.limits.max_tree_nodes)
-            self._served = ServedCosts(curve)
         ratios = ", ".join(f"{n}: {r:.2f}" for n, r in curve.ratios().items())
         log.info(
             "cost curve c(n)/c(1) {%s}; c(1) = %.1f ms over %d cached tokens, %.2f ms per extra session, "
@@ -737,9 +734,7 @@ class Verifier:
         self._guard.observe(committed, step_s)
         if len(work.verifies) == 1 and not work.prefills and not lookahead_rows:
             call, _ = work.verifies[0]
-            corrected = self._served.observe(num_tokens, call.num_committed, step_s)
-            if corrected is not None:  # a size's served steps moved its price: budgets follow
-                self._budget.reprice(corrected)
+            self._budget.observe_step(num_tokens, call.num_committed, step_s)  # the curve learns what steps cost
         yielded = sum(len(found) for found in ngrams.values())
         step = EngineStep(num_segments, num_tokens, tuple(queued), lookahead_rows, yielded, step_s)
         for observer in self._step_observers:
