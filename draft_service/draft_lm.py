@@ -17,14 +17,13 @@ vocabulary fingerprints): token ids cross between them unchanged.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from draft_service.head_layer import HeadCache
 from specserve.block_weights import serial_kernels
-from specserve.llama_decoder import LlamaDecoder, UnsupportedModelError, check_supported
+from specserve.llama_decoder import LayerBlocks, LlamaDecoder, UnsupportedModelError, check_supported, find_layer_blocks
 from specserve.llama_ops import rms_norm
 from specserve.model_loading import (
     ModelNotFoundError,
@@ -35,14 +34,7 @@ from specserve.model_loading import (
     resolve_model,
     vocab_fingerprint,
 )
-from specserve.packed_linear import (
-    PackedLinear,
-    Packing,
-    available_packing,
-    block_packing,
-    candidate_rows,
-    fp32_head_packing,
-)
+from specserve.packed_linear import PackedLinear, Packing, available_packing, candidate_rows, fp32_head
 
 
 class DraftLMError(ValueError):
@@ -81,13 +73,15 @@ class DraftLM:
         self.vocab_size = int(head.shape[0])
         try:
             check_supported(model)  # before ``_packing`` reads the layers' weights
-            self.packing = _packing(model, self.dtype, self.device)
-            self._decoder = LlamaDecoder(model, self.packing, candidate_rows(self.packing))
+            self.packing, blocks = _packing(model, self.dtype, self.device)
+            self._decoder = LlamaDecoder(model, self.packing, candidate_rows(self.packing), blocks)
         except UnsupportedModelError as exc:
             raise DraftLMError(f"the drafter cannot run this draft model: {exc}") from exc
         self._norm = self._decoder.norm.float()
-        head_packing = fp32_head_packing(head)  # a GGUF model's Q8_0 head on the block kernel, as the verifier's
-        self._head = PackedLinear(head.float(), None, head_packing, candidate_rows(head_packing))
+        head_packing = fp32_head(head)  # a GGUF model's Q8_0 head on the block kernel, as the verifier's
+        self._head = PackedLinear(
+            head.float(), None, head_packing.packing, candidate_rows(head_packing.packing), head_packing.blocks
+        )
         # A CPU attends in fp32 (PyTorch's CPU SDPA is slow in bf16 for a few query rows): the cache holds fp32.
         self._attention_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
 
@@ -167,19 +161,13 @@ class DraftLM:
         return out.reshape(rows, shape.q_size)
 
 
-def _layer_weights(model: Any) -> Iterator[torch.Tensor]:
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            yield module.weight.detach()
-
-
-def _packing(model: Any, dtype: torch.dtype, device: torch.device) -> Packing:
+def _packing(model: Any, dtype: torch.dtype, device: torch.device) -> tuple[Packing, list[LayerBlocks] | None]:
     """The block kernel for an fp32 model whose layers are a GGUF file's llama.cpp blocks (a sixth of the bytes
-    read), else the packed kernel this dtype and device have (F.linear where none)."""
-    if dtype == torch.float32 and block_packing(list(_layer_weights(model))):
-        return "blocks"
-    return available_packing(dtype, device)
+    read), with the layers' blocks; else the packed kernel this dtype and device have (F.linear where none)."""
+    blocks = find_layer_blocks(model) if dtype == torch.float32 else None
+    if blocks is not None:
+        return "blocks", blocks
+    return available_packing(dtype, device), None
 
 
 def draft_dtype(device: str) -> str:

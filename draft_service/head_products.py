@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.block_weights import BLOCK, block_kernels, find_blocks, quantize_q8_0
+from specserve.block_weights import BLOCK, Blocks, block_kernels, find_blocks, quantize_q8_0
 from specserve.packed_linear import PackedLinear, Packing, available_packing, invariant_rows, kernel_name
 
 HEAD_MATMUL_CHOICES = ("auto", "packed", "linear", "int8", "blocks")
@@ -61,12 +61,14 @@ def auto_candidates(dtype: torch.dtype, device: torch.device) -> tuple[Packing, 
     return (default, "int8", "blocks") if blocks_serve(dtype, device) else (default, "int8")
 
 
-def q8_0_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` as fp32 values that Q8_0 blocks hold: itself where they already do (the draft logits' rows of a
-    GGUF head), else rounded to them; None where its rows are not whole blocks."""
+def q8_0_weight(weight: torch.Tensor) -> tuple[torch.Tensor, Blocks | None] | None:
+    """``weight`` as fp32 values that Q8_0 blocks hold: itself, with the blocks found, where they already do (the
+    draft logits' rows of a GGUF head), else rounded to them (their blocks found where packed); None where its
+    rows are not whole blocks."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
-    return weight if find_blocks(weight) is not None else quantize_q8_0(weight)
+    found = find_blocks(weight)
+    return (weight, found) if found is not None else (quantize_q8_0(weight), None)
 
 
 class WeightPack:
@@ -74,14 +76,15 @@ class WeightPack:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, packing: Packing) -> None:
         out_features, in_features = weight.shape
-        packed = weight
+        packed, blocks = weight, None
         if packing == "blocks":  # a weight that cannot be blocks runs on the dtype's packed kernel
-            blocks = q8_0_weight(weight)
-            packed, packing = (
-                (blocks, packing) if blocks is not None else (weight, available_packing(weight.dtype, weight.device))
-            )
+            as_blocks = q8_0_weight(weight)
+            if as_blocks is None:
+                packing = available_packing(weight.dtype, weight.device)
+            else:
+                packed, blocks = as_blocks
         rows = invariant_rows(packing, weight.dtype, {(out_features, in_features)})
-        self.product = PackedLinear(packed, bias, packing, rows)
+        self.product = PackedLinear(packed, bias, packing, rows, blocks)
         self._made_from = _identity(weight, bias)
 
     def serves(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

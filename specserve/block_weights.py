@@ -28,6 +28,11 @@ The kernel is compiled for the CPU it runs on (``-march=native``) the first
 time it is needed and kept under the cache directory (about 20 s once, then
 a load); where no compiler is at hand, ``block_kernels()`` returns None and
 the products run on ``packed_linear``'s other kernels.
+
+A weight's blocks are found once a process (``packed_linear.weight_blocks``
+hands them to the products it packs; a fused product's are its parts' joined,
+``Blocks.joined``) and kept in the start-up cache under the hash of the
+weight's bytes (``kept_blocks``), so a later start reads them.
 """
 
 from __future__ import annotations
@@ -42,12 +47,13 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from specserve.hardware import DtypeChoice, choose_dtype
 from specserve.model_loading import ModelSource, default_cache_root
+from specserve.startup_cache import TensorStore, tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,7 @@ BLOCK = 32  # values per block along the input dimension, both formats
 BlockFormat = Literal["Q4_1", "Q8_0"]
 BLOCK_GEMM_ENV = "SPECSERVE_BLOCK_GEMM"  # "off": never use the block kernel (benchmarks compare with it)
 _SOURCE = Path(__file__).with_name("kernels") / "block_gemm.cpp"
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp")
 
 
 def cpu_flags() -> str:
@@ -83,6 +90,16 @@ def block_kernels() -> ModuleType | None:
         return None
 
 
+def kernel_source_digest() -> str:
+    """A hash of the block kernel's source and compiler flags: with the CPU and torch, what its arithmetic
+    depends on (results computed with it and kept name it; "unknown" where the source does not read)."""
+    try:
+        source = _SOURCE.read_bytes()
+    except OSError:
+        return "unknown"
+    return hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+
+
 def build_kernels(source: Path, flags: Sequence[str]) -> ModuleType:
     """``source`` compiled as the block kernel is, for a CPU with ``flags``; raises where it does not build.
 
@@ -90,7 +107,7 @@ def build_kernels(source: Path, flags: Sequence[str]) -> ModuleType:
     """
     from torch.utils import cpp_extension  # imports setuptools: only where the kernel is wanted
 
-    cflags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+    cflags = list(_CFLAGS)
     # A build for another CPU, torch, source or flags must not be reused: all four name the build. So does the
     # source's path: ninja's build file names it, and two checkouts sharing a build would rebuild in turn.
     named = [source.read_text(), " ".join(sorted(flags)), torch.__version__, " ".join(cflags), str(source)]
@@ -113,7 +130,7 @@ def gguf_block_layers(source: ModelSource) -> bool:
     """Whether ``source`` is a GGUF file whose 2-D weights are all Q4_1 or Q8_0 blocks, and the kernel builds here.
 
     Reads only the file's tensor table; whether the loaded fp32 weights are those blocks exactly is checked
-    again where they are packed (``packed_linear.block_packing``).
+    again where they are packed (``packed_linear.weight_blocks``).
     """
     if source.gguf_file is None:
         return False
@@ -149,6 +166,33 @@ class Blocks:
     scale: torch.Tensor
     low: torch.Tensor | None
     q: torch.Tensor
+
+    @staticmethod
+    def joined(parts: Sequence[Blocks]) -> Blocks | None:
+        """The blocks of the weights of ``parts`` concatenated along the outputs (a fused QKV or gate-up weight),
+        or None where the parts are not all of one format.
+
+        Equal to ``find_blocks`` of the concatenated weight: every quantity it derives is a block's own, and a
+        step it takes for some blocks leaves the blocks already rebuilt as they were. So a weight's blocks are
+        found once and the fused product is packed from them.
+        """
+        if not parts or any(p.block_format != parts[0].block_format for p in parts):
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        lows = [p.low for p in parts if p.low is not None]
+        return Blocks(
+            parts[0].block_format,
+            torch.cat([p.scale for p in parts]),
+            torch.cat(lows) if lows else None,
+            torch.cat([p.q for p in parts]),
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's [out, in] these blocks hold."""
+        out, blocks = self.scale.shape
+        return int(out), int(blocks) * BLOCK
 
     def packed(self, lanes: int) -> torch.Tensor:
         """The kernel's layout: outputs in tiles of ``lanes`` (padded with zero weights), per tile and block the
@@ -238,6 +282,64 @@ def q8_0_blocks(weight: torch.Tensor) -> Blocks | None:
 def find_blocks(weight: torch.Tensor) -> Blocks | None:
     """The fewest-bytes llama.cpp block format that holds ``weight`` exactly, with its blocks; else None."""
     return q4_1_blocks(weight) or q8_0_blocks(weight)
+
+
+BLOCKS_KIND = "gguf-blocks"  # the start-up cache's folder of blocks found (``kept_blocks``)
+# Bump when ``find_blocks`` changes what it finds for a weight: blocks kept by earlier versions are then not read.
+BLOCKS_VERSION = 1
+# Weights of fewer values are found every time: finding their blocks costs about what reading a record does.
+KEPT_MIN_VALUES = 1 << 16
+
+
+def kept_blocks(weight: torch.Tensor, store: TensorStore | None) -> Blocks | None:
+    """``find_blocks``, its blocks kept in ``store`` (``specserve.startup_cache``) under the hash of the weight's
+    own bytes: a start that loads the same weights reads the blocks an earlier one found (what it would find
+    again: ``find_blocks`` depends on nothing else). Weights that are not blocks are found so every time."""
+    w = weight.detach()
+    kept_here = w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2 and not w.shape[1] % BLOCK
+    if store is None or not kept_here or w.numel() < KEPT_MIN_VALUES:
+        return find_blocks(w)
+    key = blocks_key(w)
+    kept = store.get(key)
+    blocks = _blocks_of_record(*kept, tuple(w.shape)) if kept is not None else None
+    if blocks is not None:
+        return blocks
+    if kept is not None:
+        log.warning("start-up cache record %s holds no blocks of its weight: found again", store.path(key))
+    found = find_blocks(w)
+    if found is not None:
+        low = {} if found.low is None else {"low": found.low}
+        store.put(key, {"scale": found.scale, "q": found.q, **low}, {"format": found.block_format})
+    return found
+
+
+def blocks_key(weight: torch.Tensor) -> dict[str, Any]:
+    """What ``find_blocks``' result for ``weight`` depends on: its bytes and shape, and the code finding them."""
+    return {
+        "blocks": BLOCKS_VERSION,
+        "torch": torch.__version__,
+        "shape": list(weight.shape),
+        "sha256": tensor_digest(weight),
+    }
+
+
+def _blocks_of_record(
+    tensors: dict[str, torch.Tensor], fields: dict[str, str], shape: tuple[int, ...]
+) -> Blocks | None:
+    """The blocks a record holds, where they are blocks of a weight of ``shape`` [out, in] in the layout
+    ``find_blocks`` gives (fp32 scales and minimums [out, in / 32], integers [out, in / 32, 32]); else None."""
+    block_format = fields.get("format")
+    per_block = (shape[0], shape[1] // BLOCK)
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"scale": (torch.float32, per_block)}
+    if block_format == "Q4_1":
+        layout |= {"low": (torch.float32, per_block), "q": (torch.uint8, (*per_block, BLOCK))}
+    elif block_format == "Q8_0":
+        layout |= {"q": (torch.int8, (*per_block, BLOCK))}
+    else:
+        return None
+    if set(tensors) != set(layout) or any((t.dtype, tuple(t.shape)) != layout[n] for n, t in tensors.items()):
+        return None
+    return Blocks("Q4_1" if block_format == "Q4_1" else "Q8_0", tensors["scale"], tensors.get("low"), tensors["q"])
 
 
 class BlockWeight:

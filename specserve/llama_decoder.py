@@ -33,8 +33,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from specserve.block_weights import Blocks
 from specserve.llama_ops import apply_rotary, rms_norm, rotary_tables
-from specserve.packed_linear import PackedLinear, Packing
+from specserve.packed_linear import PackedLinear, Packing, weight_blocks
 
 # Attention for one layer: (layer, q [T, heads, d], k and v [T, kv_heads, d], scaling) -> [T, heads, d] or
 # [T, heads * d]; it also stores k and v in the caller's KV cache.
@@ -112,14 +113,44 @@ def check_supported(model: Any) -> None:
         raise UnsupportedModelError(f"rotary type {rope_type!r} changes with the sequence length")
 
 
+def layer_weights(layer: Any) -> tuple[torch.Tensor, ...]:
+    """A decoder layer's seven product weights: Q, K, V, O, gate, up and down, in that order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return tuple(module.weight.detach() for module in modules)
+
+
+# A layer's product weights as llama.cpp blocks, in ``layer_weights``' order.
+LayerBlocks = tuple[Blocks, ...]
+
+
+def find_layer_blocks(model: Any) -> list[LayerBlocks] | None:
+    """Every decoder layer's product weights as llama.cpp blocks, where all of them run on the block kernel
+    (``packed_linear.weight_blocks``); else None. ``LlamaDecoder`` packs its products from them."""
+    layers = [layer_weights(layer) for layer in model.model.layers]
+    found = weight_blocks([weight for weights in layers for weight in weights])
+    if found is None:
+        return None
+    each = iter(found)
+    return [tuple(next(each) for _ in weights) for weights in layers]
+
+
+def _blocks_of(blocks: LayerBlocks | None, *indices: int) -> Blocks | None:
+    """The blocks of the product over these of the layer's weights, concatenated (``Blocks.joined``)."""
+    return None if blocks is None else Blocks.joined([blocks[i] for i in indices])
+
+
 class DecoderBlock:
     """One decoder layer's weights: projections fused, then packed.
 
     Its products are attributes a caller may replace (the verifier's inductor step swaps in ``nn.Linear``s over
     the same tensors), so it is a plain class, not a frozen dataclass.
+
+    ``blocks``: for "blocks" packing, the layer's weights' blocks where the caller found them already
+    (``find_layer_blocks``); else each product finds its own.
     """
 
-    def __init__(self, layer: Any, packing: Packing, buckets: Sequence[int]) -> None:
+    def __init__(self, layer: Any, packing: Packing, buckets: Sequence[int], blocks: LayerBlocks | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [p.bias for p in projections]
@@ -128,11 +159,12 @@ class DecoderBlock:
         if attn.o_proj.bias is not None or mlp.gate_proj.bias is not None or mlp.down_proj.bias is not None:
             raise UnsupportedModelError("biases on the output or MLP projections")
         qkv_bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
-        self.qkv = PackedLinear(torch.cat([p.weight.detach() for p in projections]), qkv_bias, packing, buckets)
-        self.o = PackedLinear(attn.o_proj.weight, None, packing, buckets)
+        qkv = torch.cat([p.weight.detach() for p in projections])
+        self.qkv = PackedLinear(qkv, qkv_bias, packing, buckets, _blocks_of(blocks, 0, 1, 2))
+        self.o = PackedLinear(attn.o_proj.weight, None, packing, buckets, _blocks_of(blocks, 3))
         gate_up = torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])
-        self.gate_up = PackedLinear(gate_up, None, packing, buckets)
-        self.down = PackedLinear(mlp.down_proj.weight, None, packing, buckets)
+        self.gate_up = PackedLinear(gate_up, None, packing, buckets, _blocks_of(blocks, 4, 5))
+        self.down = PackedLinear(mlp.down_proj.weight, None, packing, buckets, _blocks_of(blocks, 6))
         self.intermediate = int(mlp.down_proj.weight.shape[1])
         products = (self.qkv, self.o, self.gate_up, self.down)
         self.block_formats = frozenset(p.block_format for p in products if p.block_format)
@@ -152,13 +184,17 @@ class LlamaDecoder:
     over whole rows.
     """
 
-    def __init__(self, model: Any, packing: Packing, buckets: Sequence[int]) -> None:
+    def __init__(
+        self, model: Any, packing: Packing, buckets: Sequence[int], blocks: Sequence[LayerBlocks] | None = None
+    ) -> None:
+        """``blocks``: each layer's ``find_layer_blocks``, where the caller found them to choose "blocks"."""
         check_supported(model)
         inner = model.model
         rotary = inner.rotary_emb
         self.shape = LlamaShape.of(model.config)
         self.embed = inner.embed_tokens.weight.detach()
-        self.blocks = [DecoderBlock(layer, packing, buckets) for layer in inner.layers]
+        found = blocks if blocks is not None else [None] * len(inner.layers)
+        self.blocks = [DecoderBlock(layer, packing, buckets, b) for layer, b in zip(inner.layers, found, strict=True)]
         self.norm = inner.norm.weight.detach()
         self.inv_freq = rotary.inv_freq.detach().float().clone()
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))

@@ -40,7 +40,7 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
 - **fp16** (fp32 products over weights stored in fp16, FBGEMM's
   ``linear_dynamic_fp16``): for a weight every value of which fp16 holds
   exactly once scaled by a power of two (``fp16_scale``: a bf16 model's LM
-  head), chosen by ``fp32_head_packing``. The kernel widens each
+  head), chosen by ``fp32_head``. The kernel widens each
   weight to fp32 and multiplies fp32 inputs in fp32, so the products are the
   fp32 products; only the order of the sums differs, as it does between any
   two kernels. It reads half the bytes, which pays up to about 16 rows; every
@@ -52,7 +52,7 @@ Packed kernels, chosen per dtype and CPU (``available_packing``), and int8 on re
 - **blocks** (fp32 products over weights stored as llama.cpp's Q4_1 or Q8_0
   blocks, ``specserve.block_weights``): for an fp32 weight every value of
   which such blocks hold exactly (a model de-quantized from a GGUF file:
-  the default target's are), chosen by ``block_packing``. The kernel
+  the default target's are), chosen by ``weight_blocks``. The kernel
   rebuilds each weight exactly in fp32 and multiplies fp32 inputs in fp32:
   the fp32 model's products from 6/32 (Q4_1) or 9/32 (Q8_0) of its bytes.
   Every row count gives a row the same bits by construction. Past about 128
@@ -71,22 +71,40 @@ fp32 one-row product of SmolLM2's down projection rounds unlike two rows.
 So the row counts a product may run at are checked once per weight shape at
 start-up (``row_invariant_rows``: random weights of the shape, each count
 against the largest) and a step with another count runs padded to the next
-kept one. Past the largest (32 rows), bit equality is not promised.
+kept one. Past the largest (32 rows), bit equality is not promised. The
+probe's results are kept in the start-up cache (``kept_invariant_rows``,
+``specserve.startup_cache``), keyed by all they depend on, so a later start on
+the same machine reads them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import os
 from collections.abc import Sequence
 from functools import cache
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from specserve.block_weights import BlockFormat, BlockWeight, block_kernels, find_blocks, quantize_q4_1
-from specserve.hardware import cpu_vendor
+from specserve.block_weights import (
+    BLOCKS_KIND,
+    BlockFormat,
+    Blocks,
+    BlockWeight,
+    block_kernels,
+    find_blocks,
+    kept_blocks,
+    kernel_source_digest,
+    quantize_q4_1,
+)
+from specserve.hardware import cpu_flags, cpu_model, cpu_vendor
+from specserve.startup_cache import result_store, tensor_store
+
+log = logging.getLogger(__name__)
 
 Packing = Literal["mkl", "onednn", "int8", "fp16", "blocks", "none"]
 
@@ -104,6 +122,7 @@ ONEDNN_ROWS: tuple[int, ...] = tuple(range(1, 33))
 # The row count oneDNN's blocked layout is made for; 8 measured fastest from 1 to 16 rows (1 was slower at 4+).
 ONEDNN_HINT = 8
 FP32_GEMM_ENV = "SPECSERVE_FP32_GEMM"
+ROW_INVARIANCE_KIND = "row-invariance"  # the start-up cache's folder of probe results (``kept_invariant_rows``)
 
 
 def available_packing(dtype: torch.dtype, device: torch.device) -> Packing:
@@ -149,25 +168,52 @@ def has_fp16_weight_products() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def block_packing(weights: Sequence[torch.Tensor]) -> bool:
-    """Whether fp32 products over all of ``weights`` can run on the block kernel: fp32 weights on a CPU, each
-    of them llama.cpp blocks exactly (``block_weights.find_blocks``), and the kernel built here."""
+def weight_blocks(weights: Sequence[torch.Tensor]) -> list[Blocks] | None:
+    """Each of ``weights`` as llama.cpp blocks, where fp32 products over all of them can run on the block kernel:
+    fp32 weights on a CPU, each of them blocks exactly (``block_weights.find_blocks``), and the kernel built
+    here; else None. The blocks found are what ``PackedLinear`` packs (``blocks=``): found once a weight."""
     if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
-        return False
-    # The weights first: random ones (a test's tiny model) fail at the first block, before any kernel is built.
-    return all(find_blocks(w) is not None for w in weights) and block_kernels() is not None
+        return None
+    store = tensor_store(BLOCKS_KIND)  # blocks an earlier start found in these very weights (``kept_blocks``)
+    found: list[Blocks] = []
+    for weight in weights:  # the weights first: random ones (a test's tiny model) fail at once, before any build
+        blocks = kept_blocks(weight, store)
+        if blocks is None:
+            return None
+        found.append(blocks)
+    if store is not None and store.written:
+        log.info("found the llama.cpp blocks of %d weights (kept in %s)", store.written, store.folder)
+    return found if block_kernels() is not None else None
+
+
+def block_packing(weights: Sequence[torch.Tensor]) -> bool:
+    """Whether fp32 products over all of ``weights`` can run on the block kernel (``weight_blocks``)."""
+    return weight_blocks(weights) is not None
+
+
+class HeadPacking(NamedTuple):
+    """The kernel for an LM head's fp32 product and, where it is "blocks", the head's blocks."""
+
+    packing: Packing
+    blocks: Blocks | None = None
+
+
+def fp32_head(weight: torch.Tensor) -> HeadPacking:
+    """The kernel for an fp32 product over ``weight`` (an LM head): llama.cpp blocks where they hold the fp32
+    weights exactly (a sixth to a quarter of the bytes, ``weight_blocks``); else fp16-stored weights where
+    fp16 holds them exactly (scaled, ``fp16_scale``) and FBGEMM is here (half the bytes, the same products);
+    else the fp32 packing of ``available_packing``."""
+    found = weight_blocks([weight.float()])
+    if found is not None:
+        return HeadPacking("blocks", found[0])
+    if weight.device.type == "cpu" and has_fp16_weight_products() and fp16_scale(weight) is not None:
+        return HeadPacking("fp16")
+    return HeadPacking(available_packing(torch.float32, weight.device))
 
 
 def fp32_head_packing(weight: torch.Tensor) -> Packing:
-    """The kernel for an fp32 product over ``weight`` (an LM head): llama.cpp blocks where they hold the fp32
-    weights exactly (a sixth to a quarter of the bytes, ``block_packing``); else fp16-stored weights where
-    fp16 holds them exactly (scaled, ``fp16_scale``) and FBGEMM is here (half the bytes, the same products);
-    else the fp32 packing of ``available_packing``."""
-    if block_packing([weight.float()]):
-        return "blocks"
-    if weight.device.type == "cpu" and has_fp16_weight_products() and fp16_scale(weight) is not None:
-        return "fp16"
-    return available_packing(torch.float32, weight.device)
+    """``fp32_head``'s kernel alone."""
+    return fp32_head(weight).packing
 
 
 def candidate_rows(packing: Packing) -> tuple[int, ...]:
@@ -270,8 +316,88 @@ def invariant_rows(packing: Packing, dtype: torch.dtype, products: set[tuple[int
         return ()
     kept = set(candidates)
     for out_features, in_features in sorted(products):
-        kept &= set(row_invariant_rows(packing, dtype, out_features, in_features, candidates))
+        kept &= set(kept_invariant_rows(packing, dtype, out_features, in_features, candidates))
     return tuple(sorted(kept)) or candidates[-1:]
+
+
+# Bump when ``row_invariant_rows`` changes what it probes (its weights, inputs, products or comparison): the
+# results kept by earlier versions are then not read.
+PROBE_VERSION = 1
+# Environment variables that steer which code paths oneDNN, MKL and ATen take, so which rows come out alike.
+_KERNEL_ENV = (
+    "ATEN_CPU_CAPABILITY",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_DEFAULT_FPMATH_MODE",
+    "ONEDNN_DEFAULT_FPMATH_MODE",
+    "MKL_CBWR",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_DEBUG_CPU_TYPE",
+    "MKL_NUM_THREADS",
+)
+
+
+@cache
+def _kernel_libraries() -> dict[str, str]:
+    """This process's CPU and the libraries its products run on (fixed for the process's life)."""
+    config = torch.__config__.show()  # the MKL and oneDNN versions, ATen's build settings
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": " ".join(sorted(cpu_flags())),
+        "torch": torch.__version__,
+        "torch_build": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "block_kernel": kernel_source_digest(),
+    }
+
+
+def probe_key(
+    packing: Packing, dtype: torch.dtype, out_features: int, in_features: int, candidates: tuple[int, ...]
+) -> dict[str, Any]:
+    """Everything ``row_invariant_rows``' result depends on: its arguments, the probe, the CPU, the libraries (and
+    the block kernel's source), how they are steered, and the threads a product runs on here."""
+    return {
+        "probe": PROBE_VERSION,
+        "packing": packing,
+        "dtype": str(dtype),
+        "shape": [out_features, in_features],
+        "candidates": list(candidates),
+        "threads": torch.get_num_threads(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "fp32_matmul": torch.get_float32_matmul_precision(),
+        "env": {name: os.environ[name] for name in _KERNEL_ENV if name in os.environ},
+        **_kernel_libraries(),
+    }
+
+
+def kept_invariant_rows(
+    packing: Packing, dtype: torch.dtype, out_features: int, in_features: int, candidates: tuple[int, ...]
+) -> tuple[int, ...]:
+    """``row_invariant_rows``, kept in the start-up cache (``specserve.startup_cache``) under ``probe_key``: a
+    start on the same machine, libraries and threads reads what an earlier one probed."""
+    store = result_store(ROW_INVARIANCE_KIND)
+    if store is None or packing == "none" or not candidates:
+        return row_invariant_rows(packing, dtype, out_features, in_features, candidates)
+    key = probe_key(packing, dtype, out_features, in_features, candidates)
+    kept = store.get(key)
+    if kept is not None and _valid_rows(kept, candidates):
+        return tuple(kept)
+    if kept is not None:
+        log.warning("start-up cache record %s holds no valid row counts: probed again", store.path(key))
+    rows = row_invariant_rows(packing, dtype, out_features, in_features, candidates)
+    shape = [out_features, in_features]
+    log.info("probed the row counts of %s %s products of %s (kept in %s)", packing, dtype, shape, store.path(key))
+    store.put(key, list(rows))
+    return rows
+
+
+def _valid_rows(rows: Any, candidates: tuple[int, ...]) -> bool:
+    """Whether ``rows`` can be a probe's result: sorted distinct candidates, the largest among them."""
+    return (
+        isinstance(rows, list)
+        and all(isinstance(n, int) and n in candidates for n in rows)
+        and rows == sorted(set(rows))
+        and max(candidates) in rows
+    )
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,8 +417,15 @@ class PackedLinear:
     """``y = x @ W.T + b`` with ``W`` prepacked for ``packing``; ``x`` is [rows, in]."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, packing: Packing, buckets: Sequence[int]
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        packing: Packing,
+        buckets: Sequence[int],
+        blocks: Blocks | None = None,
     ) -> None:
+        """``blocks``: for "blocks" packing, the weight's blocks where the caller found them already
+        (``weight_blocks``); else they are found here."""
         self.weight = weight.detach().contiguous()
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packing = packing
@@ -330,7 +463,9 @@ class PackedLinear:
                     self._onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), ONEDNN_HINT)
                 self.weight = self.weight.new_empty(self.weight.shape[0], 0)  # the packs hold the weights
             elif packing == "blocks":
-                found = find_blocks(self.weight)
+                found = blocks if blocks is not None else find_blocks(self.weight)
+                if found is not None and found.shape != tuple(self.weight.shape):
+                    raise ValueError(f"blocks of a {list(found.shape)} weight given for {list(self.weight.shape)}")
                 if found is None or block_kernels() is None:
                     raise ValueError("block packing takes only fp32 weights that llama.cpp blocks hold exactly")
                 self._blocks = BlockWeight(found)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from specserve.block_weights import fused_ops_fit, layer_step, rms_norm_rows, rotary_rows
 from specserve.llama_decoder import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from specserve.llama_decoder import Attend as Attend
-from specserve.llama_decoder import DecoderBlock, LlamaDecoder
+from specserve.llama_decoder import DecoderBlock, LayerBlocks, LlamaDecoder
 from specserve.llama_decoder import LlamaShape as LlamaShape
 from specserve.llama_decoder import UnsupportedModelError as UnsupportedModelError
 from specserve.llama_ops import rotary_tables
@@ -48,8 +48,10 @@ class LlamaForward(LlamaDecoder):
     """A step: ids and positions of T rows in, final hidden states [T, hidden] (before the norm) out; ``__call__``
     is ``LlamaDecoder``'s, run with the block kernel's norms and rotary embeddings where they fit."""
 
-    def __init__(self, model: Any, packing: Packing, buckets: Sequence[int]) -> None:
-        super().__init__(model, packing, buckets)
+    def __init__(
+        self, model: Any, packing: Packing, buckets: Sequence[int], blocks: Sequence[LayerBlocks] | None = None
+    ) -> None:
+        super().__init__(model, packing, buckets, blocks)
         self.packing = packing
         # Over block products the step's other operations are most of it: fp32 norms and rotary embeddings in
         # one call each, from the block kernel's module (eight and four dispatches eager).

@@ -43,13 +43,14 @@ import torch
 import torch.nn.functional as F
 
 from specserve.block_weights import attend_rows
+from specserve.llama_decoder import LayerBlocks, find_layer_blocks
 from specserve.packed_linear import (
+    HeadPacking,
     PackedLinear,
     Packing,
     available_packing,
-    block_packing,
     bucket_for,
-    fp32_head_packing,
+    fp32_head,
     invariant_rows,
     kernel_name,
 )
@@ -88,20 +89,6 @@ class StepOutput:
     layer_union: tuple[int, ...] = ()  # the layers of ``layer_features``, in order
 
 
-def _layer_weights(model: Any) -> list[torch.Tensor]:
-    """Every weight of the decoder layers' products."""
-    return [
-        module.weight.detach()
-        for layer in model.model.layers
-        for module in (
-            *(getattr(layer.self_attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
-            layer.mlp.gate_proj,
-            layer.mlp.up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
-
-
 def _row_counts(rows: tuple[int, ...]) -> str:
     """``(2, 3, ..., 32)`` as "2-32", a gappy set as its list."""
     if len(rows) > 2 and list(rows) == list(range(rows[0], rows[-1] + 1)):
@@ -137,16 +124,20 @@ class ModelRunner:
         inductor = compile == "inductor"
         if inductor and (self.device.type != "cpu" or static is not None):
             raise ValueError("--compile inductor compiles the CPU's step: it runs on a CPU, with no static flag")
+        layer_blocks: list[LayerBlocks] | None = None  # the layers' weights as blocks, where "blocks" packs them
         if weights == "int8":
             if compile != "auto" or self.device.type != "cpu" or static:
                 raise ValueError("int8 weights run on the CPU's packed kernels: --compile auto on a CPU")
             packing = "int8"
-        elif packing != "none" and self.dtype == torch.float32 and block_packing(_layer_weights(model)):
-            # fp32 weights that are llama.cpp blocks (a GGUF model's): the same fp32 products from a sixth of the bytes
-            packing = "blocks"
+        elif packing != "none" and self.dtype == torch.float32:
+            layer_blocks = find_layer_blocks(model)
+            if layer_blocks is not None:
+                # fp32 weights that are llama.cpp blocks (a GGUF model's): the fp32 products from a sixth of the bytes
+                packing = "blocks"
         # An fp32 head (upcasting bf16 is exact): on weights stored in fp16 where fp16 holds them exactly (a bf16
         # model's do: half the bytes, the same fp32 products), else packed like the layers where fp32 packs here.
-        head_packing: Packing = fp32_head_packing(weight) if compile != "off" else "none"
+        head = fp32_head(weight) if compile != "off" else HeadPacking("none")
+        head_packing = head.packing
         shape = LlamaShape.of(model.config)
         layer_products = {
             (shape.q_size + 2 * shape.kv_size, shape.hidden_size),
@@ -157,8 +148,8 @@ class ModelRunner:
         # The row counts a step and the head may run at: those whose rows come out alike in every product.
         self.buckets: tuple[int, ...] = invariant_rows(packing, self.dtype, layer_products)
         head_buckets = invariant_rows(head_packing, torch.float32, {(shape.vocab_size, shape.hidden_size)})
-        self._forward = LlamaForward(model, packing, self.buckets)
-        self._head = PackedLinear(weight.float(), None, head_packing, head_buckets)
+        self._forward = LlamaForward(model, packing, self.buckets, layer_blocks)
+        self._head = PackedLinear(weight.float(), None, head_packing, head_buckets, head.blocks)
         self.head_packing = head_packing
         self._norm = self._forward.norm.float()
         self._eps = shape.rms_norm_eps
