@@ -38,11 +38,13 @@ from draft_service.config import DrafterConfig
 from draft_service.draft_head import DraftHead
 from draft_service.drafter import ALL_SOURCES, NGRAM_SOURCES
 from draft_service.main import build_drafter
+from specserve.model_loading import default_cache_root
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from target_service.config import VerifierConfig
 from target_service.cost_curve import flattened
 from target_service.engine_threads import compute_on_this_thread
+from target_service.kept_curve import kept_curve_path, size_budgets
 from target_service.verifier import Verifier
 
 from .decoding import Fp32Head, hf_generate, plain_decode
@@ -324,11 +326,15 @@ class InProcessMode:
         threads: int = 0,
         gate_drafting: bool = CoordinatorConfig().gate_drafting,
         drafter_config: DrafterConfig | None = None,
+        kept_curve_as: str | None = None,
     ) -> None:
         """``flat_verify_cost``: size trees as if extra draft nodes cost nothing (``flattened``), not at the
         curve the verifier measures here; ``weights`` and ``compile``: the verifier's --weights and --compile;
         ``gate_drafting``: the coordinator's --gate-drafting; ``drafter_config``: the drafter's settings (its
-        tree shape, ...) as the distributed drafter parses its --drafter-arg words, ``sources`` replacing its own."""
+        tree shape, ...) as the distributed drafter parses its --drafter-arg words, ``sources`` replacing its own;
+        ``kept_curve_as``: the model's name in the model cache, where the verifier service keeps its cost curve:
+        the curve is read from there (measured and kept where it is not), as the service does, so both size trees
+        by one curve; None measures a curve for this mode alone."""
         self.name = "inproc" if sources == DrafterConfig().sources else "inproc:" + "+".join(sources)
         self.learns = True
         self._drafter_config = replace(drafter_config or DrafterConfig(), sources=sources)
@@ -338,7 +344,9 @@ class InProcessMode:
         config = VerifierConfig(
             throughput_guard=throughput_guard, weights=weights, compile=compile, torch_threads=threads
         )
-        self._verifier = Verifier.from_config(model, fingerprint, config)
+        self._verifier = Verifier.from_config(model, fingerprint, config, profile=kept_curve_as is None)
+        if kept_curve_as is not None and config.profile_cost:
+            size_budgets(self._verifier, kept_curve_path(default_cache_root(), kept_curve_as, self._verifier, config))
         if flat_verify_cost:
             self._verifier.use_cost_curve(flattened(self._verifier.cost_curve))
         self.dtype = self._verifier.dtype  # the model's: the harness loaded it in the run's dtype

@@ -107,7 +107,8 @@ def verify_cost_line(settings: dict[str, Any]) -> str:
             f"this report pay for the larger trees at it: {described}."
         )
     return (
-        "Verify cost c(n)/c(0) by draft nodes n, as each in-process mode's verifier measured it at start-up "
+        "Verify cost c(n)/c(0) by draft nodes n, the curve each in-process mode's verifier sized trees by: the "
+        "one the verifier service keeps in the model cache for this machine, measured at the first start "
         f"(its drafter keeps the nodes that pay for it): {described}."
     )
 

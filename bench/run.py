@@ -366,6 +366,7 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
                 args.engine_threads,
                 args.gate_drafting,
                 args.drafter_config,  # --drafter-arg: the same drafter settings as the distributed modes'
+                target.source.name,  # the cost curve the distributed verifier keeps (or measures) on this machine
             )
         elif name == SPECULATION_OFF or (name == "distributed" and name in clusters):
             # The distributed cluster, shared: speculation on and off differ only in the requests.

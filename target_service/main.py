@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from concurrent import futures
 from dataclasses import replace
@@ -28,7 +27,7 @@ from specserve.rpc_errors import ErrorInterceptor
 from specserve.service_main import parse_service_config, setup_logging
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from target_service.config import VerifierConfig
-from target_service.cost_curve import CostCurve
+from target_service.kept_curve import kept_curve_path, size_budgets
 from target_service.lookahead import check_settings
 from target_service.metrics import VerifierMetrics
 from target_service.server import VerifierServicer
@@ -82,39 +81,8 @@ def build_verifier(config: VerifierConfig) -> Verifier:
     verifier = Verifier.from_config(model, fingerprint, config, profile=False)
     log.info("engine step: %s (--compile %s)", verifier.step_form, config.compile)
     if config.profile_cost:
-        _size_budgets(verifier, cache_root / "cost-curves" / f"{_curve_key(source.name, verifier, config)}.json")
+        size_budgets(verifier, kept_curve_path(cache_root, source.name, verifier, config))
     return verifier
-
-
-def _curve_key(model_name: str, verifier: Verifier, config: VerifierConfig) -> str:
-    """What the cost curve depends on: model, dtype, device, CPU and threads, the batch budget, the step's form."""
-    from specserve.hardware import cpu_model
-    from target_service.engine_threads import compute_threads
-
-    parts = [model_name, verifier.dtype, str(verifier.device), cpu_model(), str(compute_threads())]
-    # "engine-thread": timed where steps run; curves kept before that timed the serving thread and are stale.
-    parts += [str(config.max_batch_tokens), verifier.step_form, "engine-thread"]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
-
-
-def _size_budgets(verifier: Verifier, cached: Path) -> None:
-    """Use the cost curve measured on an earlier start on this machine, else measure it (seconds) and keep it."""
-    try:
-        verifier.use_cost_curve(CostCurve.from_json(cached.read_text()))
-        log.info("cost curve from %s (delete it to measure again)", cached)
-        return
-    except (OSError, ValueError):
-        pass
-    log.info("measuring the engine's cost curve (once per machine, model and dtype)")
-    curve = verifier.profile_cost()
-    if not curve.plausible():
-        log.warning("the cost curve looks stalled (another process held the cores?): used now, not kept")
-        return
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text(curve.to_json())
-    except OSError as exc:
-        log.warning("could not keep the cost curve in %s: %s", cached, exc)
 
 
 def interceptors(config: VerifierConfig) -> list[grpc.ServerInterceptor]:
