@@ -66,8 +66,9 @@ test-gpu: proto
 	$(PY) -m pytest -q --noconftest tests/gpu
 
 # The heavier checks: full-size statistics, the 4 MB prompt, the 4,000-token prompt, the bf16 and pinned benchmark runs.
+# Two workers as in `make test`: one alone left the second core idle most of the time.
 test-slow: proto helm-tools grpcurl-tool
-	$(PY) -m pytest -q --durations=15 -m slow tests
+	$(PY) -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m slow tests
 
 # Distil the target into the drafter's draft head. Resumable: one run distils for at most --distill-minutes (60) and
 # trains for at most --max-minutes (30). An interrupted run goes on from the shards and checkpoint it left; a run whose

@@ -73,6 +73,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", help="the verifier's dtype (identity is claimed in fp32)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--torch-threads", type=int, default=0, help="the verifier's (0: the CPUs available)")
+    parser.add_argument(
+        "--draft-timeout-ms",
+        type=int,
+        default=0,
+        help="the coordinator waits this long for a tree whatever the drafter's latency (its --draft-timeout-ms "
+        "and --draft-timeout-floor-ms; 0: its defaults); a test on a loaded machine raises it",
+    )
     parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     parser.add_argument("--out-dir", type=Path, default=Path("bench/out/sampling"))
     args = parser.parse_args(argv)
@@ -98,6 +105,11 @@ def generate(client: SpecserveClient, question: Question, params: GenerationPara
     return tokens, stats, time.perf_counter() - start
 
 
+def fixed_draft_timeout(ms: int) -> list[str]:
+    """Coordinator arguments that make its draft timeout ``ms`` whatever the drafter's latency (none for 0)."""
+    return ["--draft-timeout-ms", str(ms), "--draft-timeout-floor-ms", str(ms)] if ms else []
+
+
 def run_drafter(
     args: argparse.Namespace, drafter: str, questions: Sequence[Question], fingerprint: str, log_dir: Path
 ) -> list[Record]:
@@ -112,6 +124,7 @@ def run_drafter(
         log_dir / drafter,
         verifier_args=["--dtype", args.dtype],
         drafter_args=list(DRAFTERS[drafter]),
+        coordinator_args=fixed_draft_timeout(args.draft_timeout_ms),
     )
     records: list[Record] = []
     try:

@@ -27,6 +27,10 @@ def test_the_sampling_benchmark_reports_every_drafter_and_temperature(
             "writing",
             "--max-new-tokens",
             "12",
+            # Two test workers share the cores: a proposal may wait past the 1 s default, and a dropped drafter
+            # would leave a row with nothing drafted. The harness's bookkeeping is what is checked here.
+            "--draft-timeout-ms",
+            "20000",
             "--redis-url",
             smoke_redis_url,  # a private redis-server (tests/bench/conftest.py)
             "--out-dir",
