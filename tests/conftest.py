@@ -103,3 +103,14 @@ def gguf_like(model: LlamaForCausalLM) -> LlamaForCausalLM:
             mlp.down_proj.weight.copy_(quantize_q4_1(mlp.down_proj.weight))
         model.lm_head.weight.copy_(quantize_q8_0(model.lm_head.weight))
     return model
+
+
+def q4_1_with_large_minimums(out: int = 64, blocks: int = 8, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 weight [out, blocks * 32] of llama.cpp Q4_1 blocks whose minimums dwarf their scales (d * 15 + m
+    can round to d's fp16 neighbour, so finding them takes the neighbour step), and those minimums."""
+    generator = torch.Generator().manual_seed(seed)
+    low = (256 + 768 * torch.rand(out, blocks, 1, generator=generator)).half().float()
+    scale = (2e-3 + 6e-3 * torch.rand(out, blocks, 1, generator=generator)).half().float()
+    q = torch.randint(0, 16, (out, blocks, 32), generator=generator).float()
+    q[..., 0], q[..., 1] = 0, 15  # as llama.cpp writes a block: its smallest value at 0, its largest at 15
+    return (scale * q + low).reshape(out, blocks * 32), low

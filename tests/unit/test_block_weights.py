@@ -28,7 +28,7 @@ from target_service.kv_arena import KVArena
 from target_service.model_runner import ModelRunner
 from target_service.ragged_attention import Segment, StepPlan, attend_segments, causal_mask
 from target_service.step_inputs import tree_mask
-from tests.conftest import gguf_like, tiny_llama
+from tests.conftest import gguf_like, q4_1_with_large_minimums, tiny_llama
 
 pytestmark = pytest.mark.skipif(block_kernels() is None, reason="the block kernel does not build here")
 
@@ -160,13 +160,8 @@ def test_q4_1_blocks_whose_minimum_dwarfs_their_scale_are_found_too() -> None:
     """d * 15 + m rounds once; where m is far larger than d the span over 15 can round to d's fp16 neighbour."""
     from specserve.block_weights import _q4_1_integers
 
-    generator = torch.Generator().manual_seed(11)
     out, blocks = 64, 8
-    low = (256 + 768 * torch.rand(out, blocks, 1, generator=generator)).half().float()
-    scale = (2e-3 + 6e-3 * torch.rand(out, blocks, 1, generator=generator)).half().float()
-    q = torch.randint(0, 16, (out, blocks, 32), generator=generator).float()
-    q[..., 0], q[..., 1] = 0, 15  # as llama.cpp writes a block: its smallest value at 0, its largest at 15
-    w = (scale * q + low).reshape(out, blocks * 32)
+    w, low = q4_1_with_large_minimums(out, blocks)
     first_guess = ((w.reshape(out, blocks, 32).amax(-1, keepdim=True) - low) / 15).half().float()
     _, rebuilt = _q4_1_integers(w.reshape(out, blocks, 32), low, first_guess)
     assert not bool(rebuilt.all()), "the case under test: some first guesses do not rebuild their block"

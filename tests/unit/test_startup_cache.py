@@ -45,7 +45,7 @@ from specserve.startup_cache import (
     result_store,
     tensor_store,
 )
-from tests.conftest import gguf_like, tiny_llama
+from tests.conftest import gguf_like, q4_1_with_large_minimums, tiny_llama
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 needs_kernel = pytest.mark.skipif(block_kernels() is None, reason="the block kernel does not build here")
@@ -288,13 +288,8 @@ def test_joined_blocks_are_the_fused_weights_own(quantize: Quantize) -> None:
 
 def test_joined_blocks_whose_parts_took_other_steps_are_the_fused_weights_own() -> None:
     """A part whose first scale guesses rebuild (no neighbour step) beside one whose guesses do not."""
-    generator = torch.Generator().manual_seed(11)
-    out, blocks = 64, 8
-    low = (256 + 768 * torch.rand(out, blocks, 1, generator=generator)).half().float()
-    scale = (2e-3 + 6e-3 * torch.rand(out, blocks, 1, generator=generator)).half().float()
-    q = torch.randint(0, 16, (out, blocks, 32), generator=generator).float()
-    q[..., 0], q[..., 1] = 0, 15
-    stepped = (scale * q + low).reshape(out, blocks * 32)
+    blocks = 8
+    stepped, _ = q4_1_with_large_minimums(64, blocks)
     plain = quantize_q4_1(weight(out=16, in_=blocks * 32))
     parts = [plain, stepped, plain]
     found = [find_blocks(p) for p in parts]
