@@ -186,11 +186,6 @@ def weight_blocks(weights: Sequence[torch.Tensor]) -> list[Blocks] | None:
     return found if block_kernels() is not None else None
 
 
-def block_packing(weights: Sequence[torch.Tensor]) -> bool:
-    """Whether fp32 products over all of ``weights`` can run on the block kernel (``weight_blocks``)."""
-    return weight_blocks(weights) is not None
-
-
 class HeadPacking(NamedTuple):
     """The kernel for an LM head's fp32 product and, where it is "blocks", the head's blocks."""
 
@@ -209,11 +204,6 @@ def fp32_head(weight: torch.Tensor) -> HeadPacking:
     if weight.device.type == "cpu" and has_fp16_weight_products() and fp16_scale(weight) is not None:
         return HeadPacking("fp16")
     return HeadPacking(available_packing(torch.float32, weight.device))
-
-
-def fp32_head_packing(weight: torch.Tensor) -> Packing:
-    """``fp32_head``'s kernel alone."""
-    return fp32_head(weight).packing
 
 
 def candidate_rows(packing: Packing) -> tuple[int, ...]:

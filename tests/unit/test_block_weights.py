@@ -22,7 +22,7 @@ from specserve.block_weights import (
     quantize_q8_0,
     serial_kernels,
 )
-from specserve.packed_linear import ONEDNN_ROWS, PackedLinear, block_packing, fp32_head_packing, invariant_rows
+from specserve.packed_linear import ONEDNN_ROWS, PackedLinear, fp32_head, invariant_rows, weight_blocks
 from specserve.token_tree import TokenTree
 from target_service.kv_arena import KVArena
 from target_service.model_runner import ModelRunner
@@ -118,8 +118,8 @@ def test_a_gguf_like_model_runs_on_blocks_and_others_do_not(monkeypatch: pytest.
     assert "fp32 head GGUF-block Q8_0" in runner.describe()
     assert ModelRunner(tiny_llama(vocab_size=64, seed=3), "auto").packing != "blocks", "trained-like weights"
     assert ModelRunner(model, "off").packing == "none"
-    assert not block_packing([w.detach().bfloat16() for w in model.parameters() if w.dim() == 2])
-    assert fp32_head_packing(model.lm_head.weight.detach()) == "blocks"
+    assert weight_blocks([w.detach().bfloat16() for w in model.parameters() if w.dim() == 2]) is None
+    assert fp32_head(model.lm_head.weight.detach()).packing == "blocks"
 
 
 def test_the_engine_step_on_blocks_matches_transformers() -> None:
@@ -262,7 +262,7 @@ def test_where_the_kernel_cannot_build_or_is_turned_off_the_products_run_elsewhe
         block_kernels.cache_clear()
         monkeypatch.delenv("SPECSERVE_CACHE_DIR")
         monkeypatch.setenv("SPECSERVE_BLOCK_GEMM", "off")
-        assert block_kernels() is None and not block_packing([quantize_q4_1(weight(out=32, in_=64))])
+        assert block_kernels() is None and weight_blocks([quantize_q4_1(weight(out=32, in_=64))]) is None
     finally:
         monkeypatch.undo()
         block_kernels.cache_clear()

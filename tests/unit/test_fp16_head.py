@@ -17,7 +17,7 @@ from specserve.packed_linear import (
     ONEDNN_ROWS,
     PackedLinear,
     fp16_scale,
-    fp32_head_packing,
+    fp32_head,
     has_fp16_weight_products,
     invariant_rows,
 )
@@ -46,9 +46,9 @@ def test_bf16_values_fit_fp16_once_scaled_and_fp32_values_do_not() -> None:
 
 
 def test_the_head_packing_is_fp16_only_where_exact() -> None:
-    assert fp32_head_packing(bf16_weight()) == "fp16"
-    assert fp32_head_packing(torch.randn(300, 64)) != "fp16"
-    assert fp32_head_packing(bf16_weight().to("meta")) == "none"
+    assert fp32_head(bf16_weight()).packing == "fp16"
+    assert fp32_head(torch.randn(300, 64)).packing != "fp16"
+    assert fp32_head(bf16_weight().to("meta")).packing == "none"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 33])
