@@ -91,6 +91,8 @@ class StepWork:
 
     verifies: list[tuple[VerifyCall, Session]] = field(default_factory=list)
     prefills: list[tuple[PrefillCall, int]] = field(default_factory=list)  # (call, tokens this step)
+    # Calls that wait behind their own session's call in this step (a round sent ahead): runnable once it ends.
+    behind: list[Call] = field(default_factory=list)
 
 
 def resolve(call: Call, value: object) -> None:

@@ -4,10 +4,13 @@ A session holds every committed token and a region of the KV arena with the
 keys and values of all of them but the last (the pending token). Memory is
 admitted in bytes: a new session that finds no room evicts sessions idle for
 ``evict_idle_s`` (least recently used first); a session that must grow to
-verify evicts any idle session with no call queued. Sessions with a call in
-the step being built or queued (``busy``) are never evicted: the forward
-writes into their memory. An evicted session's next Verify gets NOT_FOUND,
-and the coordinator prefills it again from its committed tokens.
+verify evicts any idle session with no call queued, and when there is none, a
+session whose call is queued but not in the step being built (preemption by
+recompute: waiting instead could last forever, since sessions whose rounds
+are sent ahead always have a call queued and each needs room to grow).
+Sessions in the step being built are never evicted: the forward writes into
+their memory. An evicted session's next Verify gets NOT_FOUND, and the
+coordinator prefills it again from its committed tokens.
 
 The engine thread owns it; ``peek`` and ``len`` are safe reads from any thread.
 """
@@ -99,16 +102,18 @@ class SessionCache:
         """Make a started session's cache usable by Verify; ``protected`` sessions are not evicted to fit it."""
         self._store.put(session_id, session, protected=protected)
 
-    def reserve(self, region: Region, tokens: int) -> bool:
-        """Room for ``tokens`` in ``region``, evicting idle sessions (least recently used first) if needed."""
+    def reserve(self, region: Region, tokens: int, stepping: Collection[str]) -> bool:
+        """Room for ``tokens`` in ``region``, evicting sessions if needed (least recently used first): idle ones,
+        then ones whose calls are queued but not among the ``stepping`` sessions of the step being built."""
         while not self.arena.reserve(region, tokens, self._max_session_tokens):
-            if not self.evict_one(0.0, keep=region):
+            if not (self.evict_one(0.0, keep=region) or self.evict_one(0.0, keep=region, busy=stepping)):
                 return False
         return True
 
-    def evict_one(self, idle_s: float, keep: Region | None = None) -> bool:
-        """Evict the least recently used session idle for ``idle_s`` and not busy; False if none."""
-        busy = self._busy()
+    def evict_one(self, idle_s: float, keep: Region | None = None, busy: Collection[str] | None = None) -> bool:
+        """Evict the least recently used session idle for ``idle_s`` and not ``busy`` (default: with no call in
+        the step being built or queued); False if none."""
+        busy = self._busy() if busy is None else busy
         victim = self._store.least_recent(idle_s, lambda key, s: key not in busy and s.region is not keep)
         if victim is None:
             return False

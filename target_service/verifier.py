@@ -730,7 +730,13 @@ class Verifier:
             if hidden is not None:
                 prefill.features.append(hidden)
             self._advance_prefill(prefill, tokens)
-        step_s = (self._clock() - started) / 1e9
+        ended = self._clock()
+        step_s = (ended - started) / 1e9
+        for waiting in work.behind:
+            # It could not run before its session's call ended: its queue time (and its answer's verify_ns, and the
+            # KV cache's admission wait) count from here, so a round sent ahead does not look like a queue.
+            if not waiting.started_ns:
+                waiting.enqueued_ns = ended
         self._guard.observe(committed, step_s)
         if len(work.verifies) == 1 and not work.prefills and not lookahead_rows:
             call, _ = work.verifies[0]
@@ -752,6 +758,7 @@ class Verifier:
         work = StepWork()
         tokens_left = self.limits.max_batch_tokens
         seen: set[str] = set()
+        stepping: set[str] = set()  # sessions whose Verify is in this step: never evicted to make room
         deferred: list[Call] = []
         prefills: list[PrefillCall] = []
         with self._cond:
@@ -767,6 +774,7 @@ class Verifier:
                 continue
             elif call.session_id in seen:
                 deferred.append(call)
+                work.behind.append(call)
             elif not self._owned_by_caller(call):
                 pass  # answered PermissionDenied
             elif isinstance(call, ReleaseCall):
@@ -777,8 +785,9 @@ class Verifier:
                 if len(work.verifies) >= self.limits.max_batch_sessions or call.num_tokens > tokens_left:
                     deferred.append(call)
                 elif (session := self._session_for(call)) is not None:
-                    if self._sessions.reserve(session.region, len(session.committed) + len(call.tree)):
+                    if self._sessions.reserve(session.region, len(session.committed) + len(call.tree), stepping):
                         work.verifies.append((call, session))
+                        stepping.add(call.session_id)
                         tokens_left -= call.num_tokens
                     else:
                         self._wait_or_fail(call, deferred)

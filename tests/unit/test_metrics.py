@@ -147,6 +147,29 @@ class FakeClock:
         self.now_ns += round(seconds * 1e9)
 
 
+def test_a_call_queued_behind_its_own_sessions_call_waits_from_when_that_one_ended() -> None:
+    # A round sent ahead (the coordinator's ``_send_ahead``) cannot run before the round it follows: the verifier
+    # queue time it reports, and the metric, is its wait for the engine after that, not the previous round's step.
+    clock = FakeClock()
+    verifier = Verifier(tiny_llama(vocab_size=48, seed=3), "fp", max_tree_nodes=8, kv_cache_bytes=2**20, clock=clock)
+    metrics = VerifierMetrics()
+    metrics.track(verifier)
+    try:
+        verifier.prefill("a", [1, 2, 3, 4, 5], GREEDY)
+        assert verifier.wait_idle()
+        with verifier.paused():
+            first = verifier.submit_verify("a", 5, TokenTree())
+            ahead = verifier.submit_verify("a", 6, TokenTree())  # on the session the first one leaves
+            clock.advance(0.03)
+        assert first.result(timeout=30).queue_ns == 30_000_000
+        assert ahead.result(timeout=30).queue_ns == 0  # runnable when the first one's step ended, and run at once
+        assert verifier.wait_idle()
+        queue = "specserve_verifier_request_queue_time_seconds"
+        assert metrics.registry.get_sample_value(f"{queue}_sum", {"call": "verify"}) == 0.03
+    finally:
+        verifier.close()
+
+
 def test_verifier_observes_every_engine_step_once() -> None:
     clock = FakeClock()
     verifier = Verifier(tiny_llama(vocab_size=48, seed=3), "fp", max_tree_nodes=8, kv_cache_bytes=2**20, clock=clock)
