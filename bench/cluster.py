@@ -42,7 +42,12 @@ def choose_pool(redis_url: str) -> PoolBackend:
 
 
 # Redis databases of the distributed modes after the first (the benchmark's own is 15, the smoke tests' 14).
-OTHER_DATABASES = {"distributed-no-predraft": 13, "distributed-predraft": 12, "distributed-unary": 11}
+OTHER_DATABASES = {
+    "distributed-no-predraft": 13,
+    "distributed-predraft": 12,
+    "distributed-unary": 11,
+    "distributed-off-in-turn": 10,
+}
 
 
 def other_database(pool: PoolBackend, mode: str) -> PoolBackend:

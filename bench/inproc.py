@@ -35,6 +35,8 @@ def verifier_info(v: Verifier) -> VerifierInfo:
 class InProcessVerifier:
     """The round loop's VerifierPort over a Verifier in this process; waiting never blocks the event loop."""
 
+    keeps_order = True  # each call is queued on the engine as its task starts
+
     def __init__(self, verifier: Verifier) -> None:
         self._verifier = verifier
 

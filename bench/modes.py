@@ -71,7 +71,19 @@ UNARY_VERIFY = "distributed-unary"
 # The `distributed` cluster itself with every request's speculation off: plain decoding through the three
 # processes, what a user who turns speculation off gets (same processes, same cores, only the requests differ).
 SPECULATION_OFF = "distributed-off"
-MODES = (*PLAIN_MODES, *COMPARED_MODES, NO_PREDRAFT, PREDRAFT, UNARY_VERIFY, SPECULATION_OFF, *SOURCE_MODES)
+# Plain decoding through three processes of its own whose rounds take turns (the coordinator's --no-verify-ahead):
+# against `distributed-off`, what sending plain rounds ahead saves, measured side by side.
+OFF_IN_TURN = "distributed-off-in-turn"
+MODES = (
+    *PLAIN_MODES,
+    *COMPARED_MODES,
+    NO_PREDRAFT,
+    PREDRAFT,
+    UNARY_VERIFY,
+    SPECULATION_OFF,
+    OFF_IN_TURN,
+    *SOURCE_MODES,
+)
 
 
 def default_modes(dtype: str) -> tuple[str, ...]:

@@ -72,6 +72,7 @@ from .modes import (
     HF_PLAIN,
     MODES,
     NO_PREDRAFT,
+    OFF_IN_TURN,
     PLAIN_MODES,
     PREDRAFT,
     SPECULATION_OFF,
@@ -378,7 +379,10 @@ def build_modes(args: argparse.Namespace, target: Target, fp32: Any, pool: PoolB
         else:
             clusters[name] = start_mode_cluster(args, target, name, pool, stack)
             address, reset = clusters[name]
-            mode = DistributedMode(address, target.dtype, reset, name=name)
+            if name == OFF_IN_TURN:  # plain decoding: no pool to reset
+                mode = DistributedMode(address, target.dtype, None, name, "off")
+            else:
+                mode = DistributedMode(address, target.dtype, reset, name=name)
         if args.pinning is not None:  # in-process modes on the verifier's CPUs, the client on the others
             in_process = not isinstance(mode, DistributedMode)
             mode = PinnedMode(mode, args.pinning.verifier if in_process else args.pinning.others)
@@ -405,6 +409,7 @@ def start_mode_cluster(
         coordinator_args=[
             *([] if args.gate_drafting else ["--no-gate-drafting"]),
             *(["--verify-transport", "unary"] if name == UNARY_VERIFY else []),
+            *(["--no-verify-ahead"] if name == OFF_IN_TURN else []),
         ],
         drafter_args=drafter_args,
         cpus=pinning.services() if pinning is not None else {},

@@ -120,6 +120,12 @@ class CoordinatorConfig(ServiceConfig):
         env="SPECSERVE_VERIFY_TRANSPORT",
         choices=("stream", "unary"),
     )
+    verify_ahead: bool = setting(
+        RoundPolicy.verify_ahead,
+        "a session whose next round is certain to be plain (speculation off, no drafter, or drafting not paying) "
+        "sends that round's Verify before the current one's answer is back, so the verifier steps it at once "
+        "(with --verify-transport stream, which keeps a session's calls in order)",
+    )
     startup_timeout_s: float = setting(900.0, "how long to wait for the verifier to load its model")
     metrics_token_file: str | None = setting(
         None,
@@ -198,6 +204,7 @@ def round_policy(config: CoordinatorConfig, verifier: VerifierInfo) -> RoundPoli
         num_successors=config.num_successors,
         tree_limits=TreeLimits.of(verifier),
         gate_drafting=config.gate_drafting,
+        verify_ahead=config.verify_ahead,
     )
 
 

@@ -84,6 +84,11 @@ class DraftingGate:
         probing = 0 < self._drafted_in_a_row < self.PROBE_ROUNDS
         return probing or self._plain_in_a_row >= self._probe_after
 
+    def stays_plain(self) -> bool:
+        """Whether the round after the current one is plain too, if the current one is plain: drafting does not
+        pay and one more plain round does not yet make a probe due. (A plain round never changes the verdict.)"""
+        return not self.drafting and self._plain_in_a_row + 1 < self._probe_after
+
     def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
         """A round that asked the drafter (``drafted``) or not, committed ``tokens`` and took ``seconds``."""
         self._rounds += 1

@@ -117,6 +117,11 @@ class GrpcVerifier:
         if stream:
             self._stream = VerifyStreamMux(lambda: self._stub.VerifyStream(metadata=self._metadata()), peer_code)
 
+    @property
+    def keeps_order(self) -> bool:
+        """On the VerifyStream calls go out in the order they are written; unary calls may overtake each other."""
+        return self._stream is not None
+
     def _translate(self, exc: grpc.aio.AioRpcError) -> errors.SpecserveError:
         return self._refusal(exc.code(), exc.details() or "", _draining(exc))
 

@@ -37,6 +37,13 @@ class VerifierInfo:
 
 
 class VerifierPort(Protocol):
+    @property
+    def keeps_order(self) -> bool:
+        """Whether one session's Verify calls reach the verifier's queue in the order they were started (each
+        call's task started before the next one's): the round loop then sends a plain round's Verify before the
+        previous round's answer is back (``RoundPolicy.verify_ahead``). Unary gRPC calls may overtake each other."""
+        ...
+
     async def info(self) -> VerifierInfo: ...
 
     async def prefill(self, call: SessionPrefill) -> PrefillResult:

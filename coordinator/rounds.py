@@ -19,6 +19,12 @@ Two failure paths keep a request alive and its output unchanged:
   committed tokens and the same tree is verified again, so no token is lost
   or repeated.
 
+A plain round whose next round is certain to be plain too sends that round's
+Verify before its own answer is back (``_send_ahead``): the verifier steps the
+session again as soon as it can, and the hop, the commit and the streaming
+overlap its work. The answer is committed by the next round, in order, as its
+own would be; a round that fails or a request that ends withdraws it.
+
 The client's deadline (``coordinator.deadlines``) bounds every call: drafter
 round trips and verifier calls wait no longer than the time left, and once it
 has passed the request ends with DEADLINE_EXCEEDED (its session released).
@@ -166,6 +172,18 @@ class RoundPolicy:
     # end (``coordinator.drafting_gate``); the services' ``round_policy`` turns it on. Off: the verifier's budget
     # alone decides.
     gate_drafting: bool = False
+    # Where the next round is certain to be plain, send its Verify before this round's answer is back
+    # (``Generation._send_ahead``), on a verifier port that keeps one session's calls in order.
+    verify_ahead: bool = True
+
+
+@dataclass
+class _Ahead:
+    """The next round's Verify, sent while this round's was on its way (``Generation._send_ahead``)."""
+
+    task: asyncio.Future[VerifyResult]
+    num_committed: int  # what the call says the session holds: this round's count plus its one token
+    asked_features: bool
 
 
 @dataclass
@@ -198,6 +216,7 @@ class Generation:
         self._features_wanted = False  # this round's tree came with the drafter's wish for the round's features
         self._draft_wait_ns = 0  # this round's wait for the drafter's tree (0: none asked)
         self._draft_budget: int | None = None  # the verifier's last word on how many nodes pay at its load
+        self._ahead: _Ahead | None = None  # the next round's Verify, already sent
         self._gate = DraftingGate() if self.policy.gate_drafting else None
         self._phases: RoundPhases | None = None  # the round in progress's phases
         self._asked_drafter = False  # the round in progress asked the drafter for a tree
@@ -225,6 +244,7 @@ class Generation:
                 chunk = await self._round()
                 if chunk.text or chunk.token_ids:
                     yield chunk
+            self._drop_ahead()  # sent for a round the request no longer has (it ended at EOS or a stop string)
             await self._report_final()
         finally:
             if self._grammar is not None:
@@ -566,9 +586,9 @@ class Generation:
         ``fitted``: the constraint's masks for ``tree``'s rows (the first row alone when the tree is refused).
         """
         masks: TokenMasks | None = fitted.masks if fitted is not None else None
+        ahead = self._take_ahead(tree, masks)
         lost = False
         for _ in range(self.policy.max_reprefills_per_round):
-            num_successors = self.policy.num_successors if self._draft is not None else 0
             try:
                 if lost:
                     # The drafter already has the features of these positions: none are asked for.
@@ -576,30 +596,26 @@ class Generation:
                     self.stats.verify_ns += prefill.prefill_ns
                     self.stats.prefill_ns += prefill.prefill_ns
                     lost = False
-                asked = self._asks_features()
-                call = VerifyCall(
-                    self.session_id,
-                    len(self._committed),
-                    tree,
-                    num_successors,
-                    asked,
-                    masks,  # only constrained requests have masks
-                    # The draft budget counts the wait for the tree (none: a plain round).
-                    self._draft_wait_ns if tree.token_ids else 0,
-                    # Lookahead n-grams feed the drafter's pools: worth rows only while a drafter hears of them.
-                    lookahead=self._draft is not None,
-                )
                 phases = self._phases
                 protobuf_before = phases.protobuf_ns if phases is not None else 0
                 started = self.clock()
-                result = await self.verifier.verify(call)
+                if ahead is not None:
+                    asked, task, ahead = ahead.asked_features, ahead.task, None
+                    result = await self._after_sending_ahead(task)
+                else:
+                    asked = self._asks_features()
+                    result = await self._call_verify(self._verify_call(tree, masks, asked), plain=not tree.token_ids)
+                # A call sent ahead waited in part before this round began: the verifier's time counts only within
+                # this round's wait (the verifier counts it from when the previous round's step ended).
+                call_ns = self.clock() - started
+                verify_ns = min(result.verify_ns, call_ns)
                 if phases is not None:
-                    call_ns, protobuf_ns = self.clock() - started, phases.protobuf_ns - protobuf_before
-                    phases.verified(call_ns, protobuf_ns, result.verify_ns, result.queue_ns)
-                self.stats.verify_ns += result.verify_ns
+                    phases.verified(call_ns, phases.protobuf_ns - protobuf_before, verify_ns, result.queue_ns)
+                self.stats.verify_ns += verify_ns
                 self.stats.num_feature_rounds += asked
                 return result, tree
             except InvalidArgument as exc:
+                self._drop_ahead()
                 if not tree.token_ids:
                     raise
                 # The verifier refused the drafter's tree (past our checks): this round is plain decoding.
@@ -608,10 +624,97 @@ class Generation:
                 masks = TokenMasks(masks.bits[:1]) if masks is not None else None
             except (NotFound, FailedPrecondition, SessionMoved):
                 # The verifier lost the session (or its replica died): rebuild it from what was committed, on
-                # whichever replica now holds it, and verify the same tree again.
+                # whichever replica now holds it, and verify the same tree again. A call sent ahead expects the
+                # session this round would have left: it fails there, and is withdrawn here.
+                self._drop_ahead()
                 self.stats.num_reprefills += 1
                 lost = True
+            except BaseException:
+                self._drop_ahead()
+                raise
         raise self._lost_too_often()
+
+    def _verify_call(
+        self, tree: TokenTree, masks: TokenMasks | None, asked: bool, num_committed: int | None = None
+    ) -> VerifyCall:
+        """The Verify of ``tree`` on the committed tokens (``num_committed``: on that many, for a call sent ahead)."""
+        return VerifyCall(
+            self.session_id,
+            len(self._committed) if num_committed is None else num_committed,
+            tree,
+            self.policy.num_successors if self._draft is not None else 0,
+            asked,
+            masks,  # only constrained requests have masks
+            # The draft budget counts the wait for the tree (none: a plain round).
+            self._draft_wait_ns if tree.token_ids else 0,
+            # Lookahead n-grams feed the drafter's pools: worth rows only while a drafter hears of them.
+            lookahead=self._draft is not None,
+        )
+
+    async def _call_verify(self, call: VerifyCall, plain: bool) -> VerifyResult:
+        """The verifier's answer to ``call``; a plain round whose next round is plain too sends that one ahead."""
+        if not (plain and self._next_is_plain()):
+            return await self.verifier.verify(call)
+        return await self._after_sending_ahead(asyncio.ensure_future(self.verifier.verify(call)))
+
+    async def _after_sending_ahead(self, sent: asyncio.Future[VerifyResult]) -> VerifyResult:
+        """Await ``sent``, this round's Verify, after sending the next round's where that one is certain to be
+        plain (``_send_ahead``); ``sent`` is withdrawn if the round is cancelled meanwhile."""
+        self._send_ahead()
+        try:
+            return await sent
+        finally:
+            if not sent.done():
+                sent.cancel()
+
+    def _next_is_plain(self) -> bool:
+        """Whether the round after this one, a plain round, is plain too whatever this one's answer says: no tree
+        to ask for (speculation off, no drafter, or a session whose drafted rounds do not pay and stay so one more
+        round), no constraint (its masks follow this round's token), and room for it in the request and the
+        session."""
+        if not self.policy.verify_ahead or self._grammar is not None or not self.verifier.keeps_order:
+            return False
+        if self.request.max_new_tokens - self._num_new < 2 or len(self._committed) + 2 > self.policy.max_session_tokens:
+            return False
+        if self.request.speculation.mode is SpeculationMode.OFF or self._draft is None:
+            return True
+        return self._gate is not None and self._gate.stays_plain()
+
+    def _send_ahead(self) -> None:
+        """Send the next round's Verify now, while this round's is on its way, where that round is certain to be
+        plain (``_next_is_plain``).
+
+        The verifier queues a session's calls in order and steps one at a time, so the next step starts as soon as
+        this one ends instead of a hop later: the hop, the commit and the streaming of this round's text overlap
+        the verifier's work. Its call says the session holds this round's count plus one, which only this round's
+        success leaves; if this round fails, it fails too and is withdrawn (``_drop_ahead``). Nothing it returns
+        is committed but by the next round, in order.
+        """
+        self._drop_ahead()  # none is left over: each round takes or withdraws the one sent for it
+        if not self._next_is_plain():
+            return
+        # A plain round asks the verifier for the features a plain round would (none from a sparse drafter).
+        asked = self._asks_features()
+        call = self._verify_call(TokenTree(), None, asked, num_committed=len(self._committed) + 1)
+        self._ahead = _Ahead(asyncio.ensure_future(self.verifier.verify(call)), call.num_committed, asked)
+
+    def _take_ahead(self, tree: TokenTree, masks: TokenMasks | None) -> _Ahead | None:
+        """The Verify sent ahead for this round, if this round is the plain one it was sent for."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        if tree.token_ids or masks is not None or ahead.num_committed != len(self._committed):
+            self._drop_ahead()  # not the round it was sent for
+            return None
+        self._ahead = None
+        return ahead
+
+    def _drop_ahead(self) -> None:
+        """Withdraw the Verify sent ahead (the request ended or this round failed); its answer is never used."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.task.cancel()
+            ahead.task.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     def _lost_too_often(self) -> Unavailable:
         return Unavailable(
@@ -650,6 +753,7 @@ class Generation:
         loop's own deadline fires, so the cancellation can land while the Release is on its way. Abandoned there,
         the verifier would hold the session and its KV cache until its TTL.
         """
+        self._drop_ahead()
         closing = asyncio.ensure_future(self._close_sessions())
         _CLOSING.add(closing)
         closing.add_done_callback(_CLOSING.discard)

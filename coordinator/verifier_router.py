@@ -193,6 +193,12 @@ class StickyVerifierRouter:
             self._pin(session_id)
             raise SessionMoved(f"{exc}; the session moved to another replica", detail=exc.detail) from exc
 
+    @property
+    def keeps_order(self) -> bool:
+        """A session's calls go to one replica at a time: in order where every replica keeps it."""
+        self._refresh()
+        return bool(self._replicas) and all(replica.keeps_order for replica in self._replicas.values())
+
     async def info(self) -> VerifierInfo:
         self._refresh()
         for address in sorted(self._replicas, key=lambda a: (not self._is_up(a), a)):

@@ -33,10 +33,12 @@ def generate(address: str, text: str, max_new_tokens: int) -> tuple[list[int], S
 
 @pytest.fixture(scope="module")
 def one_session_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A verifier that holds a single session: any other prefill evicts the running one."""
+    """A verifier that holds a single session: any other prefill evicts the running one while it is idle. Its rounds
+    take turns (no Verify sent ahead), so it is idle between them; a session with a call queued is never evicted."""
     logs = tmp_path_factory.mktemp("one-session")
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=logs)
     cluster.extra_verifier_args = ["--max-sessions", "1", *FP32_VERIFIER]
+    cluster.extra_coordinator_args = ["--no-verify-ahead"]
     with cluster:
         yield cluster
 

@@ -84,7 +84,10 @@ class Clock:
 
 class CostedVerifier:
     """The in-process verifier, each Verify costing ``plain_ms`` (no tree) or ``drafted_ms`` on ``clock``: of it
-    1 ms queued and 1 ms in transport, the rest the verifier's step."""
+    1 ms queued and 1 ms in transport, the rest the verifier's step. It charges a call when it returns, which
+    models rounds in lockstep: no Verify is sent ahead to it."""
+
+    keeps_order = False
 
     def __init__(self, clock: Clock, plain_ms: int, drafted_ms: int) -> None:
         self._inner = InProcessVerifier(Verifier(MODEL, "fp"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.inproc import InProcessVerifier
-from coordinator.rounds import Generation, GenerationRequest
+from coordinator.rounds import Generation, GenerationRequest, RoundPolicy, TextChunk
 from specserve.errors import FailedPrecondition, NotFound, ResourceExhausted
 from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
@@ -142,7 +142,8 @@ def test_cache_is_accounted_in_bytes() -> None:
 
 
 def test_memory_pressure_evicts_idle_sessions_and_the_round_loop_loses_nothing() -> None:
-    """A cache for about two sessions, three generations: evictions are re-prefilled transparently."""
+    """A cache for about two sessions, three generations: evictions are re-prefilled transparently. Rounds take
+    turns, so each session is idle between them."""
     per_token = 2 * 2 * 2 * 16 * 4
     verifier = Verifier(MODEL, "fp", kv_cache_bytes=per_token * 160, evict_idle_s=0.0, max_tree_nodes=4)
     prompts = [[7, 1, 3], [9, 9, 2, 4], [5, 6]]
@@ -155,6 +156,7 @@ def test_memory_pressure_evicts_idle_sessions_and_the_round_loop_loses_nothing()
             CharTokenizer(),
             frozenset(),
             "fp",
+            RoundPolicy(verify_ahead=False),
         )
         tokens: list[int] = []
         async for event in generation.stream():
@@ -171,6 +173,41 @@ def test_memory_pressure_evicts_idle_sessions_and_the_round_loop_loses_nothing()
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output == plain_greedy(MODEL, prompt, 60)
     assert sum(reprefills) > 0  # memory really ran out
+    assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
+    verifier.close()
+
+
+def test_sessions_that_always_have_a_call_queued_still_make_room_for_each_other() -> None:
+    """Two plain generations whose rounds are sent ahead, so neither is ever idle, each outgrowing its share of a
+    cache for 160 tokens: the one that must grow evicts the other, whose call is queued but not in the step; that
+    one is prefilled again once there is room. Waiting instead, both would wait at their next block for ever (up
+    to the admission timeout, then RESOURCE_EXHAUSTED)."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    verifier = Verifier(MODEL, "fp", kv_cache_bytes=per_token * 160, evict_idle_s=60.0, admission_timeout_s=10.0)
+    prompts = [[7, 1, 3], [9, 9, 2]]
+
+    async def generate(prompt: list[int]) -> tuple[list[int], int]:
+        generation = Generation(
+            GenerationRequest(prompt, max_new_tokens=100),
+            InProcessVerifier(verifier),
+            None,
+            CharTokenizer(),
+            frozenset(),
+            "fp",
+        )
+        tokens: list[int] = []
+        async for event in generation.stream():
+            if isinstance(event, TextChunk):
+                tokens.extend(event.token_ids)
+        return tokens, generation.stats.num_reprefills
+
+    async def both() -> list[tuple[list[int], int]]:
+        return list(await asyncio.gather(*(generate(p) for p in prompts)))
+
+    results = asyncio.run(both())
+    for prompt, (output, _) in zip(prompts, results, strict=True):
+        assert output == plain_greedy(MODEL, prompt, 100)
+    assert sum(reprefills for _, reprefills in results) > 0  # memory really ran out while both were busy
     assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
     verifier.close()
 
