@@ -313,6 +313,8 @@ class Generation:
             max_nodes = self._draft_budget
             self.stats.num_rounds_budget_off += max_nodes == 0
         max_nodes = self._gated(max_nodes)
+        if self._ahead is not None:
+            max_nodes = 0  # this round's plain Verify is already on its way (``_send_ahead``)
         with phases.span("tree_and_masks"):
             prefix = self._forced_prefix(max_nodes, remaining, room)
         if prefix:  # the drafter drafts after what the constraint forces next; its tree starts with it
@@ -668,21 +670,25 @@ class Generation:
                 sent.cancel()
 
     def _next_is_plain(self) -> bool:
-        """Whether the round after this one, a plain round, is plain too whatever this one's answer says: no tree
-        to ask for (speculation off, no drafter, or a session whose drafted rounds do not pay and stay so one more
-        round), no constraint (its masks follow this round's token), and room for it in the request and the
-        session."""
+        """Whether the round after this one, a plain round, is to be plain too, so that its Verify can go now.
+
+        Certain where there is no tree to ask for: speculation off, no drafter, or a session whose drafted rounds
+        do not pay and stay so one more round (a round that asked the drafter and got no tree is plain, but the
+        gate counts it as drafted: a probe goes on). Likely where the verifier's last answer left the session no
+        draft budget: it usually says so again, and if not, the budget waits one round (the round a Verify was sent
+        ahead for is plain, ``_propose_verify_commit``). Never under a constraint (the next round's masks follow
+        this round's token), and only with room for it in the request and the session."""
         if not self.policy.verify_ahead or self._grammar is not None or not self.verifier.keeps_order:
             return False
         if self.request.max_new_tokens - self._num_new < 2 or len(self._committed) + 2 > self.policy.max_session_tokens:
             return False
-        if self.request.speculation.mode is SpeculationMode.OFF or self._draft is None:
+        if self.request.speculation.mode is SpeculationMode.OFF or self._draft is None or self._draft_budget == 0:
             return True
-        return self._gate is not None and self._gate.stays_plain()
+        return self._gate is not None and not self._asked_drafter and self._gate.stays_plain()
 
     def _send_ahead(self) -> None:
-        """Send the next round's Verify now, while this round's is on its way, where that round is certain to be
-        plain (``_next_is_plain``).
+        """Send the next round's Verify now, while this round's is on its way, where that round is to be plain
+        (``_next_is_plain``).
 
         The verifier queues a session's calls in order and steps one at a time, so the next step starts as soon as
         this one ends instead of a hop later: the hop, the commit and the streaming of this round's text overlap

@@ -116,7 +116,9 @@ def generate(stream: WishingStream, verifier: RecordingVerifier, max_new_tokens:
         CharTokenizer(),
         frozenset({-1}),
         "fp",
-        RoundPolicy(max_draft_tokens=6),
+        # Rounds take turns, so Verify k's budget bounds round k + 1 exactly (sent ahead, a plain round's next
+        # one is plain too and a budget that returns waits a round: tests/unit/test_verify_ahead.py).
+        RoundPolicy(max_draft_tokens=6, verify_ahead=False),
     )
     tokens, _, stats = run_generation(generation)
     assert tokens == plain_greedy(MODEL, PROMPT, max_new_tokens), "features only steer drafts"
@@ -276,7 +278,7 @@ def test_in_one_process_rounds_without_a_budget_ask_no_features_and_drafted_roun
         CharTokenizer(),
         frozenset({-1}),
         "fp",
-        RoundPolicy(max_draft_tokens=6),
+        RoundPolicy(max_draft_tokens=6, verify_ahead=False),  # rounds in turn: the budgets bound rounds exactly
     )
     tokens, _, stats = run_generation(generation)
     assert tokens == plain_greedy(MODEL, PROMPT, 24)

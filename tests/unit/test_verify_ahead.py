@@ -3,7 +3,9 @@ committed never changes, whatever ends the request or fails under it (tiny rando
 
 import asyncio
 import contextlib
+import dataclasses
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -17,11 +19,13 @@ from coordinator.verifier_router import StickyVerifierRouter
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
 from specserve.errors import ReplicaUnreachable
-from specserve.results import PrefillResult, VerifyResult
+from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import SamplingParams
+from specserve.token_tree import TokenTree
 from specserve.verify_call import SessionPrefill, VerifyCall
 from target_service.verifier import Verifier
 from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
+from tests.unit.test_sparse_features import OneStream, WishingStream
 
 VOCAB = 16
 MODEL = tiny_llama(vocab_size=VOCAB)
@@ -231,6 +235,115 @@ def test_a_gated_sessions_plain_stretch_goes_ahead_and_its_probe_does_not(monkey
     assert verifier.most_in_flight == 2
     assert stats.num_drafter_trees >= 1  # the probe asked the drafter, after the stretch
     assert verifier.engine.num_active_sessions == 0
+
+
+class EveryOtherTree:
+    """A draft stream whose trees are empty and one token long in turn: a probe's round that asked for a tree and
+    got none is plain, and the probe's next round drafts."""
+
+    wants_features = False
+    sparse_features = False
+    takes_verified_trees = False
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    async def propose(self, feedback: DraftFeedback, max_nodes: int) -> DraftReply:
+        if max_nodes == 0:
+            return DraftReply(TokenTree())
+        self.asked += 1
+        return DraftReply(TokenTree.chain([self.asked % VOCAB]) if self.asked % 2 == 0 else TokenTree())
+
+    async def verifying(self, verified: VerifiedTree) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class EveryOtherTreeDrafter:
+    def __init__(self) -> None:
+        self.stream = EveryOtherTree()
+
+    async def open(
+        self, session_id: str, prompt_tokens: Sequence[int], vocab_fingerprint: str, sampling: object = None
+    ) -> EveryOtherTree:
+        return self.stream
+
+
+def test_a_probe_round_that_got_no_tree_sends_nothing_ahead_of_the_probes_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A round that asked the drafter counts as drafted, even with an empty tree: the probe goes on, and the round
+    # after it asks for a tree again. Sent ahead, a plain Verify would have stepped the session past what that
+    # round verifies: its call would then fail and the session be prefilled again.
+    monkeypatch.setattr(rounds, "DraftingGate", PlainStretchGate)
+    verifier = InFlight()
+    drafter = EveryOtherTreeDrafter()
+    generation = Generation(
+        GenerationRequest(PROMPT, 60),
+        verifier,
+        drafter,
+        CharTokenizer(),
+        frozenset({-1}),
+        "fp",
+        RoundPolicy(max_draft_tokens=4, gate_drafting=True),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert tokens == plain_greedy(MODEL, PROMPT, 60)
+    assert drafter.stream.asked >= 4  # a whole probe ran
+    assert verifier.most_in_flight == 2  # the plain stretches went ahead
+    assert stats.num_reprefills == 0
+
+
+class BudgetOffFor(InFlight):
+    """Answers that leave the session no draft budget for its first ``calls`` Verifies, the engine's own after."""
+
+    def __init__(self, calls: int) -> None:
+        super().__init__()
+        self._calls = calls
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        result = await super().verify(call)
+        return dataclasses.replace(result, draft_budget_nodes=0) if len(self.counts) <= self._calls else result
+
+
+def test_rounds_the_verifiers_budget_keeps_plain_go_ahead_and_a_budget_that_returns_waits_a_round() -> None:
+    verifier = BudgetOffFor(20)
+    drafter = EveryOtherTreeDrafter()
+    generation = Generation(
+        GenerationRequest(PROMPT, 50),
+        verifier,
+        drafter,
+        CharTokenizer(),
+        frozenset({-1}),
+        "fp",
+        RoundPolicy(max_draft_tokens=4),  # no gate: the verifier's budget alone decides
+    )
+    tokens, _, stats = run_generation(generation)
+    assert tokens == plain_greedy(MODEL, PROMPT, 50)
+    assert verifier.most_in_flight == 2
+    assert stats.num_reprefills == 0
+    # The first round asks (no budget is known yet); then none until the budget is back, a round after the answer
+    # that brought it (the round sent ahead meanwhile is plain).
+    assert drafter.stream.asked >= 2 and stats.num_rounds_budget_off >= 10
+
+
+def test_rounds_sent_ahead_ask_for_the_features_an_older_drafter_takes_at_every_position() -> None:
+    stream = WishingStream(sparse=False, wishes=[])  # an older drafter: every position's features, every round
+    verifier = BudgetOffFor(10**6)  # no budget ever: every round after the first is plain, sent ahead
+    generation = Generation(
+        GenerationRequest(PROMPT, 12),
+        verifier,
+        OneStream(stream),
+        CharTokenizer(),
+        frozenset({-1}),
+        "fp",
+        RoundPolicy(max_draft_tokens=6),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert tokens == plain_greedy(MODEL, PROMPT, 12)
+    assert verifier.most_in_flight == 2 and stats.num_feature_rounds == 12 and not stats.drafter_error
+    assert stream.rows == [len(PROMPT) - 1, 12], "the final report: a row for each of the 12 positions since"
 
 
 def test_stays_plain_never_promises_a_plain_round_the_gate_would_draft() -> None:
