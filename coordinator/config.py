@@ -122,9 +122,9 @@ class CoordinatorConfig(ServiceConfig):
     )
     verify_ahead: bool = setting(
         RoundPolicy.verify_ahead,
-        "a session whose next round is certain to be plain (speculation off, no drafter, or drafting not paying) "
-        "sends that round's Verify before the current one's answer is back, so the verifier steps it at once "
-        "(with --verify-transport stream, which keeps a session's calls in order)",
+        "a session whose next round is to be plain (speculation off, no drafter, drafting not paying, or no draft "
+        "budget from the verifier) sends that round's Verify before the current one's answer is back, so the "
+        "verifier steps it at once (with --verify-transport stream, which keeps a session's calls in order)",
     )
     startup_timeout_s: float = setting(900.0, "how long to wait for the verifier to load its model")
     metrics_token_file: str | None = setting(

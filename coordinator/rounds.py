@@ -19,11 +19,12 @@ Two failure paths keep a request alive and its output unchanged:
   committed tokens and the same tree is verified again, so no token is lost
   or repeated.
 
-A plain round whose next round is certain to be plain too sends that round's
-Verify before its own answer is back (``_send_ahead``): the verifier steps the
-session again as soon as it can, and the hop, the commit and the streaming
-overlap its work. The answer is committed by the next round, in order, as its
-own would be; a round that fails or a request that ends withdraws it.
+A plain round whose next round is to be plain too (certainly, or because the
+verifier's budget left none) sends that round's Verify before its own answer is
+back (``_send_ahead``): the verifier steps the session again as soon as it can,
+and the hop, the commit and the streaming overlap its work. The answer is
+committed by the next round, in order, as its own would be; a round that fails
+or a request that ends withdraws it.
 
 The client's deadline (``coordinator.deadlines``) bounds every call: drafter
 round trips and verifier calls wait no longer than the time left, and once it
@@ -172,7 +173,7 @@ class RoundPolicy:
     # end (``coordinator.drafting_gate``); the services' ``round_policy`` turns it on. Off: the verifier's budget
     # alone decides.
     gate_drafting: bool = False
-    # Where the next round is certain to be plain, send its Verify before this round's answer is back
+    # Where the next round is to be plain, send its Verify before this round's answer is back
     # (``Generation._send_ahead``), on a verifier port that keeps one session's calls in order.
     verify_ahead: bool = True
 
@@ -660,8 +661,8 @@ class Generation:
         return await self._after_sending_ahead(asyncio.ensure_future(self.verifier.verify(call)))
 
     async def _after_sending_ahead(self, sent: asyncio.Future[VerifyResult]) -> VerifyResult:
-        """Await ``sent``, this round's Verify, after sending the next round's where that one is certain to be
-        plain (``_send_ahead``); ``sent`` is withdrawn if the round is cancelled meanwhile."""
+        """Await ``sent``, this round's Verify, after sending the next round's where that one is to be plain
+        (``_send_ahead``); ``sent`` is withdrawn if the round is cancelled meanwhile."""
         self._send_ahead()
         try:
             return await sent
@@ -699,7 +700,8 @@ class Generation:
         self._drop_ahead()  # none is left over: each round takes or withdraws the one sent for it
         if not self._next_is_plain():
             return
-        # A plain round asks the verifier for the features a plain round would (none from a sparse drafter).
+        # A round that asked the drafter never sends one ahead (``_next_is_plain``), so no reply's wish for
+        # features is pending: this asks what a plain round asks (none from a sparse drafter).
         asked = self._asks_features()
         call = self._verify_call(TokenTree(), None, asked, num_committed=len(self._committed) + 1)
         self._ahead = _Ahead(asyncio.ensure_future(self.verifier.verify(call)), call.num_committed, asked)

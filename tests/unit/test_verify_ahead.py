@@ -346,6 +346,34 @@ def test_rounds_sent_ahead_ask_for_the_features_an_older_drafter_takes_at_every_
     assert stream.rows == [len(PROMPT) - 1, 12], "the final report: a row for each of the 12 positions since"
 
 
+class FeatureRecorder(BudgetOffFor):
+    def __init__(self, calls: int) -> None:
+        super().__init__(calls)
+        self.asked: list[bool] = []
+
+    async def verify(self, call: VerifyCall) -> VerifyResult:
+        self.asked.append(call.return_features)
+        return await super().verify(call)
+
+
+def test_a_round_sent_ahead_asks_a_sparse_drafter_for_no_features_whatever_the_last_reply_wished() -> None:
+    stream = WishingStream(sparse=True, wishes=[True] * 20)  # every reply wants its round's features
+    verifier = FeatureRecorder(10**6)  # no budget after the first round: the rest is plain, sent ahead
+    generation = Generation(
+        GenerationRequest(PROMPT, 10),
+        verifier,
+        OneStream(stream),
+        CharTokenizer(),
+        frozenset({-1}),
+        "fp",
+        RoundPolicy(max_draft_tokens=6),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert tokens == plain_greedy(MODEL, PROMPT, 10)
+    assert verifier.asked == [True] + [False] * 9  # the first round's reply wished; the rounds after asked none
+    assert stats.num_feature_rounds == 1 and not stats.drafter_error
+
+
 def test_stays_plain_never_promises_a_plain_round_the_gate_would_draft() -> None:
     rng = random.Random(5)
     gate = DraftingGate()
