@@ -74,21 +74,31 @@ class CharTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
+async def stream_to_end(generation: Generation) -> tuple[list[int], str, GenerationStats]:
+    """The round loop run to its end: the streamed tokens, the streamed text, the final stats."""
+    tokens: list[int] = []
+    text = ""
+    async for event in generation.stream():
+        if isinstance(event, TextChunk):
+            tokens += event.token_ids
+            text += event.text
+        else:
+            return tokens, text, event
+    raise AssertionError("no stats at the end of the stream")
+
+
 def run_generation(generation: Generation) -> tuple[list[int], str, GenerationStats]:
     """Run the round loop to its end: the streamed tokens, the streamed text, the final stats."""
+    return asyncio.run(stream_to_end(generation))
 
-    async def collect() -> tuple[list[int], str, GenerationStats]:
-        tokens: list[int] = []
-        text = ""
-        async for event in generation.stream():
-            if isinstance(event, TextChunk):
-                tokens += event.token_ids
-                text += event.text
-            else:
-                return tokens, text, event
-        raise AssertionError("no stats at the end of the stream")
 
-    return asyncio.run(collect())
+def run_together(generations: list[Generation]) -> list[tuple[list[int], str, GenerationStats]]:
+    """Run several round loops at once, on one event loop, each to its end (``stream_to_end``)."""
+
+    async def together() -> list[tuple[list[int], str, GenerationStats]]:
+        return list(await asyncio.gather(*(stream_to_end(g) for g in generations)))
+
+    return asyncio.run(together())
 
 
 def gguf_like(model: LlamaForCausalLM) -> LlamaForCausalLM:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 import threading
 from concurrent.futures import Future
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from bench.inproc import InProcessVerifier
-from coordinator.rounds import Generation, GenerationRequest, RoundPolicy, TextChunk
+from coordinator.rounds import Generation, GenerationRequest, GenerationStats, RoundPolicy
 from specserve.errors import FailedPrecondition, NotFound, ResourceExhausted
 from specserve.results import VerifyResult
 from specserve.sampling import SamplingParams
@@ -19,7 +18,7 @@ from specserve.token_tree import TokenTree
 from target_service.budget_policy import SessionAcceptance
 from target_service.cost_curve import CostCurve
 from target_service.verifier import PREFILL_HEADROOM_TOKENS, EngineStep, Verifier
-from tests.conftest import CharTokenizer, plain_greedy, tiny_llama
+from tests.conftest import CharTokenizer, plain_greedy, run_together, tiny_llama
 
 VOCAB = 48
 MODEL = tiny_llama(vocab_size=VOCAB, seed=3, context=512)
@@ -141,6 +140,16 @@ def test_cache_is_accounted_in_bytes() -> None:
     verifier.close()
 
 
+def plain_together(
+    verifier: Verifier, prompts: list[list[int]], max_new_tokens: int, ahead: bool = True
+) -> list[tuple[list[int], str, GenerationStats]]:
+    """Generations of ``prompts`` with no drafter, at once on the in-process engine (``ahead``: rounds sent ahead)."""
+    port, policy = InProcessVerifier(verifier), RoundPolicy(verify_ahead=ahead)
+    tokenizer = CharTokenizer()
+    request = [GenerationRequest(p, max_new_tokens) for p in prompts]
+    return run_together([Generation(r, port, None, tokenizer, frozenset(), "fp", policy) for r in request])
+
+
 def test_memory_pressure_evicts_idle_sessions_and_the_round_loop_loses_nothing() -> None:
     """A cache for about two sessions, three generations: evictions are re-prefilled transparently. Rounds take
     turns, so each session is idle between them."""
@@ -148,30 +157,10 @@ def test_memory_pressure_evicts_idle_sessions_and_the_round_loop_loses_nothing()
     verifier = Verifier(MODEL, "fp", kv_cache_bytes=per_token * 160, evict_idle_s=0.0, max_tree_nodes=4)
     prompts = [[7, 1, 3], [9, 9, 2, 4], [5, 6]]
 
-    async def generate(prompt: list[int]) -> list[int]:
-        generation = Generation(
-            GenerationRequest(prompt, max_new_tokens=60),
-            InProcessVerifier(verifier),
-            None,
-            CharTokenizer(),
-            frozenset(),
-            "fp",
-            RoundPolicy(verify_ahead=False),
-        )
-        tokens: list[int] = []
-        async for event in generation.stream():
-            if not hasattr(event, "num_reprefills"):
-                tokens.extend(event.token_ids)  # type: ignore[union-attr]
-        reprefills.append(generation.stats.num_reprefills)
-        return tokens
-
-    async def interleaved() -> list[list[int]]:
-        return list(await asyncio.gather(*(generate(p) for p in prompts)))
-
-    reprefills: list[int] = []
-    outputs = asyncio.run(interleaved())
-    for prompt, output in zip(prompts, outputs, strict=True):
+    results = plain_together(verifier, prompts, 60, ahead=False)
+    for prompt, (output, _, _) in zip(prompts, results, strict=True):
         assert output == plain_greedy(MODEL, prompt, 60)
+    reprefills = [stats.num_reprefills for _, _, stats in results]
     assert sum(reprefills) > 0  # memory really ran out
     assert verifier.stats().num_sessions == 0 and verifier.stats().kv_used_bytes == 0
     verifier.close()
@@ -186,25 +175,7 @@ def test_sessions_that_always_have_a_call_queued_still_make_room_for_each_other(
     verifier = Verifier(MODEL, "fp", kv_cache_bytes=per_token * 160, evict_idle_s=60.0, admission_timeout_s=10.0)
     prompts = [[7, 1, 3], [9, 9, 2]]
 
-    async def generate(prompt: list[int]) -> tuple[list[int], int]:
-        generation = Generation(
-            GenerationRequest(prompt, max_new_tokens=100),
-            InProcessVerifier(verifier),
-            None,
-            CharTokenizer(),
-            frozenset(),
-            "fp",
-        )
-        tokens: list[int] = []
-        async for event in generation.stream():
-            if isinstance(event, TextChunk):
-                tokens.extend(event.token_ids)
-        return tokens, generation.stats.num_reprefills
-
-    async def both() -> list[tuple[list[int], int]]:
-        return list(await asyncio.gather(*(generate(p) for p in prompts)))
-
-    results = asyncio.run(both())
+    results = [(tokens, stats.num_reprefills) for tokens, _, stats in plain_together(verifier, prompts, 100)]
     for prompt, (output, _) in zip(prompts, results, strict=True):
         assert output == plain_greedy(MODEL, prompt, 100)
     assert sum(reprefills for _, reprefills in results) > 0  # memory really ran out while both were busy

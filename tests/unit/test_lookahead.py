@@ -7,7 +7,6 @@ travel the wire (and are absent from older peers' messages) and reach the drafte
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Iterator
 
@@ -16,7 +15,7 @@ import redis
 import torch
 
 from bench.inproc import InProcessDrafter, InProcessVerifier
-from coordinator.rounds import Generation, GenerationRequest, TextChunk
+from coordinator.rounds import Generation, GenerationRequest
 from draft_service.drafter import Drafter
 from draft_service.lookahead_source import LOOKAHEAD_POOL_SHAPE
 from draft_service.ngram_pool import InMemoryNgramPool
@@ -36,7 +35,7 @@ from target_service.ragged_attention import Segment, StepPlan
 from target_service.session_cache import Session
 from target_service.step_inputs import pack, tree_mask, verify_rows
 from target_service.verifier import EngineStep, Verifier
-from tests.conftest import CharTokenizer, plain_decode, plain_greedy, tiny_llama
+from tests.conftest import CharTokenizer, plain_decode, plain_greedy, run_together, tiny_llama
 from tests.redis_server import RedisServer, free_port
 
 VOCAB = 48
@@ -325,8 +324,8 @@ def test_generations_with_lookahead_through_the_round_loop_are_plain_greedy() ->
     )
     prompts = [[7, 1, 3, 9], [2, 2, 5, 8, 1, 4], [11, 30, 4]]
 
-    async def generate(prompt: list[int]) -> list[int]:
-        generation = Generation(
+    generations = [
+        Generation(
             GenerationRequest(prompt, max_new_tokens=48),
             InProcessVerifier(verifier),
             InProcessDrafter(drafter, vocab_size=VOCAB),
@@ -334,16 +333,9 @@ def test_generations_with_lookahead_through_the_round_loop_are_plain_greedy() ->
             frozenset(),
             "fp",
         )
-        tokens: list[int] = []
-        async for event in generation.stream():
-            if isinstance(event, TextChunk):
-                tokens.extend(event.token_ids)
-        return tokens
-
-    async def together() -> list[list[int]]:
-        return list(await asyncio.gather(*(generate(p) for p in prompts)))
-
-    outputs = asyncio.run(together())
+        for prompt in prompts
+    ]
+    outputs = [tokens for tokens, _, _ in run_together(generations)]
     verifier.close()
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output == plain_greedy(MODEL, prompt, 48)

@@ -12,33 +12,32 @@ import pytest
 from bench.inproc import InProcessDrafter, InProcessVerifier
 from coordinator import rounds
 from coordinator.drafting_gate import DraftingGate
-from coordinator.ports import VerifierPort
-from coordinator.rounds import FinishReason, Generation, GenerationRequest, RoundPolicy, TextChunk
+from coordinator.ports import VerifierInfo, VerifierPort
+from coordinator.rounds import FinishReason, Generation, GenerationRequest, GenerationStats, RoundPolicy, TextChunk
 from coordinator.speculation import Speculation, SpeculationMode
 from coordinator.verifier_router import StickyVerifierRouter
 from draft_service.drafter import Drafter
 from draft_service.ngram_pool import InMemoryNgramPool
-from specserve.errors import ReplicaUnreachable
 from specserve.results import DraftFeedback, DraftReply, PrefillResult, VerifiedTree, VerifyResult
 from specserve.sampling import SamplingParams
 from specserve.token_tree import TokenTree
 from specserve.verify_call import SessionPrefill, VerifyCall
 from target_service.verifier import Verifier
-from tests.conftest import CharTokenizer, plain_greedy, run_generation, tiny_llama
+from tests.conftest import CharTokenizer, plain_greedy, run_generation
+from tests.unit.test_rounds import MODEL, VOCAB, MortalReplica
 from tests.unit.test_sparse_features import OneStream, WishingStream
 
-VOCAB = 16
-MODEL = tiny_llama(vocab_size=VOCAB)
 OFF = Speculation(SpeculationMode.OFF)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
-class InFlight(InProcessVerifier):
-    """The in-process verifier, recording what each Verify says the session holds and the most calls in flight."""
+class InFlight:
+    """A verifier port over the in-process engine (or ``replica``, one over it), recording what each Verify says
+    the session holds and the most calls in flight at once."""
 
-    def __init__(self, keeps_order: bool = True) -> None:
-        self.engine = Verifier(MODEL, "fp")
-        super().__init__(self.engine)
+    def __init__(self, keeps_order: bool = True, replica: MortalReplica | None = None) -> None:
+        self.engine = Verifier(MODEL, "fp") if replica is None else replica.engine
+        self._inner = InProcessVerifier(self.engine) if replica is None else replica
         self._keeps_order = keeps_order
         self.counts: list[int] = []
         self.in_flight = 0
@@ -48,14 +47,23 @@ class InFlight(InProcessVerifier):
     def keeps_order(self) -> bool:
         return self._keeps_order
 
+    async def info(self) -> VerifierInfo:
+        return await self._inner.info()
+
+    async def prefill(self, call: SessionPrefill) -> PrefillResult:
+        return await self._inner.prefill(call)
+
     async def verify(self, call: VerifyCall) -> VerifyResult:
         self.counts.append(call.num_committed)
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            return await super().verify(call)
+            return await self._inner.verify(call)
         finally:
             self.in_flight -= 1
+
+    async def release(self, session_id: str) -> None:
+        await self._inner.release(session_id)
 
 
 def plain(
@@ -77,6 +85,24 @@ def plain(
         "fp",
         RoundPolicy(max_draft_tokens=6, verify_ahead=ahead),
     )
+
+
+def drafting(
+    verifier: VerifierPort, drafter: object, max_new_tokens: int, prompt: list[int] = PROMPT, gate: bool = False
+) -> GenerationStats:
+    """Run a request with speculation on (``gate``: the drafting gate too); its tokens must be plain decoding's."""
+    generation = Generation(
+        GenerationRequest(prompt, max_new_tokens),
+        verifier,
+        drafter,  # type: ignore[arg-type]
+        CharTokenizer(),
+        frozenset({-1}),
+        "fp",
+        RoundPolicy(max_draft_tokens=4, gate_drafting=gate),
+    )
+    tokens, _, stats = run_generation(generation)
+    assert tokens == plain_greedy(MODEL, prompt, max_new_tokens)
+    return stats
 
 
 def test_plain_rounds_go_one_ahead_and_commit_what_plain_decoding_does() -> None:
@@ -156,30 +182,9 @@ def test_a_lost_session_is_rebuilt_without_losing_or_repeating_a_token() -> None
     assert verifier.engine.num_active_sessions == 0
 
 
-class Mortal(InFlight):
-    """A replica that dies after ``verifies`` Verify calls, as a killed pod: every later call fails."""
-
-    def __init__(self, verifies: int) -> None:
-        super().__init__()
-        self._verifies = verifies
-
-    def _check_alive(self) -> None:
-        if self._verifies < 0:
-            raise ReplicaUnreachable("verifier at a:1 is unreachable: Connection reset by peer")
-
-    async def prefill(self, call: SessionPrefill) -> PrefillResult:
-        self._check_alive()
-        return await super().prefill(call)
-
-    async def verify(self, call: VerifyCall) -> VerifyResult:
-        self._verifies -= 1
-        self._check_alive()
-        return await super().verify(call)
-
-
 @pytest.mark.parametrize("dies_after", [0, 1, 7])
 def test_a_replica_dying_under_calls_sent_ahead_moves_the_session_unchanged(dies_after: int) -> None:
-    replicas = {"a:1": Mortal(dies_after), "b:1": Mortal(10**6)}
+    replicas = {"a:1": InFlight(replica=MortalReplica(dies_after)), "b:1": InFlight(replica=MortalReplica(10**6))}
     router = StickyVerifierRouter(lambda: list(replicas), replicas.__getitem__)  # "a:1" gets the first session
     assert router.keeps_order
     tokens, _, stats = run_generation(plain(router, 30))
@@ -221,17 +226,7 @@ def test_a_gated_sessions_plain_stretch_goes_ahead_and_its_probe_does_not(monkey
     pool = InMemoryNgramPool()
     verifier = InFlight()
     prompt = [1, 2, 3, 4] * 4
-    generation = Generation(
-        GenerationRequest(prompt, 40),
-        verifier,
-        InProcessDrafter(Drafter(lambda fingerprint, namespace: pool)),
-        CharTokenizer(),
-        frozenset({-1}),
-        "fp",
-        RoundPolicy(max_draft_tokens=4, gate_drafting=True),
-    )
-    tokens, _, stats = run_generation(generation)
-    assert tokens == plain_greedy(MODEL, prompt, 40)
+    stats = drafting(verifier, InProcessDrafter(Drafter(lambda fingerprint, namespace: pool)), 40, prompt, gate=True)
     assert verifier.most_in_flight == 2
     assert stats.num_drafter_trees >= 1  # the probe asked the drafter, after the stretch
     assert verifier.engine.num_active_sessions == 0
@@ -279,17 +274,7 @@ def test_a_probe_round_that_got_no_tree_sends_nothing_ahead_of_the_probes_next(m
     monkeypatch.setattr(rounds, "DraftingGate", PlainStretchGate)
     verifier = InFlight()
     drafter = EveryOtherTreeDrafter()
-    generation = Generation(
-        GenerationRequest(PROMPT, 60),
-        verifier,
-        drafter,
-        CharTokenizer(),
-        frozenset({-1}),
-        "fp",
-        RoundPolicy(max_draft_tokens=4, gate_drafting=True),
-    )
-    tokens, _, stats = run_generation(generation)
-    assert tokens == plain_greedy(MODEL, PROMPT, 60)
+    stats = drafting(verifier, drafter, 60, gate=True)
     assert drafter.stream.asked >= 4  # a whole probe ran
     assert verifier.most_in_flight == 2  # the plain stretches went ahead
     assert stats.num_reprefills == 0
@@ -310,17 +295,7 @@ class BudgetOffFor(InFlight):
 def test_rounds_the_verifiers_budget_keeps_plain_go_ahead_and_a_budget_that_returns_waits_a_round() -> None:
     verifier = BudgetOffFor(20)
     drafter = EveryOtherTreeDrafter()
-    generation = Generation(
-        GenerationRequest(PROMPT, 50),
-        verifier,
-        drafter,
-        CharTokenizer(),
-        frozenset({-1}),
-        "fp",
-        RoundPolicy(max_draft_tokens=4),  # no gate: the verifier's budget alone decides
-    )
-    tokens, _, stats = run_generation(generation)
-    assert tokens == plain_greedy(MODEL, PROMPT, 50)
+    stats = drafting(verifier, drafter, 50)  # no gate: the verifier's budget alone decides
     assert verifier.most_in_flight == 2
     assert stats.num_reprefills == 0
     # The first round asks (no budget is known yet); then none until the budget is back, a round after the answer
@@ -331,17 +306,7 @@ def test_rounds_the_verifiers_budget_keeps_plain_go_ahead_and_a_budget_that_retu
 def test_rounds_sent_ahead_ask_for_the_features_an_older_drafter_takes_at_every_position() -> None:
     stream = WishingStream(sparse=False, wishes=[])  # an older drafter: every position's features, every round
     verifier = BudgetOffFor(10**6)  # no budget ever: every round after the first is plain, sent ahead
-    generation = Generation(
-        GenerationRequest(PROMPT, 12),
-        verifier,
-        OneStream(stream),
-        CharTokenizer(),
-        frozenset({-1}),
-        "fp",
-        RoundPolicy(max_draft_tokens=6),
-    )
-    tokens, _, stats = run_generation(generation)
-    assert tokens == plain_greedy(MODEL, PROMPT, 12)
+    stats = drafting(verifier, OneStream(stream), 12)
     assert verifier.most_in_flight == 2 and stats.num_feature_rounds == 12 and not stats.drafter_error
     assert stream.rows == [len(PROMPT) - 1, 12], "the final report: a row for each of the 12 positions since"
 
@@ -359,17 +324,7 @@ class FeatureRecorder(BudgetOffFor):
 def test_a_round_sent_ahead_asks_a_sparse_drafter_for_no_features_whatever_the_last_reply_wished() -> None:
     stream = WishingStream(sparse=True, wishes=[True] * 20)  # every reply wants its round's features
     verifier = FeatureRecorder(10**6)  # no budget after the first round: the rest is plain, sent ahead
-    generation = Generation(
-        GenerationRequest(PROMPT, 10),
-        verifier,
-        OneStream(stream),
-        CharTokenizer(),
-        frozenset({-1}),
-        "fp",
-        RoundPolicy(max_draft_tokens=6),
-    )
-    tokens, _, stats = run_generation(generation)
-    assert tokens == plain_greedy(MODEL, PROMPT, 10)
+    stats = drafting(verifier, OneStream(stream), 10)
     assert verifier.asked == [True] + [False] * 9  # the first round's reply wished; the rounds after asked none
     assert stats.num_feature_rounds == 1 and not stats.drafter_error
 
