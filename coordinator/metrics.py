@@ -199,6 +199,16 @@ class CoordinatorMetrics:
             "plain rounds end to end, or to time a plain round (--gate-drafting)",
             registry=r,
         )
+        self.rounds_sent_ahead = Counter(
+            "specserve_rounds_sent_ahead",
+            "Plain rounds whose Verify went before the previous round's answer came back (--verify-ahead)",
+            registry=r,
+        )
+        self.verify_ahead_withdrawn = Counter(
+            "specserve_verify_ahead_withdrawn",
+            "Verify calls sent ahead and withdrawn: the request ended at EOS or a stop string, or a round failed",
+            registry=r,
+        )
 
         # Structured output (coordinator.constraints)
         self.num_forced_tokens = Counter(
@@ -361,6 +371,8 @@ class CoordinatorMetrics:
             for phase, ns in zip(PHASES, times, strict=True):
                 self.round_phase_seconds.labels(phase).observe(ns / 1e9)
         self.rounds_plain_by_cost.inc(stats.num_rounds_plain_by_cost)
+        self.rounds_sent_ahead.inc(stats.num_rounds_sent_ahead)
+        self.verify_ahead_withdrawn.inc(stats.num_ahead_withdrawn)
         if stats.constrained:
             self.num_forced_tokens.labels(kind).inc(stats.num_forced_tokens)
             complete = "true" if stats.constraint_complete else "false"

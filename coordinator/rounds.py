@@ -139,6 +139,8 @@ class GenerationStats:
     # Entry i: round i's time by phase, in ``round_phases.PHASES`` order (the metrics' histograms).
     round_phase_ns: list[tuple[int, ...]] = field(default_factory=list)
     num_rounds_plain_by_cost: int = 0  # rounds run plain because drafted rounds did not pay end to end (or to time one)
+    num_rounds_sent_ahead: int = 0  # rounds whose Verify went before the previous round's answer (``_send_ahead``)
+    num_ahead_withdrawn: int = 0  # Verify calls sent ahead and withdrawn: the request ended, or a round failed
 
     @property
     def drafter_error_logged(self) -> str:
@@ -605,6 +607,7 @@ class Generation:
                 if ahead is not None:
                     asked, task, ahead = ahead.asked_features, ahead.task, None
                     result = await self._after_sending_ahead(task)
+                    self.stats.num_rounds_sent_ahead += 1
                 else:
                     asked = self._asks_features()
                     result = await self._call_verify(self._verify_call(tree, masks, asked), plain=not tree.token_ids)
@@ -721,6 +724,7 @@ class Generation:
         """Withdraw the Verify sent ahead (the request ended or this round failed); its answer is never used."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
+            self.stats.num_ahead_withdrawn += 1
             ahead.task.cancel()
             ahead.task.add_done_callback(lambda done: done.cancelled() or done.exception())
 

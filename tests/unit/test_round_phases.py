@@ -97,11 +97,13 @@ def test_the_coordinator_observes_every_round_in_each_phases_histogram() -> None
     value = metrics.registry.get_sample_value
     stats = GenerationStats(round_phase_ns=[(1 * MS,) * len(PHASES), (3 * MS,) * len(PHASES)])
     stats.num_rounds_plain_by_cost = 5
+    stats.num_rounds_sent_ahead, stats.num_ahead_withdrawn = 7, 1
     metrics.observe_finished(stats, 1.0)
     for phase in PHASES:
         assert value("specserve_round_phase_seconds_count", {"phase": phase}) == 2
         assert value("specserve_round_phase_seconds_sum", {"phase": phase}) == 0.004
     assert value("specserve_rounds_plain_by_cost_total") == 5
+    assert (value("specserve_rounds_sent_ahead_total"), value("specserve_verify_ahead_withdrawn_total")) == (7, 1)
 
 
 def test_the_verifier_observes_each_engine_steps_time() -> None:

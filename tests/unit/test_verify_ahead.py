@@ -113,6 +113,7 @@ def test_plain_rounds_go_one_ahead_and_commit_what_plain_decoding_does() -> None
     # One call per round, each on the session the previous one left, none past the request's length.
     assert verifier.counts == list(range(len(PROMPT), len(PROMPT) + 40))
     assert stats.num_rounds == 40
+    assert (stats.num_rounds_sent_ahead, stats.num_ahead_withdrawn) == (39, 0)  # all but the first; none past the end
     assert verifier.engine.num_active_sessions == 0
 
 
@@ -141,6 +142,7 @@ def test_eos_ends_the_request_and_the_call_sent_past_it_is_withdrawn() -> None:
     assert tokens == reference[: reference.index(eos)]
     assert stats.finish_reason is FinishReason.EOS
     assert max(verifier.counts) == len(PROMPT) + reference.index(eos) + 1  # one call past EOS was sent...
+    assert stats.num_ahead_withdrawn == 1
     assert verifier.engine.num_active_sessions == 0  # ...and nothing of it outlives the request
 
 
