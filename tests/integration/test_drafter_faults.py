@@ -100,6 +100,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, private_redis: RedisServer
     cluster.extra_verifier_args = list(FP32_VERIFIER)
     cluster.extra_coordinator_args = list(HEALTH_ARGS)
     with cluster as c:
+        # The coordinator serves before the drafter may (it decodes without one until it answers): under load a
+        # first request could find the drafter not yet up and skip it for a backoff, which the tests here would
+        # read as their fault's doing.
+        wait_until_drafting(c.coordinator_address)
         yield c
 
 
