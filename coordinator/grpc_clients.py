@@ -356,8 +356,14 @@ class GrpcDrafter:
         self._verify_cost = tuple(verify_cost)  # the verifier's measured curve, sent with each session
         self._info: drafter_pb2.DrafterInfoResponse | None = None  # learnt from DrafterInfo on the first open
 
-    async def info(self) -> drafter_pb2.DrafterInfoResponse:
-        return await self._stub.DrafterInfo(drafter_pb2.DrafterInfoRequest(), timeout=5.0, metadata=self._metadata())
+    async def info(self, wait_s: float = 0.0) -> drafter_pb2.DrafterInfoResponse:
+        """The drafter's DrafterInfo; ``wait_s`` > 0: waits up to that long for it to be reachable at all."""
+        return await self._stub.DrafterInfo(
+            drafter_pb2.DrafterInfoRequest(),
+            timeout=max(5.0, wait_s),
+            metadata=self._metadata(),
+            wait_for_ready=wait_s > 0 or None,
+        )
 
     async def open(
         self,

@@ -76,6 +76,9 @@ from specserve.service_main import parse_service_config, setup_logging
 from specserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger("coordinator")
+
+DRAFTER_START_WAIT_S = 10.0
+"""How long start-up waits for a drafter given by address to answer before going on without it."""
 SELF_SERVICE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z]([-a-z0-9]*[a-z0-9])?$")
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -275,7 +278,9 @@ async def connect_drafter(
     else:
         drafter = connect(config.drafter)
     try:
-        info = await drafter.info()
+        # A drafter started beside this coordinator may still be loading: wait briefly for it, as for the first
+        # list above, so the first requests do not find it unreachable and skip it for a backoff.
+        info = await (drafter.info(DRAFTER_START_WAIT_S) if isinstance(drafter, GrpcDrafter) else drafter.info())
     except (grpc.aio.AioRpcError, DrafterFailed) as exc:
         log.warning(
             "drafter at %s not reachable yet (%s); requests decode without it until it is",
