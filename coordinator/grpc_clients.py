@@ -362,7 +362,7 @@ class GrpcDrafter:
             drafter_pb2.DrafterInfoRequest(),
             timeout=max(5.0, wait_s),
             metadata=self._metadata(),
-            wait_for_ready=wait_s > 0 or None,
+            wait_for_ready=True if wait_s > 0 else None,
         )
 
     async def open(

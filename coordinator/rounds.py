@@ -185,7 +185,6 @@ class _Ahead:
     """The next round's Verify, sent while this round's was on its way (``Generation._send_ahead``)."""
 
     task: asyncio.Future[VerifyResult]
-    num_committed: int  # what the call says the session holds: this round's count plus its one token
     asked_features: bool
 
 
@@ -591,7 +590,8 @@ class Generation:
         ``fitted``: the constraint's masks for ``tree``'s rows (the first row alone when the tree is refused).
         """
         masks: TokenMasks | None = fitted.masks if fitted is not None else None
-        ahead = self._take_ahead(tree, masks)
+        # A round a Verify was sent ahead for is plain (``_propose_verify_commit``): that call is its first attempt.
+        ahead, self._ahead = self._ahead, None
         lost = False
         for _ in range(self.policy.max_reprefills_per_round):
             try:
@@ -700,25 +700,14 @@ class Generation:
         success leaves; if this round fails, it fails too and is withdrawn (``_drop_ahead``). Nothing it returns
         is committed but by the next round, in order.
         """
-        self._drop_ahead()  # none is left over: each round takes or withdraws the one sent for it
+        assert self._ahead is None, "each round takes or withdraws the Verify sent ahead for it"
         if not self._next_is_plain():
             return
         # A round that asked the drafter never sends one ahead (``_next_is_plain``), so no reply's wish for
         # features is pending: this asks what a plain round asks (none from a sparse drafter).
         asked = self._asks_features()
         call = self._verify_call(TokenTree(), None, asked, num_committed=len(self._committed) + 1)
-        self._ahead = _Ahead(asyncio.ensure_future(self.verifier.verify(call)), call.num_committed, asked)
-
-    def _take_ahead(self, tree: TokenTree, masks: TokenMasks | None) -> _Ahead | None:
-        """The Verify sent ahead for this round, if this round is the plain one it was sent for."""
-        ahead = self._ahead
-        if ahead is None:
-            return None
-        if tree.token_ids or masks is not None or ahead.num_committed != len(self._committed):
-            self._drop_ahead()  # not the round it was sent for
-            return None
-        self._ahead = None
-        return ahead
+        self._ahead = _Ahead(asyncio.ensure_future(self.verifier.verify(call)), asked)
 
     def _drop_ahead(self) -> None:
         """Withdraw the Verify sent ahead (the request ended or this round failed); its answer is never used."""
