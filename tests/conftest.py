@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ from coordinator.rounds import Generation, GenerationStats, TextChunk
 from specserve.keyed_noise import PositionNoise
 from specserve.probs import target_probs
 from specserve.sampling import SamplingParams
+
+T = TypeVar("T")
 
 
 def tiny_llama(
@@ -124,3 +128,19 @@ def q4_1_with_large_minimums(out: int = 64, blocks: int = 8, seed: int = 11) -> 
     q = torch.randint(0, 16, (out, blocks, 32), generator=generator).float()
     q[..., 0], q[..., 1] = 0, 15  # as llama.cpp writes a block: its smallest value at 0, its largest at 15
     return (scale * q + low).reshape(out, blocks * 32), low
+
+
+def wait_until(check: Callable[[], T], within_s: float, what: str, every_s: float = 0.2) -> T:
+    """``check()``'s first truthy answer, asked every ``every_s`` until ``within_s`` have passed (then it fails,
+    saying ``what`` never happened).
+
+    For what a test can only observe from outside the processes it runs (a restarted drafter taken back by the
+    coordinator's probe, a reload, sessions freed): ``within_s`` only guards against a hang, and a fast machine
+    moves on at its first chance. Where the service pushes the change (health's Watch), wait on that instead.
+    """
+    deadline = time.monotonic() + within_s
+    while not (answer := check()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {within_s:.0f} s (last answer {answer!r})")
+        time.sleep(every_s)
+    return answer

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from specserve.auth.keys import key_entry, new_key
 from specserve.local_cluster import LocalCluster, free_port
 from specserve.tenancy import TENANT_METADATA_KEY
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from tests.conftest import wait_until
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
@@ -203,15 +203,16 @@ def test_a_revoked_key_stops_working_after_the_reload_interval(secured: Secured)
     assert generate(secured, KEYS["doomed"], "Say yes.", max_new_tokens=2).num_generated_tokens > 0
     write_keys(secured.keys_file, ["alpha", "beta"])
     # The coordinator rereads the file every RELOAD_S: the key works until a reload has seen the new file.
-    deadline = time.monotonic() + 60  # only a guard against a coordinator that never reloads
-    while True:
+
+    def refused() -> grpc.RpcError | None:
         try:
             generate(secured, KEYS["doomed"], "Say yes.", max_new_tokens=2)
-        except grpc.RpcError as refused:
-            error = refused
-            break
-        assert time.monotonic() < deadline, "the revoked key still works"
-        time.sleep(RELOAD_S)
+        except grpc.RpcError as error:
+            return error
+        return None
+
+    # 60 s: only a guard against a coordinator that never reloads.
+    error = wait_until(refused, 60, "the revoked key is refused", every_s=RELOAD_S)
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
     assert "revoked" in error.details()  # type: ignore[attr-defined]
 

@@ -7,7 +7,6 @@ token twice). The drafting time per round is printed beside the draft head's, fr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 
 from client import GenerationParams, Stats
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
+from tests.conftest import wait_until
 from tests.integration.conftest import EVERY_ROUND_DRAFTS, EVERY_ROUND_DRAFTS_COORDINATOR, Target
 from tests.integration.test_end_to_end import generate, generate_with
 
@@ -41,9 +41,8 @@ def drafting_cluster(logs_dir: Path, sources: list[str]) -> LocalCluster:
 def serving(cluster: LocalCluster) -> Iterator[LocalCluster]:
     with cluster as c:
         wait_serving(c.drafter_address, 600)
-        deadline = time.monotonic() + 120  # the coordinator serves before the drafter has loaded
-        while generate(c.coordinator_address, "Say hi.", 2)[2].drafter_error and time.monotonic() < deadline:
-            time.sleep(1)
+        # The coordinator serves before the drafter has loaded.
+        wait_until(lambda: not generate(c.coordinator_address, "Say hi.", 2)[2].drafter_error, 120, "requests draft")
         yield c
 
 

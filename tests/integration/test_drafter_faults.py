@@ -27,6 +27,7 @@ from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.model_loading import vocab_fingerprint
 from specserve.tenancy import ANONYMOUS
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from tests.conftest import wait_until
 from tests.integration.conftest import FP32_VERIFIER, Target
 from tests.redis_server import RedisServer
 
@@ -77,14 +78,12 @@ def report(case: str, runs: list[Run], baseline: Run | None) -> None:
 
 def wait_until_drafting(address: str, timeout_s: float = 40.0) -> Run:
     """Requests until one uses the drafter again (the circuit closed after a probe)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def drafting() -> Run | None:
         run = generate(address, max_new_tokens=4)
-        if not run.stats.drafter_error:
-            return run
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the drafter did not come back: {run.stats.drafter_error}")
-        time.sleep(0.5)
+        return None if run.stats.drafter_error else run
+
+    return wait_until(drafting, timeout_s, "the drafter comes back")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ The time from an endpoint event to the first session routed by it is printed (th
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.v1 import generation_pb2, generation_pb2_grpc
+from tests.conftest import wait_until
 from tests.integration.conftest import FP32_VERIFIER, Target
 from tests.k8s_api import FakeApiServer, Pod
 
@@ -52,10 +52,7 @@ def metric(port: int, name: str, labels: dict[str, str] | None = None) -> float:
 
 def wait_metric(port: int, name: str, labels: dict[str, str], value: float) -> None:
     """Until the coordinator's metric shows the change: the watch thread applies it on its own time."""
-    deadline = time.monotonic() + WITHIN_S
-    while metric(port, name, labels) != value:
-        assert time.monotonic() < deadline, f"{name}{labels} never reached {value}"
-        time.sleep(0.05)
+    wait_until(lambda: metric(port, name, labels) == value, WITHIN_S, f"{name}{labels} reaches {value}", every_s=0.05)
 
 
 class Setup:

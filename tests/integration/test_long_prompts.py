@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -10,6 +9,7 @@ import pytest
 
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
 from specserve.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from tests.conftest import wait_until
 from tests.integration.conftest import EVERY_ROUND_DRAFTS, EVERY_ROUND_DRAFTS_COORDINATOR, Target, spec_bench_prompts
 from tests.integration.test_end_to_end import generate
 
@@ -45,9 +45,7 @@ def head_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClus
     with cluster as c:
         # The coordinator serves before the drafter has loaded: wait until requests draft.
         wait_serving(c.drafter_address, 600)
-        deadline = time.monotonic() + 60
-        while generate(c.coordinator_address, "Say hi.", 2)[2].drafter_error and time.monotonic() < deadline:
-            time.sleep(1)
+        wait_until(lambda: not generate(c.coordinator_address, "Say hi.", 2)[2].drafter_error, 60, "requests draft")
         yield c
 
 

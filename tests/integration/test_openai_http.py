@@ -11,7 +11,6 @@ import json
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from client import GenerationParams, SpecserveClient, Stats
 from specserve.auth.keys import key_entry, new_key
 from specserve.local_cluster import LocalCluster, free_port, wait_serving
+from tests.conftest import wait_until
 from tests.integration.conftest import EVERY_ROUND_DRAFTS, EVERY_ROUND_DRAFTS_COORDINATOR
 
 pytestmark = pytest.mark.integration
@@ -59,14 +59,13 @@ class Served:
     def wait_drafting(self, timeout_s: float = 60) -> None:
         """Until a request drafts: the coordinator starts once the verifier is up, the drafter may come later."""
         wait_serving(self.cluster.drafter_address, timeout_s)
-        deadline = time.monotonic() + timeout_s
         with SpecserveClient(self.cluster.coordinator_address, timeout_s=120, api_key=KEY) as c:
-            while time.monotonic() < deadline:
+
+            def drafted() -> bool:
                 stats = list(c.generate("Warm up:", GenerationParams(max_new_tokens=8)))[-1]
-                if isinstance(stats, Stats) and stats.num_draft_tokens:
-                    return
-                time.sleep(0.5)
-        raise TimeoutError(f"no request drafted within {timeout_s:.0f} s: is the drafter up?")
+                return isinstance(stats, Stats) and stats.num_draft_tokens > 0
+
+            wait_until(drafted, timeout_s, "a request drafts (is the drafter up?)", every_s=0.5)
 
     def request_lines(self) -> list[dict[str, object]]:
         text = (self.logs / "coordinator.log").read_text()
@@ -206,13 +205,12 @@ def test_a_client_that_goes_away_ends_its_generation(served: Served) -> None:
         assert response.status_code == 200
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        mine = [line for line in served.request_lines() if line["request_id"] == "it-gone-1"]
-        if mine:
-            break
-        time.sleep(0.2)
-    assert mine and mine[0]["status"] == "CANCELLED" and mine[0]["api"] == "openai.completions"
+    mine = wait_until(
+        lambda: [line for line in served.request_lines() if line["request_id"] == "it-gone-1"],
+        20,
+        "the request's log line is written",
+    )
+    assert mine[0]["status"] == "CANCELLED" and mine[0]["api"] == "openai.completions"
     assert mine[0]["completion_tokens"] < 400  # ended when the client left, not after its 400 tokens
 
 
@@ -228,11 +226,13 @@ def test_on_sigterm_running_streams_finish_and_new_requests_get_503(served: Serv
         lines = (line for line in response.iter_lines() if line.startswith("data: "))
         texts.append(json.loads(next(lines).removeprefix("data: "))["choices"][0]["text"])
         coordinator.send_signal(signal.SIGTERM)
-        health = httpx.get(base.removesuffix("/v1") + "/health")
-        deadline = time.monotonic() + 30  # the signal is handled at the loop's next turn; the guard ends a hang
-        while health.status_code != 503 and time.monotonic() < deadline:
-            time.sleep(0.05)
-            health = httpx.get(base.removesuffix("/v1") + "/health")
+        # The signal is handled at the loop's next turn; 30 s only ends a hang.
+        health = wait_until(
+            lambda: (reply := httpx.get(base.removesuffix("/v1") + "/health")).status_code == 503 and reply,
+            30,
+            "the HTTP health says 503",
+            every_s=0.05,
+        )
         assert health.json() == {"status": "draining"}
         refused = httpx.post(f"{base}/completions", json={**body, "stream": False}, headers=auth)
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
