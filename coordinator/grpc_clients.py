@@ -29,6 +29,7 @@ from specserve.wire import (
     features_to_proto,
     feedback_to_proto,
     prefill_result_from_proto,
+    prefill_to_proto,
     sampling_to_proto,
     split_features,
     verified_tree_to_proto,
@@ -162,13 +163,8 @@ class GrpcVerifier:
         )
 
     async def prefill(self, call: SessionPrefill) -> PrefillResult:
-        request = verifier_pb2.PrefillRequest(
-            session_id=call.session_id,
-            token_ids=call.token_ids,
-            sampling=sampling_to_proto(call.sampling),
-            return_features=call.return_features,
-            feature_layers=call.feature_layers,
-        )
+        with round_phases.protobuf():
+            request = prefill_to_proto(call)
         try:
             response = await self._stub.Prefill(
                 request, timeout=deadlines.bounded(self._timeout_s), metadata=self._metadata()

@@ -11,7 +11,7 @@ from specserve.sampling import SamplingParams
 from specserve.token_masks import TokenMasks
 from specserve.token_tree import DraftDistribution, TokenTree
 from specserve.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specserve.verify_call import VerifyCall
+from specserve.verify_call import SessionPrefill, VerifyCall
 
 
 def tree_to_proto(tree: TokenTree) -> common_pb2.TokenTree:
@@ -103,6 +103,26 @@ def masks_from_proto(message: verifier_pb2.TokenMasks) -> TokenMasks | None:
     if message.num_rows == 0 and not message.packed_bits:
         return None
     return TokenMasks.from_packed(message.packed_bits, message.num_rows)
+
+
+def prefill_to_proto(call: SessionPrefill) -> verifier_pb2.PrefillRequest:
+    return verifier_pb2.PrefillRequest(
+        session_id=call.session_id,
+        token_ids=call.token_ids,
+        sampling=sampling_to_proto(call.sampling),
+        return_features=call.return_features,
+        feature_layers=call.feature_layers,
+    )
+
+
+def prefill_from_proto(message: verifier_pb2.PrefillRequest) -> SessionPrefill:
+    return SessionPrefill(
+        message.session_id,
+        tuple(message.token_ids),
+        sampling_from_proto(message.sampling),
+        message.return_features,
+        tuple(message.feature_layers),
+    )
 
 
 def verify_call_to_proto(call: VerifyCall) -> verifier_pb2.VerifyRequest:

@@ -18,8 +18,8 @@ from specserve.token_masks import InvalidTokenMasksError
 from specserve.v1 import verifier_pb2, verifier_pb2_grpc
 from specserve.wire import (
     cost_to_proto,
+    prefill_from_proto,
     prefill_result_to_proto,
-    sampling_from_proto,
     verify_call_from_proto,
     verify_result_to_proto,
 )
@@ -68,16 +68,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def Prefill(
         self, request: verifier_pb2.PrefillRequest, context: grpc.ServicerContext
     ) -> verifier_pb2.PrefillResponse:
-        if not self._verifier.holds(request.session_id):  # draining: sessions held are in-flight streams' own
+        call = prefill_from_proto(request)
+        if not self._verifier.holds(call.session_id):  # draining: sessions held are in-flight streams' own
             self._drain.refuse_new("new sessions")
         with self._metrics.in_flight(), self._drain.in_flight():
             submitted = self._verifier.submit_prefill(
-                request.session_id,
-                list(request.token_ids),
-                sampling_from_proto(request.sampling),
-                request.return_features,
+                call.session_id,
+                list(call.token_ids),
+                call.sampling,
+                call.return_features,
                 owner=_owner(context),
-                feature_layers=tuple(request.feature_layers),
+                feature_layers=call.feature_layers,
             )
             result = _wait(submitted, context)
         return prefill_result_to_proto(result)

@@ -209,7 +209,7 @@ class Verifier:
         self._in_step: set[str] = set()  # sessions with a call in the step being built: never evicted
         self._step_calls: list[Call] = []
         self._activity = _ActivityLog(clock)
-        self._guard = ThroughputGuard() if throughput_guard else _NeverProbe()
+        self._guard = ThroughputGuard(lambda: clock() / 1e9) if throughput_guard else _NeverProbe()
         self._recent_sessions = 1.0  # smoothed number of sessions per step, for the draft budget
         self._step_observers: list[Callable[[EngineStep], None]] = []
         self._started: Future[None] = Future()
