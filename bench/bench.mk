@@ -14,6 +14,7 @@
 #                             processes, the drafter with coupled drafts and without (bench/out/sampling/)
 #   make bench-numerics       the bf16 noise floor of plain decoding vs where speculative output diverges (bench/out/numerics/)
 #   make bench-structured     structured output: JSON-schema prompts constrained with speculation, without, and unconstrained
+#   make bench-multi-turn     agent loops turn by turn: a verifier that keeps released caches against one that keeps none
 #   make bench-gemm-kernels   each product of the model's shape at 1-16 rows on every CPU kernel the engine can use
 #   make bench-step-invariance  how far a row's fp32 logits move when more rows share its step (0: bit-identical)
 #   make bench-kernel-ab      the block kernel's attention and products (--parts verify: whole verifies) against BASE's
@@ -46,7 +47,7 @@ BENCH_INVARIANCE_ARGS ?=
 BENCH_KERNEL_AB_ARGS ?=
 BASE ?= HEAD
 
-.PHONY: bench-repetitive bench-kernel-ab bench-gemm-kernels bench-step-invariance bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
+.PHONY: bench-multi-turn bench-repetitive bench-kernel-ab bench-gemm-kernels bench-step-invariance bench-startup bench-structured bench-gpu bench bench-verify-cost bench-load bench-head bench-numerics bench-peers bench-peers-install bench-sampling
 
 bench: proto
 	$(PY) -m bench.run $(BENCH_ARGS)
@@ -117,3 +118,8 @@ bench-peers-install: venv
 	    $(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==$(LLAMA_CPP_VERSION); \
 	  echo "$(LLAMA_CPP_BUILT)" > $(LLAMA_CPP_BUILD_FILE); \
 	fi
+
+# Agent loops turn by turn (the model's own answers fed back), on a verifier that keeps released sessions' caches
+# and on one that keeps none, taking turns: prefill, time to first text, identical text (bench/out/multi_turn/).
+bench-multi-turn: proto
+	$(PY) -m bench.multi_turn $(BENCH_MULTI_TURN_ARGS)

@@ -107,7 +107,9 @@ def start_cluster(
 ) -> LocalCluster:
     """Verifier, drafter and coordinator on free loopback ports; the verifier uses the harness's thread count.
 
-    ``verifier_args`` go at the end of the verifier's command line (after ``--torch-threads``, so they win);
+    ``verifier_args`` go at the end of the verifier's command line (after ``--torch-threads`` and
+    ``--kept-prefixes 0``, so they win: the benchmarks run one prompt in several modes on one cluster, and a
+    released session's cache would hand the modes after the first a prompt already prefilled);
     ``coordinator_args`` at the end of the coordinator's (``--drafter ''`` runs without drafting), and
     ``drafter_args`` at the end of the drafter's. ``cpus`` pins services to CPUs (``bench.pinning``).
 
@@ -121,7 +123,7 @@ def start_cluster(
         verifier_port=free_port(),
         model=model,
         redis_url=pool.redis_url,
-        extra_verifier_args=["--torch-threads", str(torch_threads), *verifier_args],
+        extra_verifier_args=["--torch-threads", str(torch_threads), "--kept-prefixes", "0", *verifier_args],
         extra_coordinator_args=list(coordinator_args),
         extra_drafter_args=list(drafter_args),
         log_dir=log_dir,

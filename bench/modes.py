@@ -190,7 +190,12 @@ class EnginePlainMode:
         self.dtype = model_dtype(model)
         self._eos_ids = eos_ids
         config = VerifierConfig(
-            compile=compile, weights=weights, profile_cost=False, throughput_guard=False, torch_threads=threads
+            compile=compile,
+            weights=weights,
+            profile_cost=False,
+            throughput_guard=False,
+            torch_threads=threads,
+            kept_prefixes=0,  # each prompt prefilled whole, as in every mode (``bench.cluster.start_cluster``)
         )
         self._verifier = Verifier.from_config(model, fingerprint, config, profile=False)
         self._verifier.park()  # one engine thread (one OpenMP team) in the process at a time: Verifier.park
@@ -354,7 +359,7 @@ class InProcessMode:
         # What runs the draft head's products (``DraftHead.products``), for reports; None without a head.
         self.head_products = head.products if head is not None else None
         config = VerifierConfig(
-            throughput_guard=throughput_guard, weights=weights, compile=compile, torch_threads=threads
+            throughput_guard=throughput_guard, weights=weights, compile=compile, torch_threads=threads, kept_prefixes=0
         )
         self._verifier = Verifier.from_config(model, fingerprint, config, profile=kept_curve_as is None)
         if kept_curve_as is not None and config.profile_cost:

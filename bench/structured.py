@@ -372,7 +372,8 @@ def main() -> None:
     args = parser.parse_args()
     items = prompts(args.prompts)
     cluster = LocalCluster(free_port(), free_port(), free_port(), log_dir=args.out_dir / "tmp" / "logs")
-    cluster.extra_verifier_args = args.verifier_arg
+    # The three modes run each prompt in turn: none may start from another's kept cache (bench.cluster).
+    cluster.extra_verifier_args = ["--kept-prefixes", "0", *args.verifier_arg]
     cluster.extra_drafter_args = args.drafter_arg
     with cluster:
         # Warm-up (each mode's step sizes, the grammar engine's tokenizer), then the three modes.

@@ -69,6 +69,9 @@ class Stats:
     # The rounds' time by phase (drafter, draft_transport, ... loop), summed over the request's rounds.
     round_phase_s: dict[str, float] = field(default_factory=dict)
     num_rounds_plain_by_cost: int = 0  # rounds run plain because drafted rounds did not pay end to end
+    # Of the prompt, tokens the verifier did not prefill: copied from an earlier request of the same caller whose
+    # tokens they repeat (the conversation's previous turn).
+    num_cached_prompt_tokens: int = 0
 
     @property
     def tau(self) -> float:
@@ -133,6 +136,7 @@ def stats_from_proto(s: generation_pb2.GenerationStats) -> Stats:
         prefill_s=s.prefill_ns / 1e9,
         round_phase_s={phase: ns / 1e9 for phase, ns in s.round_phase_ns.items()},
         num_rounds_plain_by_cost=s.num_rounds_plain_by_cost,
+        num_cached_prompt_tokens=s.num_cached_prompt_tokens,
     )
 
 

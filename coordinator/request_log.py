@@ -39,6 +39,7 @@ class RequestRecord:
     drafter_error: str = ""  # why drafting stopped, in full (the client's stats hold the short cause)
     finish_reason: str = ""
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, copied from a kept cache (the verifier's --kept-prefixes)
     completion_tokens: int = 0
     rounds: int = 0
     draft_tokens: int = 0
@@ -54,6 +55,7 @@ class RequestRecord:
         self.finish_reason = stats.finish_reason.value
         self.drafter_error = stats.drafter_error_logged
         self.prompt_tokens = stats.num_prompt_tokens
+        self.cached_prompt_tokens = stats.num_cached_prompt_tokens
         self.completion_tokens = stats.num_generated_tokens
         self.rounds = stats.num_rounds
         self.draft_tokens = stats.num_draft_tokens

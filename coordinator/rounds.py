@@ -122,6 +122,7 @@ class GenerationStats:
     draft_ns: int = 0
     verify_ns: int = 0
     prefill_ns: int = 0  # of verify_ns: prefilling the prompt (re-prefills included)
+    num_cached_prompt_tokens: int = 0  # of the prompt, tokens the verifier copied from a kept cache (not prefilled)
     queue_ns: int = 0  # waiting for an admission slot before the stream started (not in total_ns)
     drafter_error: str = ""  # sent to the client: a short cause, no address or peer text
     drafter_error_detail: str = ""  # the whole story (addresses, the peer's words), for the log line only
@@ -580,7 +581,9 @@ class Generation:
                 continue
             self.stats.verify_ns += prefill.prefill_ns
             self.stats.prefill_ns += prefill.prefill_ns
-            self._keep_features(prefill.features, len(self._committed) - 1, asked)
+            self.stats.num_cached_prompt_tokens = prefill.cached_tokens
+            # Features come for the positions the verifier computed: the last ones, after those it had cached.
+            self._keep_features(prefill.features, len(self._committed) - 1 - prefill.cached_tokens, asked)
             return
         raise self._lost_too_often()
 

@@ -61,6 +61,7 @@ def stats_to_proto(stats: GenerationStats, request_id: str = "") -> generation_p
         prefill_ns=stats.prefill_ns,
         round_phase_ns=stats.phase_ns,
         num_rounds_plain_by_cost=stats.num_rounds_plain_by_cost,
+        num_cached_prompt_tokens=stats.num_cached_prompt_tokens,
     )
 
 

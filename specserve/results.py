@@ -42,8 +42,10 @@ class VerifyResult:
 @dataclass(frozen=True)
 class PrefillResult:
     prefill_ns: int
-    # With features asked for: float16 [len(tokens) - 1, hidden], the last hidden state at each cached position.
+    # With features asked for: float16 [len(tokens) - 1 - cached_tokens, hidden], the last hidden state at each
+    # position cached after the copied ones.
     features: np.ndarray | None = None
+    cached_tokens: int = 0  # leading tokens copied from a kept cache (``target_service.kept_prefixes``), not computed
 
 
 @dataclass(frozen=True)

@@ -176,12 +176,16 @@ def ngrams_from_proto(message: common_pb2.NGrams) -> tuple[tuple[int, ...], ...]
 
 
 def prefill_result_to_proto(result: PrefillResult) -> verifier_pb2.PrefillResponse:
-    return verifier_pb2.PrefillResponse(prefill_ns=result.prefill_ns, features=features_to_proto(result.features))
+    return verifier_pb2.PrefillResponse(
+        prefill_ns=result.prefill_ns,
+        features=features_to_proto(result.features),
+        num_cached_tokens=result.cached_tokens,
+    )
 
 
 def prefill_result_from_proto(message: verifier_pb2.PrefillResponse) -> PrefillResult:
     """ValueError when the features are malformed."""
-    return PrefillResult(int(message.prefill_ns), features_from_proto(message.features))
+    return PrefillResult(int(message.prefill_ns), features_from_proto(message.features), message.num_cached_tokens)
 
 
 def verify_result_to_proto(result: VerifyResult) -> verifier_pb2.VerifyResponse:

@@ -36,6 +36,13 @@ class VerifierConfig(ServiceConfig):
     )
     max_sessions: int = setting(256, "sessions held; the least recently used are evicted beyond it")
     session_ttl_s: float = setting(600.0, "a session idle this long is freed")
+    kept_prefixes: int = setting(
+        32,
+        "released sessions' KV caches kept so that a new session of the same caller whose prompt starts with "
+        "their tokens (the next turn of a conversation or an agent loop) copies them instead of prefilling "
+        "them; the first memory evicted when it is short, freed after --session-ttl-s; 0: off",
+        minimum=0,
+    )
     max_tree_nodes: int = setting(64, "largest tree verified (nodes)")
     max_tree_depth: int = setting(32, "largest tree verified (depth)")
     max_session_tokens: int = setting(0, "context limit per session (0: the model's)", shown="0 (model context)")

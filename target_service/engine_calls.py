@@ -42,6 +42,7 @@ class PrefillCall(Call):
     return_features: bool = False
     feature_layers: tuple[int, ...] = ()  # the layers whose inputs are the session's features (empty: the last)
     session: Session | None = None  # built chunk by chunk, registered when complete
+    cached_tokens: int = 0  # of the tokens to cache, those copied from a kept cache when it started
     features: list[torch.Tensor] = field(default_factory=list)
 
     @property

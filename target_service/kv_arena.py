@@ -172,6 +172,13 @@ class KVArena:
             cursor += last.capacity
         self._free = [(cursor, self.capacity_tokens - cursor)] if cursor < self.capacity_tokens else []
 
+    def copy_prefix(self, source: Region, target: Region, length: int) -> None:
+        """Start ``target`` with the first ``length`` cached tokens of ``source`` (another region)."""
+        assert source is not target and length <= min(source.length, target.capacity)
+        for tensor in (*self.keys, *self.values):
+            tensor[:, target.start : target.start + length] = tensor[:, source.start : source.start + length]
+        target.length = length
+
     def _copy(self, src: int, dst: int, length: int) -> None:
         if length == 0 or src == dst:
             return

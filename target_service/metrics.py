@@ -70,6 +70,21 @@ class _EngineState(Collector):
                 "Sessions evicted (idle, TTL, session count or KV cache pressure); each one's next Verify re-prefills",
                 value=stats.num_evicted,
             ),
+            GaugeMetricFamily(
+                "specserve_verifier_kept_caches",
+                "Released sessions' KV caches kept for new sessions of the same caller to start from (--kept-prefixes)",
+                value=stats.num_kept_caches,
+            ),
+            CounterMetricFamily(
+                "specserve_verifier_prefix_reuses",
+                "Sessions whose prompt started with a kept cache's tokens: their keys and values were copied",
+                value=stats.num_prefix_reuses,
+            ),
+            CounterMetricFamily(
+                "specserve_verifier_prefix_reused_tokens",
+                "Prompt tokens copied from kept caches instead of prefilled (vLLM: prefix cache hits)",
+                value=stats.num_reused_tokens,
+            ),
         ]
 
 

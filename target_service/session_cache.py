@@ -12,17 +12,23 @@ Sessions in the step being built are never evicted: the forward writes into
 their memory. An evicted session's next Verify gets NOT_FOUND, and the
 coordinator prefills it again from its committed tokens.
 
+A released session's cache is kept for a while (``kept_prefixes``): a new
+session of the same caller whose prompt starts with its tokens copies them
+instead of prefilling them. Kept caches are the first memory to go.
+
 The engine thread owns it; ``peek`` and ``len`` are safe reads from any thread.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from specserve.sampling import SamplingParams, fresh_seed
 from target_service.budget_policy import SessionAcceptance
+from target_service.kept_prefixes import KeptPrefixes
 from target_service.kv_arena import KVArena, Region
 from target_service.lookahead import LookaheadWindow
 from target_service.session_store import SessionStore
@@ -58,9 +64,13 @@ class SessionCache:
         max_session_tokens: int,
         evict_idle_s: float,
         busy: Callable[[], Collection[str]],
+        max_kept: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``max_kept``: released sessions' caches kept for new sessions to start from (0: none)."""
         self.arena = arena
-        self._store: SessionStore[Session] = SessionStore(max_sessions, ttl_s, on_evict=self._forget)
+        self._store: SessionStore[Session] = SessionStore(max_sessions, ttl_s, on_evict=self._forget, clock=clock)
+        self.kept = KeptPrefixes(arena, max_kept, ttl_s, clock)
         self._max_session_tokens = max_session_tokens
         self._evict_idle_s = evict_idle_s
         self._busy = busy
@@ -80,19 +90,30 @@ class SessionCache:
         return self._store.get(session_id)
 
     def expire(self) -> None:
-        """Drop sessions idle past the TTL."""
+        """Drop sessions idle past the TTL, and kept caches as old."""
         self._store.expire()
+        self.kept.expire()
 
     def start(self, session_id: str, tokens: list[int], sampling: SamplingParams, owner: str) -> Session | None:
         """A new session for ``tokens`` (replacing one of the same id) with room to cache them, not yet
-        registered; None when no memory can be found, even by evicting idle sessions."""
+        registered; None when no memory can be found, even by evicting kept caches and idle sessions.
+
+        Where a kept cache of ``owner`` starts with the same tokens, the region starts with its keys and values
+        (``region.length`` of them; the prefill computes the rest).
+        """
         old = self._store.pop(session_id)
         if old is not None:
             self.arena.free(old.region)
         need = len(tokens) - 1 + PREFILL_HEADROOM_TOKENS
+        match = self.kept.take(owner, tokens)  # out of the store: nothing below evicts it
         region = self.arena.allocate(need)
-        while region is None and self.evict_one(self._evict_idle_s):
+        while region is None and (self.kept.evict_oldest() or self.evict_one(self._evict_idle_s)):
             region = self.arena.allocate(need)
+        if match is not None:
+            kept, shared = match
+            if region is not None:
+                self.kept.copy_into(kept, region, shared)
+            self.kept.give_back(kept)
         if region is None:
             return None
         seed = sampling.seed if sampling.seed is not None else fresh_seed()
@@ -106,7 +127,11 @@ class SessionCache:
         """Room for ``tokens`` in ``region``, evicting sessions if needed (least recently used first): idle ones,
         then ones whose calls are queued but not among the ``stepping`` sessions of the step being built."""
         while not self.arena.reserve(region, tokens, self._max_session_tokens):
-            if not (self.evict_one(0.0, keep=region) or self.evict_one(0.0, keep=region, busy=stepping)):
+            if not (
+                self.kept.evict_oldest()
+                or self.evict_one(0.0, keep=region)
+                or self.evict_one(0.0, keep=region, busy=stepping)
+            ):
                 return False
         return True
 
@@ -133,10 +158,11 @@ class SessionCache:
             self.arena.free(session.region)
 
     def release(self, session_id: str) -> bool:
-        """Forget a session and free its memory; False when there was none."""
+        """Forget a session, its cache kept for a new session of its owner to start from (``kept_prefixes``);
+        False when there was none."""
         session = self._store.pop(session_id)
         if session is not None:
-            self.arena.free(session.region)
+            self.kept.keep(session.owner, session.committed, session.region)
         return session is not None
 
     def _forget(self, session_id: str, session: Session) -> None:

@@ -100,9 +100,12 @@ class EngineStats:
     num_sessions: int
     num_queued: int
     kv_capacity_bytes: int
-    kv_used_bytes: int
+    kv_used_bytes: int  # held by sessions (not by kept caches, which any session may take)
     num_steps: int
     num_evicted: int
+    num_kept_caches: int = 0  # released sessions' caches kept for new sessions to start from
+    num_prefix_reuses: int = 0  # sessions that started from one
+    num_reused_tokens: int = 0  # the prompt tokens they copied instead of prefilling
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class Verifier:
         lookahead: str = "auto",
         lookahead_window: int = 8,
         lookahead_ngram: int = 4,
+        kept_prefixes: int = 32,
         clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         """``engine_threads``: the torch threads the engine's steps run on (0: torch's count now). The engine
@@ -155,6 +159,9 @@ class Verifier:
         ``lookahead``: whether Verify calls that ask for lookahead get Jacobi rows (``target_service.lookahead``):
         "on" wherever the step has the rows, "auto" only where the cost curve says they are nearly free, "off"
         never; ``lookahead_window`` columns by ``lookahead_ngram`` - 1 levels, yielding n-grams of that size.
+
+        ``kept_prefixes``: released sessions' caches kept for new sessions that start with the same tokens
+        (``target_service.kept_prefixes``; 0: none).
 
         ``clock``: nanoseconds, read for every time the engine measures: when a call is queued, its queue time,
         each step's time, the prefill and verify times it answers, the admission timeout and the activity log.
@@ -195,6 +202,7 @@ class Verifier:
             self.limits.max_session_tokens,
             evict_idle_s,
             busy=self._busy_sessions,
+            max_kept=kept_prefixes,
         )
         self._queue: deque[Call] = deque()
         # Work that must run on the engine thread between steps (``_on_engine_thread``): the cost profile.
@@ -253,6 +261,7 @@ class Verifier:
             lookahead=config.lookahead,
             lookahead_window=config.lookahead_window,
             lookahead_ngram=config.lookahead_ngram,
+            kept_prefixes=config.kept_prefixes,
             clock=clock,
         )
         if profile and config.profile_cost:
@@ -286,9 +295,13 @@ class Verifier:
             num_sessions=len(self._sessions),
             num_queued=len(self._queue),
             kv_capacity_bytes=self._arena.capacity_bytes,
-            kv_used_bytes=self._arena.used_bytes,
+            # Kept caches give their memory to the first session that needs it: not counted as used.
+            kv_used_bytes=self._arena.used_bytes - self._sessions.kept.num_slots * self._arena.bytes_per_token,
             num_steps=self._num_steps,
             num_evicted=self._sessions.num_evicted,
+            num_kept_caches=len(self._sessions.kept),
+            num_prefix_reuses=self._sessions.kept.num_reused,
+            num_reused_tokens=self._sessions.kept.num_reused_tokens,
         )
 
     def prefill(
@@ -916,9 +929,12 @@ class Verifier:
         )
 
     def _start_prefill(self, call: PrefillCall) -> bool:
+        # Where a kept cache's rows are copied, a prefill that returns features returns those of the rows it
+        # computes: the last positions, as the drafter's head takes them (it starts there).
         call.session = self._sessions.start(call.session_id, call.tokens, call.sampling, call.owner)
         if call.session is not None:
             call.session.feature_layers = call.feature_layers
+            call.cached_tokens = call.session.region.length
         return call.session is not None
 
     def _advance_prefill(self, call: PrefillCall, tokens: int) -> None:
@@ -940,7 +956,7 @@ class Verifier:
             rows = torch.cat(call.features) if call.features else torch.zeros(0, self.hidden_size)
             features = _float16(rows)
         call.features = []
-        resolve(call, PrefillResult(self._clock() - call.enqueued_ns, features))
+        resolve(call, PrefillResult(self._clock() - call.enqueued_ns, features, call.cached_tokens))
 
     def _abandon(self, call: Call, error: SpecserveError | None) -> None:
         """Give up a call; a prefill in progress frees its memory."""

@@ -107,10 +107,15 @@ class CompletionRequest(GenerationFields):
 # ---- responses ----
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # of the prompt, tokens not prefilled: the verifier had them from an earlier request
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class SpeculationStats(BaseModel):

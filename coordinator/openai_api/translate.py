@@ -27,6 +27,7 @@ from coordinator.openai_api.schemas import (
     ChatMessage,
     CompletionRequest,
     GenerationFields,
+    PromptTokensDetails,
     SpeculationStats,
     Usage,
 )
@@ -376,6 +377,7 @@ def usage(stats: GenerationStats) -> Usage:
         prompt_tokens=stats.num_prompt_tokens,
         completion_tokens=stats.num_generated_tokens,
         total_tokens=stats.num_prompt_tokens + stats.num_generated_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.num_cached_prompt_tokens),
     )
 
 

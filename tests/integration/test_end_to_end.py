@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from specserve.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from tests.conftest import wait_until
 from tests.integration.conftest import Target, spec_bench_prompts
 
 pytestmark = pytest.mark.integration
@@ -36,16 +36,7 @@ CATEGORIES = ("writing", "coding", "summarization", "translation", "math_reasoni
 
 
 def generate(address: str, text: str, max_new_tokens: int) -> tuple[list[int], str, Stats]:
-    tokens: list[int] = []
-    pieces: list[str] = []
-    with SpecserveClient(address) as client:
-        for event in client.generate_chat([("user", text)], GenerationParams(max_new_tokens=max_new_tokens)):
-            if isinstance(event, TextChunk):
-                tokens += event.token_ids
-                pieces.append(event.text)
-            else:
-                return tokens, "".join(pieces), event
-    raise AssertionError("the stream ended without stats")
+    return chat_turn(address, [("user", text)], max_new_tokens)
 
 
 def test_spec_bench_prompts_are_token_identical_to_plain_greedy(cluster: LocalCluster, target: Target) -> None:
@@ -65,6 +56,34 @@ def test_spec_bench_prompts_are_token_identical_to_plain_greedy(cluster: LocalCl
         print(f"{record['category']}: {stats.summary()}, {ahead}")
     assert drafted > 0
     assert hits > 0  # some trees were drafted ahead (while the verifier worked) and still nothing changed
+
+
+def chat_turn(address: str, turns: list[tuple[str, str]], max_new_tokens: int) -> tuple[list[int], str, Stats]:
+    tokens: list[int] = []
+    pieces: list[str] = []
+    with SpecserveClient(address) as client:
+        for event in client.generate_chat(turns, GenerationParams(max_new_tokens=max_new_tokens)):
+            if isinstance(event, TextChunk):
+                tokens += event.token_ids
+                pieces.append(event.text)
+            else:
+                return tokens, "".join(pieces), event
+    raise AssertionError("the stream ended without stats")
+
+
+def test_a_chats_next_turn_starts_from_the_last_turns_cache_and_decodes_the_same(
+    cluster: LocalCluster, target: Target
+) -> None:
+    first = [("user", "Name three colours, one a line.")]
+    _, answer, first_stats = chat_turn(cluster.coordinator_address, first, 24)
+    second = [*first, ("assistant", answer), ("user", "Now three animals.")]
+    tokens, _, stats = chat_turn(cluster.coordinator_address, second, 24)
+    chat = [{"role": role, "content": content} for role, content in second]
+    formatted = target.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = target.tokenizer(formatted, add_special_tokens=False)["input_ids"]
+    # The first turn's prompt at least came from its released session's kept cache.
+    assert first_stats.num_prompt_tokens <= stats.num_cached_prompt_tokens < stats.num_prompt_tokens == len(ids)
+    assert tokens == target.greedy(ids, 24)
 
 
 def test_cli_streams_text_and_ends_with_stats(cluster: LocalCluster) -> None:
@@ -195,10 +214,11 @@ def test_seeded_sampling_through_the_three_processes_is_plain_seeded_decoding(
 def wait_for_drafter(address: str, timeout_s: float = 60.0) -> None:
     """Requests until one drafts: a test here that kills the drafter leaves the coordinator skipping it until its
     probe takes the restarted drafter back."""
-    deadline = time.monotonic() + timeout_s
-    while generate_with(address, "Say hi.", GenerationParams(max_new_tokens=2))[1].drafter_error:
-        assert time.monotonic() < deadline, "requests do not draft: the drafter is not back"
-        time.sleep(0.5)
+    wait_until(
+        lambda: not generate_with(address, "Say hi.", GenerationParams(max_new_tokens=2))[1].drafter_error,
+        timeout_s,
+        "requests draft again (the drafter is back)",
+    )
 
 
 @pytest.mark.parametrize(

@@ -172,7 +172,12 @@ def test_chat_completion_whole() -> None:
             "finish_reason": "length",
         }
     ]
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 3,
+        "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert body["speculation"] == {
         "mode": "auto",
         "max_draft_tokens": 8,
@@ -283,7 +288,7 @@ def test_chat_stream_frames() -> None:
 
 def test_stream_include_usage() -> None:
     body = {**COMPLETION, "stream": True, "stream_options": {"include_usage": True}}
-    out = events(client(FakeFrontend()).post("/v1/completions", json=body))
+    out = events(client(FakeFrontend(final=stats(num_cached_prompt_tokens=2))).post("/v1/completions", json=body))
     assert out[-1] == "[DONE]"
     chunks = out[:-1]
     assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hello", " world", ""]
@@ -293,6 +298,7 @@ def test_stream_include_usage() -> None:
         "prompt_tokens": 7,
         "completion_tokens": 3,
         "total_tokens": 10,
+        "prompt_tokens_details": {"cached_tokens": 2},
     }
     assert chunks[-1]["speculation"]["acceptance_length"] == 1.5
 
