@@ -23,6 +23,11 @@ watch of the Service's EndpointSlices instead, read at every call (no refresh
 period): a replica that turns ready gets the next new session; one that is
 terminating (or not ready) is listed as not ``accepting``: it keeps the
 sessions pinned to it, so they finish there, and gets no new ones.
+
+A conversation's next turn goes back to the replica that prefilled its last
+turn (``coordinator.prefix_homes``), where that replica kept the last turn's
+cache: unless it carries ``prefix_slack`` sessions more than the least
+loaded replica.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import TypeVar
 
 from coordinator.discovery import Replica
 from coordinator.ports import VerifierInfo, VerifierPort
+from coordinator.prefix_homes import PrefixHomes
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.results import PrefillResult, VerifyResult
 from specserve.verify_call import SessionPrefill, VerifyCall
@@ -72,8 +78,11 @@ class StickyVerifierRouter:
         clock: Callable[[], float] = time.monotonic,
         down_s: float = 5.0,
         on_pin: Callable[[str], None] | None = None,
+        prefix_slack: int = 4,
     ) -> None:
-        """``resolve`` lists the replicas (addresses: all accepting); ``on_pin`` hears each new session's replica."""
+        """``resolve`` lists the replicas (addresses: all accepting); ``on_pin`` hears each new session's replica;
+        ``prefix_slack``: the most sessions a replica may carry beyond the least loaded one and still get a new
+        session whose prompt it prefilled last (``prefix_homes``)."""
         self._resolve = resolve
         self._on_pin = on_pin
         self._resolved: Sequence[str | Replica] | None = None
@@ -88,6 +97,8 @@ class StickyVerifierRouter:
         # Replicas that are shutting down: they serve the sessions they hold, but get no new ones until then.
         self._closed_until: dict[str, float] = {}
         self._next_refresh = 0.0
+        self._homes = PrefixHomes()
+        self._prefix_slack = prefix_slack
 
     @property
     def replicas(self) -> list[str]:
@@ -114,6 +125,7 @@ class StickyVerifierRouter:
         for gone in set(self._replicas) - set(addresses):
             del self._replicas[gone]
             self._down_until.pop(gone, None)
+            self._homes.forget(gone)
 
     def _is_up(self, address: str) -> bool:
         return self._down_until.get(address, 0.0) <= self._clock()
@@ -134,8 +146,9 @@ class StickyVerifierRouter:
             detail=f"replicas down: {', '.join(sorted(self._replicas))}: check the verifier pods",
         )
 
-    def _pin(self, session_id: str) -> str:
-        """Pin ``session_id`` to the replica that is up with the fewest sessions pinned here."""
+    def _pin(self, session_id: str, tokens: Sequence[int] = ()) -> str:
+        """Pin ``session_id`` to the replica that is up with the fewest sessions pinned here, or to the one that
+        prefilled the longest prefix of its prompt ``tokens`` last if it carries at most ``prefix_slack`` more."""
         now = self._clock()
         load = {
             a: 0
@@ -148,21 +161,25 @@ class StickyVerifierRouter:
             if pinned in load:
                 load[pinned] += 1
         address = min(sorted(load), key=load.__getitem__)
+        home = self._homes.home(tokens, load) if len(load) > 1 else None
+        if home is not None and load[home] <= load[address] + self._prefix_slack:
+            address = home
         self._pinned[session_id] = address
         if self._on_pin is not None:
             self._on_pin(address)
         return address
 
-    def _address_for(self, session_id: str, creating: bool) -> str:
-        """The replica holding ``session_id``; pinned afresh when it has none (or, ``creating`` it, a down one)."""
+    def _address_for(self, session_id: str, creating: bool, tokens: Sequence[int] = ()) -> str:
+        """The replica holding ``session_id``; pinned afresh when it has none (or, ``creating`` it from
+        ``tokens``, a down one)."""
         self._refresh()
         address = self._pinned.get(session_id)
         if address is None or address not in self._replicas:
-            return self._pin(session_id)
+            return self._pin(session_id, tokens)
         if not self._is_up(address):
             # The replica failed under another session: this one is gone with it.
             if creating:
-                return self._pin(session_id)
+                return self._pin(session_id, tokens)
             self._pin(session_id)
             raise SessionMoved(
                 "a verifier replica is down; the session moved to another replica",
@@ -170,8 +187,14 @@ class StickyVerifierRouter:
             )
         return address
 
-    async def _call(self, session_id: str, creating: bool, call: Callable[[VerifierPort], Awaitable[T]]) -> T:
-        address = self._address_for(session_id, creating)
+    async def _call(
+        self,
+        session_id: str,
+        creating: bool,
+        call: Callable[[VerifierPort], Awaitable[T]],
+        tokens: Sequence[int] = (),
+    ) -> T:
+        address = self._address_for(session_id, creating, tokens)
         try:
             return await call(self._replicas[address])
         except ReplicaDraining as exc:
@@ -209,7 +232,11 @@ class StickyVerifierRouter:
         raise self._no_replica()
 
     async def prefill(self, call: SessionPrefill) -> PrefillResult:
-        return await self._call(call.session_id, True, lambda r: r.prefill(call))
+        result = await self._call(call.session_id, True, lambda r: r.prefill(call), call.token_ids)
+        address = self._pinned.get(call.session_id)
+        if address is not None:
+            self._homes.record(call.token_ids, address)  # where its cache will be kept when it is released
+        return result
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
         return await self._call(call.session_id, False, lambda r: r.verify(call))

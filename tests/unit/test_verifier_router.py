@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from coordinator.ports import VerifierInfo
+from coordinator.prefix_homes import PrefixHomes
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.errors import (
     DeadlineExceeded,
@@ -219,3 +220,54 @@ def test_with_every_replica_draining_a_new_session_is_refused_with_the_replicas_
     with pytest.raises(Unavailable, match="shutting down") as refused:
         asyncio.run(router.prefill(SessionPrefill("s", (1,), SamplingParams())))
     assert not isinstance(refused.value, SessionMoved)
+
+
+def test_a_conversations_next_turn_goes_back_to_the_replica_that_prefilled_the_last() -> None:
+    replicas: dict[str, FakeReplica] = {}
+    router = StickyVerifierRouter(lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)))
+    first_turn = tuple(range(130))  # two whole blocks
+    unrelated = tuple(range(1000, 1130))
+
+    async def run() -> None:
+        await router.prefill(SessionPrefill("turn-1", first_turn, SamplingParams()))  # a:1 (both empty)
+        await router.release("turn-1")
+        await router.prefill(SessionPrefill("other", unrelated, SamplingParams()))  # a:1 again: least loaded
+        # The next turn starts with the first turn's prompt: back to a:1 though b:1 has fewer sessions.
+        await router.prefill(SessionPrefill("turn-2", (*first_turn, 7, 8, 9), SamplingParams()))
+        await router.prefill(SessionPrefill("new", tuple(range(2000, 2130)), SamplingParams()))  # b:1
+
+    asyncio.run(run())
+    assert [s for kind, s in replicas["a:1"].calls if kind == "prefill"] == ["turn-1", "other", "turn-2"]
+    assert [s for kind, s in replicas["b:1"].calls if kind == "prefill"] == ["new"]
+
+
+def test_balance_wins_over_a_known_prefix_past_the_slack() -> None:
+    replicas: dict[str, FakeReplica] = {}
+    router = StickyVerifierRouter(
+        lambda: ["a:1", "b:1"], lambda a: replicas.setdefault(a, FakeReplica(a)), prefix_slack=1
+    )
+    prompt = tuple(range(64))
+
+    async def run() -> None:
+        await router.prefill(SessionPrefill("s0", prompt, SamplingParams()))  # a:1
+        await router.prefill(SessionPrefill("s1", prompt, SamplingParams()))  # a:1 (1 more than b:1: in slack)
+        await router.prefill(SessionPrefill("s2", prompt, SamplingParams()))  # b:1 (a:1 would be 2 more)
+
+    asyncio.run(run())
+    assert [s for kind, s in replicas["a:1"].calls if kind == "prefill"] == ["s0", "s1"]
+    assert [s for kind, s in replicas["b:1"].calls if kind == "prefill"] == ["s2"]
+
+
+def test_prefix_homes_key_whole_blocks_and_forget_a_replica_that_left() -> None:
+    homes = PrefixHomes(max_keys=3)
+    homes.record(tuple(range(63)), "a:1")  # no whole block
+    assert len(homes) == 0
+    homes.record(tuple(range(200)), "a:1")  # three blocks
+    homes.record(tuple(range(64)), "b:1")  # the first block's home moves
+    assert homes.home(tuple(range(150)), {"a:1", "b:1"}) == "a:1"  # the longest known prefix wins
+    assert homes.home(tuple(range(100)), {"a:1", "b:1"}) == "b:1"
+    assert homes.home(tuple(range(150)), {"b:1"}) == "b:1"  # among those that may take it
+    homes.record(tuple(range(5000, 5064)), "c:1")  # a fourth key: the least recently used goes
+    assert len(homes) == 3 and homes.home(tuple(range(150)), {"a:1"}) is None
+    homes.forget("b:1")
+    assert homes.home(tuple(range(100)), {"a:1", "b:1"}) is None
