@@ -509,11 +509,14 @@ def write_outputs(out_dir: Path, records: list[Record], modes: Sequence[str], me
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    threads = torch.get_num_threads()
+    threads, cpus = torch.get_num_threads(), frozenset(os.sched_getaffinity(0))
     try:
         return _run(parse_args(argv))
     finally:
-        torch.set_num_threads(threads)  # a caller in this process (the smoke tests) keeps its own thread count
+        # A caller in this process (the smoke tests) keeps its own thread count, and its CPUs: a pinned run
+        # (--pin-verifier-cpus) left every later test of the process, and the services it starts, on one CPU.
+        torch.set_num_threads(threads)
+        pin_this_process(cpus)
 
 
 def _run(args: argparse.Namespace) -> int:

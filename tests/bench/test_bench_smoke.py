@@ -295,8 +295,11 @@ def pinned_out_dir(out_dir: Path, tmp_path_factory: pytest.TempPathFactory, smok
     out = tmp_path_factory.mktemp("bench-pinned")
     argv = ["--dtype", "float32", "--modes", "baseline,distributed", "--categories", "writing"]
     argv += ["--prompts-per-category", "1", "--max-new-tokens", "16", "--redis-url", smoke_redis_url]
+    cpus = os.sched_getaffinity(0)
     code = run.main([*argv, "--pin-verifier-cpus", "0", "--no-progress", "--out-dir", str(out)])
     assert code == 0, "the harness stopped early; see its stderr"
+    # The tests after it in this process, and the services they start, get their CPUs back.
+    assert os.sched_getaffinity(0) == cpus
     return out
 
 
