@@ -15,18 +15,21 @@ forgets everything at a restart, which costs prefills, never tokens.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 
 BLOCK_TOKENS = 64
 MAX_KEYS = 16384  # a million prompt tokens' worth of leading blocks, in about 2 MB
 
 
-def block_keys(tokens: Sequence[int]) -> Iterator[int]:
-    """A key per whole leading block: the running hash of tokens[:64], tokens[:128], ..."""
+def block_keys(tokens: Sequence[int]) -> list[int]:
+    """A key per whole leading block: the running hash of tokens[:64], tokens[:128], ... (computed once a
+    prefill: the router looks them up to pin the session and records them once it is prefilled)."""
+    keys = []
     key = 0
     for end in range(BLOCK_TOKENS, len(tokens) + 1, BLOCK_TOKENS):
         key = hash((key, tuple(tokens[end - BLOCK_TOKENS : end])))
-        yield key
+        keys.append(key)
+    return keys
 
 
 class PrefixHomes:
@@ -39,18 +42,19 @@ class PrefixHomes:
     def __len__(self) -> int:
         return len(self._homes)
 
-    def record(self, tokens: Sequence[int], address: str) -> None:
-        """``address`` prefilled ``tokens``: it is now the home of each of their leading blocks."""
-        for key in block_keys(tokens):
+    def record(self, keys: Sequence[int], address: str) -> None:
+        """``address`` prefilled a prompt of these ``block_keys``: it is now the home of each leading block."""
+        for key in keys:
             self._homes[key] = address
             self._homes.move_to_end(key)
         while len(self._homes) > self._max_keys:
             self._homes.popitem(last=False)
 
-    def home(self, tokens: Sequence[int], among: Collection[str]) -> str | None:
-        """The replica (one of ``among``) that prefilled the longest leading blocks of ``tokens``; None: none."""
+    def home(self, keys: Sequence[int], among: Collection[str]) -> str | None:
+        """The replica (one of ``among``) that prefilled the longest leading blocks of a prompt of these
+        ``block_keys``; None: none."""
         found = None
-        for key in block_keys(tokens):
+        for key in keys:
             address = self._homes.get(key)
             if address is not None and address in among:
                 found = address

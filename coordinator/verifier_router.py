@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from coordinator.discovery import Replica
 from coordinator.ports import VerifierInfo, VerifierPort
-from coordinator.prefix_homes import PrefixHomes
+from coordinator.prefix_homes import PrefixHomes, block_keys
 from specserve.errors import ReplicaDraining, ReplicaUnreachable, SessionMoved, Unavailable
 from specserve.results import PrefillResult, VerifyResult
 from specserve.verify_call import SessionPrefill, VerifyCall
@@ -146,9 +146,10 @@ class StickyVerifierRouter:
             detail=f"replicas down: {', '.join(sorted(self._replicas))}: check the verifier pods",
         )
 
-    def _pin(self, session_id: str, tokens: Sequence[int] = ()) -> str:
+    def _pin(self, session_id: str, prompt_keys: Sequence[int] = ()) -> str:
         """Pin ``session_id`` to the replica that is up with the fewest sessions pinned here, or to the one that
-        prefilled the longest prefix of its prompt ``tokens`` last if it carries at most ``prefix_slack`` more."""
+        prefilled the longest prefix of its prompt (``prompt_keys``: its ``block_keys``) last if it carries at
+        most ``prefix_slack`` more."""
         now = self._clock()
         load = {
             a: 0
@@ -161,7 +162,7 @@ class StickyVerifierRouter:
             if pinned in load:
                 load[pinned] += 1
         address = min(sorted(load), key=load.__getitem__)
-        home = self._homes.home(tokens, load) if len(load) > 1 else None
+        home = self._homes.home(prompt_keys, load) if len(load) > 1 else None
         if home is not None and load[home] <= load[address] + self._prefix_slack:
             address = home
         self._pinned[session_id] = address
@@ -169,17 +170,17 @@ class StickyVerifierRouter:
             self._on_pin(address)
         return address
 
-    def _address_for(self, session_id: str, creating: bool, tokens: Sequence[int] = ()) -> str:
-        """The replica holding ``session_id``; pinned afresh when it has none (or, ``creating`` it from
-        ``tokens``, a down one)."""
+    def _address_for(self, session_id: str, creating: bool, prompt_keys: Sequence[int] = ()) -> str:
+        """The replica holding ``session_id``; pinned afresh when it has none (or, ``creating`` it from a prompt
+        of ``prompt_keys``, a down one)."""
         self._refresh()
         address = self._pinned.get(session_id)
         if address is None or address not in self._replicas:
-            return self._pin(session_id, tokens)
+            return self._pin(session_id, prompt_keys)
         if not self._is_up(address):
             # The replica failed under another session: this one is gone with it.
             if creating:
-                return self._pin(session_id, tokens)
+                return self._pin(session_id, prompt_keys)
             self._pin(session_id)
             raise SessionMoved(
                 "a verifier replica is down; the session moved to another replica",
@@ -192,9 +193,9 @@ class StickyVerifierRouter:
         session_id: str,
         creating: bool,
         call: Callable[[VerifierPort], Awaitable[T]],
-        tokens: Sequence[int] = (),
+        prompt_keys: Sequence[int] = (),
     ) -> T:
-        address = self._address_for(session_id, creating, tokens)
+        address = self._address_for(session_id, creating, prompt_keys)
         try:
             return await call(self._replicas[address])
         except ReplicaDraining as exc:
@@ -232,10 +233,11 @@ class StickyVerifierRouter:
         raise self._no_replica()
 
     async def prefill(self, call: SessionPrefill) -> PrefillResult:
-        result = await self._call(call.session_id, True, lambda r: r.prefill(call), call.token_ids)
+        keys = block_keys(call.token_ids)
+        result = await self._call(call.session_id, True, lambda r: r.prefill(call), keys)
         address = self._pinned.get(call.session_id)
         if address is not None:
-            self._homes.record(call.token_ids, address)  # where its cache will be kept when it is released
+            self._homes.record(keys, address)  # where its cache will be kept when it is released
         return result
 
     async def verify(self, call: VerifyCall) -> VerifyResult:

@@ -22,7 +22,6 @@ The engine thread owns it; ``peek`` and ``len`` are safe reads from any thread.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -65,12 +64,11 @@ class SessionCache:
         evict_idle_s: float,
         busy: Callable[[], Collection[str]],
         max_kept: int = 0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``max_kept``: released sessions' caches kept for new sessions to start from (0: none)."""
         self.arena = arena
-        self._store: SessionStore[Session] = SessionStore(max_sessions, ttl_s, on_evict=self._forget, clock=clock)
-        self.kept = KeptPrefixes(arena, max_kept, ttl_s, clock)
+        self._store: SessionStore[Session] = SessionStore(max_sessions, ttl_s, on_evict=self._forget)
+        self.kept = KeptPrefixes(arena, max_kept, ttl_s)
         self._max_session_tokens = max_session_tokens
         self._evict_idle_s = evict_idle_s
         self._busy = busy

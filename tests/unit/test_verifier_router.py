@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from coordinator.ports import VerifierInfo
-from coordinator.prefix_homes import PrefixHomes
+from coordinator.prefix_homes import PrefixHomes, block_keys
 from coordinator.verifier_router import StickyVerifierRouter, replica_resolver
 from specserve.errors import (
     DeadlineExceeded,
@@ -260,14 +260,14 @@ def test_balance_wins_over_a_known_prefix_past_the_slack() -> None:
 
 def test_prefix_homes_key_whole_blocks_and_forget_a_replica_that_left() -> None:
     homes = PrefixHomes(max_keys=3)
-    homes.record(tuple(range(63)), "a:1")  # no whole block
+    homes.record(block_keys(tuple(range(63))), "a:1")  # no whole block
     assert len(homes) == 0
-    homes.record(tuple(range(200)), "a:1")  # three blocks
-    homes.record(tuple(range(64)), "b:1")  # the first block's home moves
-    assert homes.home(tuple(range(150)), {"a:1", "b:1"}) == "a:1"  # the longest known prefix wins
-    assert homes.home(tuple(range(100)), {"a:1", "b:1"}) == "b:1"
-    assert homes.home(tuple(range(150)), {"b:1"}) == "b:1"  # among those that may take it
-    homes.record(tuple(range(5000, 5064)), "c:1")  # a fourth key: the least recently used goes
-    assert len(homes) == 3 and homes.home(tuple(range(150)), {"a:1"}) is None
+    homes.record(block_keys(tuple(range(200))), "a:1")  # three blocks
+    homes.record(block_keys(tuple(range(64))), "b:1")  # the first block's home moves
+    assert homes.home(block_keys(tuple(range(150))), {"a:1", "b:1"}) == "a:1"  # the longest known prefix wins
+    assert homes.home(block_keys(tuple(range(100))), {"a:1", "b:1"}) == "b:1"
+    assert homes.home(block_keys(tuple(range(150))), {"b:1"}) == "b:1"  # among those that may take it
+    homes.record(block_keys(tuple(range(5000, 5064))), "c:1")  # a fourth key: the least recently used goes
+    assert len(homes) == 3 and homes.home(block_keys(tuple(range(150))), {"a:1"}) is None
     homes.forget("b:1")
-    assert homes.home(tuple(range(100)), {"a:1", "b:1"}) is None
+    assert homes.home(block_keys(tuple(range(100))), {"a:1", "b:1"}) is None
